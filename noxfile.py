@@ -1,0 +1,39 @@
+"""Every check of the project. `nox -s tests` is the README's test command."""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.error_on_missing_interpreters = False  # a missing Python is skipped, not failed
+nox.options.sessions = ["tests", "lint", "typecheck"]
+nox.options.reuse_existing_virtualenvs = True
+
+PYTHONS = ["3.11", "3.12", "3.13"]  # keep in step with pyproject's classifiers
+RUFF = "ruff==0.17.6"
+MYPY = "mypy==2.4.1"
+
+
+@nox.session(python=PYTHONS)
+def tests(session: nox.Session) -> None:
+    session.install(".[test]")
+    session.run("pytest", *session.posargs)
+
+
+@nox.session(name="tests-lowest", python=PYTHONS[0])
+def tests_lowest(session: nox.Session) -> None:
+    """The suite against the lowest versions pyproject declares for direct dependencies."""
+    session.install("-c", "constraints-lowest.txt", ".[test]")
+    session.run("pytest", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install(RUFF)
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    session.install(MYPY, ".[test]")
+    session.run("mypy")

@@ -1,0 +1,3 @@
+from cmdbus_trio.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,363 @@
+"""Admission control: the Gate, its leases, and the one offload helper.
+
+A request arrives (its clock starts), asks its face's :class:`Gate` for a :class:`Lease`,
+does its work through the lease (in a worker thread when it blocks), and releases the
+lease when that work has truly returned. The Gate sheds what it cannot serve in time,
+with a reason, instead of letting a queue grow without bound.
+
+Only :func:`run_in_thread` enters a worker thread; it never abandons one (so a lease can
+never be released, nor a store closed, under a running thread).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+from collections import Counter as _Tally
+from collections.abc import Callable
+from types import TracebackType
+from typing import NoReturn, TypeVar, TypeVarTuple
+
+import attrs
+import trio
+
+from . import metrics
+from .logs import event
+from .storage import register_loop_detector
+
+T = TypeVar("T")
+Ts = TypeVarTuple("Ts")
+
+log = logging.getLogger(__name__)
+
+# The storage layer refuses to run where trio is running a loop.
+register_loop_detector(trio.lowlevel.in_trio_run)
+
+
+async def run_in_thread(fn: Callable[[*Ts], T], *args: *Ts, limiter: trio.CapacityLimiter) -> T:
+    """Run ``fn(*args)`` in a worker thread and return its result.
+
+    This is the only way into a thread. ``limiter`` must be a dedicated limiter, never
+    trio's global default, so that data-plane work cannot starve other thread users.
+
+    Cancellation: the thread is never abandoned. When the caller is cancelled this waits
+    until ``fn`` returns; ``fn`` sees the cancellation when it calls
+    ``trio.from_thread.check_cancelled()`` (long work does so between pages).
+    """
+    return await trio.to_thread.run_sync(fn, *args, limiter=limiter, abandon_on_cancel=False)
+
+
+class ShedReason(enum.StrEnum):
+    WAITERS_FULL = "waiters_full"
+    QUEUE_TIMEOUT = "queue_timeout"
+    DEADLINE = "deadline"
+
+
+class Shed(Exception):
+    """The Gate refused the request. ``reason`` says why; a client may retry after
+    ``retry_after_ms`` (except for ``deadline``, whose budget is gone)."""
+
+    def __init__(self, face: str, op: str, reason: ShedReason, retry_after_ms: int) -> None:
+        super().__init__(f"{face} {op}: shed ({reason.value})")
+        self.face = face
+        self.op = op
+        self.reason = reason
+        self.retry_after_ms = retry_after_ms
+
+
+class GateClosed(Exception):
+    """The Gate is draining: it admits nothing more (answer ``unavailable``)."""
+
+
+class DeadlineExceeded(Exception):
+    """The request's budget ran out while its read work was running; the work stopped."""
+
+
+@attrs.frozen
+class GateStatistics:
+    """A snapshot of a :class:`Gate`, as :meth:`Gate.statistics` returns it."""
+
+    face: str
+    capacity: int
+    inflight: int
+    waiters: int
+    max_waiters: int
+    shed_after: float
+    default_budget: float
+    closed: bool
+    admitted_total: int
+    shed_total: dict[str, int]
+    """Sheds since start, by reason (every reason present, 0 when none)."""
+
+
+class Lease:
+    """A Gate slot held on behalf of one request, until :meth:`release`.
+
+    Use it as a context manager (``with await gate.acquire(op) as lease:``); do blocking
+    work through :meth:`run_cancellable` or :meth:`run_to_completion`.
+    """
+
+    def __init__(self, gate: Gate, op: str, arrival: float, deadline: float) -> None:
+        self._gate = gate
+        self.op = op
+        self.arrival = arrival
+        self.deadline = deadline
+        self.admitted_at = math.nan
+        self._released = False
+        self._running = False
+
+    @property
+    def remaining(self) -> float:
+        """Seconds left in this request's budget (may be negative)."""
+        return self.deadline - trio.current_time()
+
+    async def run_cancellable(self, fn: Callable[[*Ts], T], *args: *Ts) -> T:
+        """Run read work in a thread, stopping it when the budget runs out.
+
+        Cancellation: the thread observes cancellation, from the caller or the budget,
+        at its next ``trio.from_thread.check_cancelled()``; this returns only once the
+        thread has.
+
+        Error handling: raises :class:`DeadlineExceeded` if the budget stopped the work.
+        """
+        with trio.CancelScope(deadline=self.deadline):
+            return await self._run(fn, *args)
+        raise DeadlineExceeded(f"{self._gate.face} {self.op}: budget ran out")
+
+    async def run_to_completion(self, fn: Callable[[*Ts], T], *args: *Ts) -> T:
+        """Run write work in a thread; once started it finishes, whatever is cancelled,
+        and the lease stays held until it has (DESIGN.md: "Writes finish")."""
+        with trio.CancelScope(shield=True):
+            result = await self._run(fn, *args)
+        return result
+
+    async def _run(self, fn: Callable[[*Ts], T], *args: *Ts) -> T:
+        if self._released:
+            raise RuntimeError("this lease was released")
+        if self._running:
+            raise RuntimeError("one thread per request: this lease is already running work")
+        self._running = True
+        try:
+            return await run_in_thread(fn, *args, limiter=self._gate._thread_limiter)
+        finally:
+            self._running = False
+
+    def release(self) -> None:
+        if self._released:
+            raise RuntimeError("lease released twice")
+        self._released = True
+        self._gate._release(self)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
+
+
+class Gate:
+    """Admission control for one face.
+
+    At most ``max_inflight`` leases are held at once; at most ``max_waiters`` requests
+    wait for one. A request waits at most ``min(shed_after, remaining budget)``. Outcomes:
+    admitted, or :class:`Shed` with reason ``waiters_full`` (at once, the queue is full),
+    ``queue_timeout`` (waited ``shed_after``) or ``deadline`` (the budget ran out first,
+    or was already spent on arrival). Each is counted under the face and op.
+    """
+
+    def __init__(
+        self,
+        face: str,
+        *,
+        max_inflight: int,
+        max_waiters: int,
+        shed_after: float,
+        default_budget: float,
+    ) -> None:
+        if max_inflight < 1:
+            raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
+        if max_waiters < 0:
+            raise ValueError(f"max_waiters must be >= 0, got {max_waiters}")
+        if not shed_after > 0 or not default_budget > 0:
+            raise ValueError("shed_after and default_budget must be > 0 seconds")
+        self.face = face
+        self.max_inflight = max_inflight
+        self.max_waiters = max_waiters
+        self.shed_after = shed_after
+        self.default_budget = default_budget
+        self._limiter = trio.CapacityLimiter(max_inflight)
+        # Leases are checked against the admission limiter; a lease runs at most one
+        # thread, so this one never makes an admitted request wait.
+        self._thread_limiter = trio.CapacityLimiter(max_inflight)
+        self._waiting: set[trio.CancelScope] = set()
+        self._idle = trio.Event()
+        self._idle.set()
+        self._closed = False
+        self._admitted_total = 0
+        self._shed_total: _Tally[str] = _Tally({reason.value: 0 for reason in ShedReason})
+        self._bursts = ShedBursts(face)
+        metrics.CAPACITY.labels(face=face).set(max_inflight)
+        metrics.INFLIGHT.labels(face=face).set_function(lambda: self._limiter.borrowed_tokens)
+        metrics.WAITERS.labels(face=face).set_function(lambda: len(self._waiting))
+
+    # --- admission ---------------------------------------------------------------------
+
+    async def acquire(
+        self, op: str, *, budget: float | None = None, arrival: float | None = None
+    ) -> Lease:
+        """Admit one request of ``op``, or shed it.
+
+        ``arrival`` is when the request arrived (default: now); ``budget`` is the time the
+        client still has (default: the Gate's ``default_budget``).
+
+        Cancellation: if cancelled while waiting, nothing is held and nothing is counted.
+
+        Error handling: raises :class:`Shed` or :class:`GateClosed`.
+        """
+        now = trio.current_time()
+        lease = self._arrive(op, now, budget, arrival)
+        remaining = lease.deadline - now
+        try:
+            self._limiter.acquire_on_behalf_of_nowait(lease)
+        except trio.WouldBlock:
+            if len(self._waiting) >= self.max_waiters:
+                self._shed(lease, ShedReason.WAITERS_FULL)
+            with trio.CancelScope(deadline=now + min(self.shed_after, remaining)) as waiting:
+                self._waiting.add(waiting)
+                try:
+                    await self._limiter.acquire_on_behalf_of(lease)
+                finally:
+                    self._waiting.discard(waiting)
+            if waiting.cancelled_caught:
+                if self._closed:
+                    raise GateClosed(f"{self.face} is draining") from None
+                budget_first = remaining <= self.shed_after
+                self._shed(lease, ShedReason.DEADLINE if budget_first else ShedReason.QUEUE_TIMEOUT)
+        self._admit(lease)
+        return lease
+
+    def acquire_nowait(self, op: str, *, budget: float | None = None) -> Lease:
+        """Admit at once or shed: never queues (a free slot or ``waiters_full``)."""
+        lease = self._arrive(op, trio.current_time(), budget, None)
+        try:
+            self._limiter.acquire_on_behalf_of_nowait(lease)
+        except trio.WouldBlock:
+            self._shed(lease, ShedReason.WAITERS_FULL)
+        self._admit(lease)
+        return lease
+
+    def _arrive(self, op: str, now: float, budget: float | None, arrival: float | None) -> Lease:
+        """The checks made before queueing: closed, or a budget already spent."""
+        arrival = now if arrival is None else arrival
+        budget = self.default_budget if budget is None else budget
+        lease = Lease(self, op, arrival, arrival + budget)
+        if self._closed:
+            raise GateClosed(f"{self.face} is draining")
+        if lease.deadline <= now:
+            self._shed(lease, ShedReason.DEADLINE)
+        return lease
+
+    def _admit(self, lease: Lease) -> None:
+        lease.admitted_at = trio.current_time()
+        self._admitted_total += 1
+        self._idle = trio.Event() if self._idle.is_set() else self._idle
+        metrics.QUEUE_WAIT.labels(face=self.face, op=lease.op).observe(
+            lease.admitted_at - lease.arrival
+        )
+
+    def _shed(self, lease: Lease, reason: ShedReason) -> NoReturn:
+        self._shed_total[reason.value] += 1
+        metrics.SHED.labels(face=self.face, op=lease.op, reason=reason.value).inc()
+        self._bursts.shed(reason, trio.current_time())
+        raise Shed(self.face, lease.op, reason, self.retry_after_ms(reason))
+
+    def retry_after_ms(self, reason: ShedReason) -> int:
+        """A hint for a shed client: one ``shed_after`` (by then the queue has turned over
+        at least once); 0 for ``deadline``, whose budget is gone anyway."""
+        return 0 if reason is ShedReason.DEADLINE else max(1, round(self.shed_after * 1000))
+
+    def _release(self, lease: Lease) -> None:
+        self._limiter.release_on_behalf_of(lease)
+        metrics.SERVICE.labels(face=self.face, op=lease.op).observe(
+            trio.current_time() - lease.admitted_at
+        )
+        if self._limiter.borrowed_tokens == 0:
+            self._idle.set()
+
+    # --- drain -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Admit nothing more; requests still waiting get :class:`GateClosed`."""
+        self._closed = True
+        for waiting in self._waiting:
+            waiting.cancel()
+
+    async def wait_idle(self) -> None:
+        """Return once no lease is held (every admitted request's work has returned)."""
+        while self._limiter.borrowed_tokens:
+            await self._idle.wait()
+
+    async def watch_sheds(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Log the end of each shed burst (its start is logged when it happens). Runs in
+        the background nursery."""
+        task_status.started()
+        while True:
+            await trio.sleep(self._bursts.quiet_period)
+            self._bursts.tick(trio.current_time())
+
+    # --- statistics --------------------------------------------------------------------
+
+    def statistics(self) -> GateStatistics:
+        return GateStatistics(
+            face=self.face,
+            capacity=self.max_inflight,
+            inflight=self._limiter.borrowed_tokens,
+            waiters=len(self._waiting),
+            max_waiters=self.max_waiters,
+            shed_after=self.shed_after,
+            default_budget=self.default_budget,
+            closed=self._closed,
+            admitted_total=self._admitted_total,
+            shed_total=dict(self._shed_total),
+        )
+
+
+class ShedBursts:
+    """Logs one line when shedding starts and one when it has stopped for
+    ``quiet_period`` seconds, instead of a line per shed request."""
+
+    quiet_period = 1.0
+
+    def __init__(self, face: str) -> None:
+        self.face = face
+        self._started: float | None = None
+        self._last = 0.0
+        self._reasons: _Tally[str] = _Tally()
+
+    def shed(self, reason: ShedReason, now: float) -> None:
+        if self._started is None:
+            self._started = now
+            event(log, logging.WARNING, "shed_burst_started", face=self.face, reason=reason.value)
+        self._last = now
+        self._reasons[reason.value] += 1
+
+    def tick(self, now: float) -> None:
+        if self._started is not None and now - self._last >= self.quiet_period:
+            event(
+                log,
+                logging.WARNING,
+                "shed_burst_ended",
+                face=self.face,
+                duration_s=round(self._last - self._started, 3),
+                shed=dict(self._reasons),
+            )
+            self._started = None
+            self._reasons.clear()

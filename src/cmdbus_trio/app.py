@@ -1,0 +1,271 @@
+"""The writer process: the nursery tree, start-up, and the graceful drain.
+
+::
+
+    Writer.run
+    └── control nursery        heartbeat, control face             (stops last)
+        └── background nursery shed-burst watchers (later: committers, samplers)
+            └── data nursery   one supervised child nursery per data face
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import tempfile
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from contextlib import contextmanager
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from . import __version__, control, metrics
+from .admission import Gate
+from .config import DATA_FACE_NAMES, Bind, Config, cpu_quota
+from .faces import AVAILABLE, FaceContext, FaceServe
+from .health import FaceState, Health
+from .heartbeat import Heartbeat
+from .logs import event
+
+log = logging.getLogger(__name__)
+
+StartFn = Callable[..., Awaitable[None]]
+
+
+class StartupError(Exception):
+    """A face could not start (typically: its address is in use)."""
+
+    def __init__(self, face: str, bind: Bind, cause: BaseException) -> None:
+        super().__init__(f"cannot start the {face} face on {bind}: {_describe(cause)}")
+        self.face = face
+
+
+def _describe(exc: BaseException) -> str:
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return str(exc) or type(exc).__name__
+
+
+def gate_for(face: str, config: Config) -> Gate:
+    """The Gate of a data face. The tier face has its own settings; the bus faces use the
+    same defaults until their own admission settings exist."""
+    budget = config.default_budget_ms / 1000
+    if face == "tier":
+        return Gate(
+            face,
+            max_inflight=config.tier_max_inflight,
+            max_waiters=config.tier_max_waiters,
+            shed_after=config.tier_shed_after_ms / 1000,
+            default_budget=budget,
+        )
+    inflight = cpu_quota()
+    return Gate(
+        face, max_inflight=inflight, max_waiters=8 * inflight, shed_after=1.0, default_budget=budget
+    )
+
+
+def write_ports_file(path: Path, addresses: Mapping[str, str]) -> None:
+    """Write ``{face: "host:port"}`` atomically: readers see the whole file or none."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as out:
+            json.dump(dict(addresses), out, sort_keys=True)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@contextmanager
+def switch_interval(seconds: float) -> Iterator[None]:
+    """Lower the GIL switch interval while serving (DESIGN.md, "The GIL rule")."""
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(seconds)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(previous)
+
+
+class Writer:
+    """One writer: its faces, gates and health. :meth:`run` serves until
+    :meth:`request_drain`, then drains."""
+
+    def __init__(self, config: Config, *, faces: Mapping[str, FaceServe] = AVAILABLE) -> None:
+        self.config = config
+        self.heartbeat = Heartbeat(
+            threshold=config.liveness_threshold_ms / 1000,
+            window=config.liveness_window_ms / 1000,
+        )
+        self.health = Health(self.heartbeat)
+        self._faces = faces
+        self._drain_requested = trio.Event()
+        self._draining = trio.Event()  # seen by the faces
+        self._control_stop = trio.Event()
+
+    def request_drain(self) -> None:
+        """Start the graceful drain (what SIGTERM does). Idempotent."""
+        self._drain_requested.set()
+
+    async def run(
+        self, *, task_status: trio.TaskStatus[dict[str, str]] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Serve, then drain when asked.
+
+        Reports ``{face: "host:port"}`` once every enabled face listens.
+
+        Cancellation: in-flight work is cancelled, but worker threads are waited for.
+
+        Error handling: a face that cannot start raises :class:`StartupError` (in an
+        exception group); a face that crashes later is logged, counted and marked
+        crashed (``/readyz`` names it) while everything else keeps serving.
+        """
+        config = self.config
+        metrics.BUILD_INFO.info({"version": __version__})
+        wanted = [face for face in DATA_FACE_NAMES if config.bind(face) is not None]
+        if missing := [face for face in wanted if face not in self._faces]:
+            event(log, logging.WARNING, "faces_not_built", faces=missing)
+        with switch_interval(config.switch_interval_ms / 1000):
+            async with trio.open_nursery() as control_nursery:
+                await control_nursery.start(self.heartbeat.run)
+                if config.control_bind is not None:
+                    await self._start(
+                        control_nursery, "control", config.control_bind, self._serve_control
+                    )
+                async with trio.open_nursery() as background:
+                    async with trio.open_nursery() as data:
+                        for face in wanted:
+                            if face in self._faces:
+                                await self._start_data_face(data, background, face)
+                        self._started()
+                        task_status.started(dict(self.health.addresses))
+                        await self._drain_requested.wait()
+                        self._begin_drain(data)
+                    if data.cancel_scope.cancelled_caught:
+                        event(log, logging.WARNING, "shutdown_budget_exhausted")
+                    background.cancel_scope.cancel()
+                event(log, logging.INFO, "stopped")
+                self._control_stop.set()
+                control_nursery.cancel_scope.cancel()
+
+    async def _start(self, nursery: trio.Nursery, face: str, bind: Bind, serve: StartFn) -> None:
+        self.health.faces[face] = FaceState.STARTING
+        try:
+            address = await nursery.start(serve)
+        except Exception as exc:
+            raise StartupError(face, bind, exc) from exc
+        self.health.addresses[face] = address
+        if self.health.faces[face] is FaceState.STARTING:
+            self.health.faces[face] = FaceState.LISTENING
+
+    async def _start_data_face(
+        self, data: trio.Nursery, background: trio.Nursery, face: str
+    ) -> None:
+        bind = self.config.bind(face)
+        assert bind is not None
+        gate = gate_for(face, self.config)
+        self.health.gates[face] = gate
+        background.start_soon(gate.watch_sheds)
+        ctx = FaceContext(face, bind, self.config, gate, self._draining)
+        await self._start(data, face, bind, partial(self._supervise, ctx))
+
+    async def _supervise(
+        self, ctx: FaceContext, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Run one face in its own nursery; a crash after start-up stays inside it."""
+        started = False
+        try:
+            async with trio.open_nursery() as face_nursery:
+                address = await face_nursery.start(partial(self._faces[ctx.name], ctx))
+                started = True
+                task_status.started(address)
+        except Exception as exc:
+            if not started:
+                raise
+            metrics.FACE_CRASHES.labels(face=ctx.name).inc()
+            self.health.faces[ctx.name] = FaceState.CRASHED
+            event(log, logging.ERROR, "face_crashed", face=ctx.name, exc_info=exc)
+        else:
+            self.health.faces[ctx.name] = FaceState.STOPPED
+
+    async def _serve_control(
+        self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        assert self.config.control_bind is not None
+        await control.serve(
+            self.health,
+            self.config.control_bind,
+            keepalive=self.config.control_keepalive_ms / 1000,
+            debug_hooks=self.config.debug_hooks,
+            shutdown=self._control_stop,
+            task_status=task_status,
+        )
+
+    def _started(self) -> None:
+        if self.config.ports_file is not None:
+            write_ports_file(self.config.ports_file, self.health.addresses)
+        self.health.serving = True
+        event(
+            log,
+            logging.INFO,
+            "started",
+            version=__version__,
+            pid=os.getpid(),
+            addresses=dict(self.health.addresses),
+            gates={face: _limits(gate) for face, gate in self.health.gates.items()},
+            settings=self.config.redacted(),
+        )
+
+    def _begin_drain(self, data: trio.Nursery) -> None:
+        budget = self.config.shutdown_timeout_ms / 1000
+        self.health.draining = True
+        event(
+            log,
+            logging.INFO,
+            "drain_started",
+            budget_s=budget,
+            inflight={face: gate.statistics().inflight for face, gate in self.health.gates.items()},
+        )
+        for gate in self.health.gates.values():
+            gate.close()
+        self._draining.set()
+        data.cancel_scope.deadline = trio.current_time() + budget
+
+
+def _limits(gate: Gate) -> dict[str, Any]:
+    return {
+        "max_inflight": gate.max_inflight,
+        "max_waiters": gate.max_waiters,
+        "shed_after_s": gate.shed_after,
+        "default_budget_s": gate.default_budget,
+    }
+
+
+async def serve_until_signalled(config: Config) -> None:
+    """Run a :class:`Writer` in the main thread: the first SIGTERM or SIGINT drains it,
+    a second one cancels what is left at once (worker threads are still waited for)."""
+    writer = Writer(config)
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def on_signals() -> None:
+                async for signum in signals:
+                    name = signal.Signals(signum).name
+                    if not writer._drain_requested.is_set():
+                        event(log, logging.INFO, "signal", signal=name, action="drain")
+                        writer.request_drain()
+                    else:
+                        event(log, logging.WARNING, "signal", signal=name, action="cancel")
+                        nursery.cancel_scope.cancel()
+
+            nursery.start_soon(on_signals)
+            await writer.run()
+            nursery.cancel_scope.cancel()

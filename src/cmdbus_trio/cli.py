@@ -1,0 +1,69 @@
+"""``cmdbus-trio``: the command line (see CLI.md)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+import trio
+
+from . import __version__, app, logs
+from .config import SETTINGS, ConfigError, load
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cmdbus-trio", description="Durable command bus, event bus and tier service."
+    )
+    parser.add_argument("--version", action="version", version=f"cmdbus-trio {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = commands.add_parser(
+        "serve",
+        help="run the writer",
+        description="Run the writer. Every setting is a flag and a CMDBUS_* variable; "
+        "a flag wins over the variable, which wins over the default.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    for setting in SETTINGS:
+        serve.add_argument(
+            f"--{setting.flag}",
+            dest=setting.name,
+            metavar="VALUE",
+            help=f"{setting.help} [env {setting.env}, default {setting.default or 'unset'!r}]",
+        )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "serve":
+        return _serve(vars(args))
+    raise AssertionError(args.command)  # argparse allows only the commands above
+
+
+def _serve(flags: dict[str, str | None]) -> int:
+    try:
+        config = load(flags)
+    except ConfigError as exc:
+        print(f"cmdbus-trio: {exc}", file=sys.stderr)
+        return 2
+    logs.configure(config.log_format, config.log_level)
+    try:
+        trio.run(app.serve_until_signalled, config)
+    except BaseExceptionGroup as group:
+        startup_errors, _ = group.split(app.StartupError)
+        if startup_errors is None:
+            raise
+        for error in _leaves(startup_errors):
+            print(f"cmdbus-trio: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    return [
+        leaf
+        for exc in group.exceptions
+        for leaf in (_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    ]

@@ -1,0 +1,417 @@
+"""Settings: one table, loaded from flags, then ``CMDBUS_*`` variables, then defaults.
+
+Every setting has exactly one flag and one environment name, derived from its
+field name, so the two can never drift apart. A bad value raises
+:class:`ConfigError` naming the setting, the value and what is allowed; the CLI
+turns that into one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+ENV_PREFIX = "CMDBUS_"
+
+FACE_NAMES = (
+    "control",
+    "cmd_ingest",
+    "cmd_claim",
+    "evt_ingest",
+    "evt_claim",
+    "evt_subscribe",
+    "tier",
+)
+DATA_FACE_NAMES = FACE_NAMES[1:]
+
+_DEFAULT_PORTS = {
+    "control": 9090,
+    "cmd_ingest": 9100,
+    "cmd_claim": 9101,
+    "evt_ingest": 9103,
+    "evt_claim": 9104,
+    "evt_subscribe": 9108,
+    "tier": 9110,
+}
+
+
+class ConfigError(ValueError):
+    """A setting's value is not allowed. ``str()`` is the one line shown to the user."""
+
+    def __init__(self, setting: Setting, value: str, allowed: str) -> None:
+        self.setting = setting
+        self.value = value
+        self.allowed = allowed
+        super().__init__(f"invalid setting {setting.env} (--{setting.flag}): {value!r}: {allowed}")
+
+
+@attrs.frozen
+class Bind:
+    """A listening address. ``port`` 0 asks the kernel for a free port."""
+
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+
+# --- parsers: text -> value, raising ValueError with what is allowed -------------------------
+
+
+def _parse_bind(text: str) -> Bind | None:
+    text = text.strip()
+    if not text:
+        return None  # an empty bind disables the face
+    match = re.fullmatch(r"\[([0-9A-Fa-f:.]+)\]:(\d{1,5})|([^:\[\]\s]+):(\d{1,5})", text)
+    if match is None:
+        raise ValueError("expected HOST:PORT (or [IPv6]:PORT), or empty to disable the face")
+    host = match.group(1) or match.group(3)
+    port = int(match.group(2) or match.group(4))
+    if port > 65535:
+        raise ValueError("port must be 0..65535 (0 picks a free port)")
+    return Bind(host, port)
+
+
+def _int_range(low: int, high: int | None = None) -> Callable[[str], int]:
+    allowed = f"an integer >= {low}" if high is None else f"an integer in {low}..{high}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text.strip(), 10)
+        except ValueError:
+            raise ValueError(f"expected {allowed}") from None
+        if value < low or (high is not None and value > high):
+            raise ValueError(f"expected {allowed}")
+        return value
+
+    return parse
+
+
+def _optional_int(low: int) -> Callable[[str], int | None]:
+    parse_int = _int_range(low)
+
+    def parse(text: str) -> int | None:
+        return None if text.strip() in ("", "auto") else parse_int(text)
+
+    return parse
+
+
+def _choice(*choices: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        value = text.strip().lower()
+        if value not in choices:
+            raise ValueError("expected one of " + ", ".join(choices))
+        return value
+
+    return parse
+
+
+def _bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError("expected true or false")
+
+
+def _text(text: str) -> str:
+    return text
+
+
+def _optional_text(text: str) -> str | None:
+    return text or None
+
+
+def _optional_path(text: str) -> Path | None:
+    return Path(text) if text else None
+
+
+_GROUP_NAME = re.compile(r"[A-Za-z0-9_-]{1,128}")
+
+
+def _groups(text: str) -> tuple[str, ...]:
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    for name in names:
+        if not _GROUP_NAME.fullmatch(name):
+            raise ValueError(
+                f"group {name!r}: names are 1-128 letters, digits, '_' or '-', comma-separated"
+            )
+    if len(set(names)) != len(names):
+        raise ValueError("group names must be unique")
+    return names
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError("expected a positive number") from None
+    if not value > 0:
+        raise ValueError("expected a positive number")
+    return value
+
+
+# --- the table ---------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Setting:
+    name: str
+    default: str
+    parse: Callable[[str], Any]
+    help: str
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+    @property
+    def flag(self) -> str:
+        return self.name.replace("_", "-")
+
+
+def _face_setting(face: str) -> Setting:
+    return Setting(
+        f"{face}_bind",
+        f"127.0.0.1:{_DEFAULT_PORTS[face]}",
+        _parse_bind,
+        f"address of the {face} face, HOST:PORT; empty disables it; port 0 picks a free port",
+    )
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("data_dir", "./cmdbus-data", Path, "directory holding the stores"),
+    *(_face_setting(face) for face in FACE_NAMES),
+    Setting(
+        "ports_file",
+        "",
+        _optional_path,
+        'when set, {face: "host:port"} of every enabled face is written there, once all listen',
+    ),
+    Setting("shard", "0", _int_range(0), "the shard this writer owns"),
+    Setting("shard_count", "1", _int_range(1), "how many shards the cluster has"),
+    Setting("ack_wait_ms", "30000", _int_range(1), "lease of a claimed record before redelivery"),
+    Setting("max_deliver", "0", _int_range(0), "deliveries before a record is dead; 0: unlimited"),
+    Setting(
+        "tier_max_inflight",
+        "auto",
+        _optional_int(1),
+        "tier requests running at once; auto: the cgroup CPU quota, else the CPU count",
+    ),
+    Setting(
+        "tier_max_waiters",
+        "auto",
+        _optional_int(0),
+        "tier requests queued for a slot before shedding; auto: 8 x tier_max_inflight",
+    ),
+    Setting(
+        "tier_shed_after_ms", "1000", _int_range(1), "longest wait for a tier slot before shedding"
+    ),
+    Setting(
+        "default_budget_ms",
+        "10000",
+        _int_range(1),
+        "time budget of a data request that carries no deadline_ms",
+    ),
+    Setting("max_request_bytes", str(1 << 20), _int_range(64), "largest request frame body"),
+    Setting("max_reply_bytes", str(16 << 20), _int_range(64), "largest reply frame body"),
+    Setting("sync", "full", _choice("full", "normal"), "SQLite synchronous mode"),
+    Setting(
+        "shutdown_timeout_ms",
+        "15000",
+        _int_range(0),
+        "after SIGTERM, how long in-flight work may run before it is cancelled",
+    ),
+    Setting("idle_timeout_ms", "300000", _int_range(1), "close a data connection idle this long"),
+    Setting(
+        "read_timeout_ms", "30000", _int_range(1), "close a connection stalled mid-frame this long"
+    ),
+    Setting("dedup_window_ms", "120000", _int_range(0), "how long a publish msg_id is remembered"),
+    Setting(
+        "evt_groups",
+        "noetl_materializer,noetl_result_materializer,noetl_state_materializer",
+        _groups,
+        "event consumer groups, comma-separated",
+    ),
+    Setting(
+        "subscriber_buffer", "10000", _int_range(1), "records buffered per subscriber before cut"
+    ),
+    Setting(
+        "liveness_threshold_ms",
+        "5000",
+        _int_range(1),
+        "/livez fails when the event loop stalled longer than this in the last liveness window",
+    ),
+    Setting(
+        "liveness_window_ms",
+        "10000",
+        _int_range(1),
+        "how long a loop stall keeps /livez failing after it ended",
+    ),
+    Setting(
+        "control_keepalive_ms",
+        "5000",
+        _int_range(1),
+        "control face: close an idle keep-alive HTTP connection after this long",
+    ),
+    Setting(
+        "switch_interval_ms",
+        "1",
+        _positive_float,
+        "sys.setswitchinterval while serving, so worker threads cannot hog the GIL",
+    ),
+    Setting("auth_token", "", _optional_text, "shared token required in the v2 hello (unset: off)"),
+    Setting("tls_cert", "", _optional_path, "TLS certificate for the data faces (unset: off)"),
+    Setting("tls_key", "", _optional_path, "TLS private key for the data faces (unset: off)"),
+    Setting("log_format", "json", _choice("json", "console"), "log line format"),
+    Setting(
+        "log_level", "info", _choice("debug", "info", "warning", "error"), "lowest level logged"
+    ),
+    Setting(
+        "debug_hooks",
+        "false",
+        _bool,
+        "enable POST /debug/block-loop on the control face (for tests and drills; never in prod)",
+    ),
+)
+
+SETTINGS_BY_NAME = {setting.name: setting for setting in SETTINGS}
+
+
+@attrs.frozen(kw_only=True)
+class Config:
+    """Every setting of the writer, validated. Build it with :func:`load`."""
+
+    data_dir: Path
+    control_bind: Bind | None
+    cmd_ingest_bind: Bind | None
+    cmd_claim_bind: Bind | None
+    evt_ingest_bind: Bind | None
+    evt_claim_bind: Bind | None
+    evt_subscribe_bind: Bind | None
+    tier_bind: Bind | None
+    ports_file: Path | None
+    shard: int
+    shard_count: int
+    ack_wait_ms: int
+    max_deliver: int
+    tier_max_inflight: int
+    tier_max_waiters: int
+    tier_shed_after_ms: int
+    default_budget_ms: int
+    max_request_bytes: int
+    max_reply_bytes: int
+    sync: str
+    shutdown_timeout_ms: int
+    idle_timeout_ms: int
+    read_timeout_ms: int
+    dedup_window_ms: int
+    evt_groups: tuple[str, ...]
+    subscriber_buffer: int
+    liveness_threshold_ms: int
+    liveness_window_ms: int
+    control_keepalive_ms: int
+    switch_interval_ms: float
+    auth_token: str | None
+    tls_cert: Path | None
+    tls_key: Path | None
+    log_format: str
+    log_level: str
+    debug_hooks: bool
+
+    def bind(self, face: str) -> Bind | None:
+        bind: Bind | None = getattr(self, f"{face}_bind")
+        return bind
+
+    def enabled_faces(self) -> dict[str, Bind]:
+        return {face: bind for face in FACE_NAMES if (bind := self.bind(face)) is not None}
+
+    def redacted(self) -> dict[str, Any]:
+        """The effective settings as JSON values, secrets hidden (for the start-up log)."""
+        out: dict[str, Any] = {}
+        for setting in SETTINGS:
+            value = getattr(self, setting.name)
+            if setting.name == "auth_token" and value is not None:
+                value = "***"
+            elif isinstance(value, (Bind, Path)):
+                value = str(value)
+            out[setting.name] = value
+        return out
+
+
+def cpu_quota(cgroup_root: Path = Path("/sys/fs/cgroup")) -> int:
+    """CPUs this process may use: the cgroup v2 ``cpu.max`` quota rounded up, else the
+    CPU count (affinity-aware), never less than 1."""
+    try:
+        quota, period = (cgroup_root / "cpu.max").read_text().split()[:2]
+        if quota != "max":
+            return max(1, -(-int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass
+    try:
+        count = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        count = os.cpu_count() or 1
+    return max(1, count)
+
+
+def load(
+    flags: Mapping[str, str | None] | None = None,
+    environ: Mapping[str, str] | None = None,
+    *,
+    cgroup_root: Path = Path("/sys/fs/cgroup"),
+) -> Config:
+    """Resolve every setting: a flag (by setting name) wins over ``CMDBUS_*``, which wins over
+    the default. Raises :class:`ConfigError` for the first bad value."""
+    flags = flags or {}
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for setting in SETTINGS:
+        raw = flags.get(setting.name)
+        if raw is None:
+            raw = environ.get(setting.env, setting.default)
+        try:
+            values[setting.name] = setting.parse(raw)
+        except ValueError as exc:
+            raise ConfigError(setting, raw, str(exc)) from None
+    _resolve_derived(values, cgroup_root)
+    return Config(**values)
+
+
+def _resolve_derived(values: dict[str, Any], cgroup_root: Path) -> None:
+    if values["tier_max_inflight"] is None:
+        values["tier_max_inflight"] = cpu_quota(cgroup_root)
+    if values["tier_max_waiters"] is None:
+        values["tier_max_waiters"] = 8 * values["tier_max_inflight"]
+    if values["shard"] >= values["shard_count"]:
+        raise ConfigError(
+            SETTINGS_BY_NAME["shard"],
+            str(values["shard"]),
+            f"must be below {SETTINGS_BY_NAME['shard_count'].env}={values['shard_count']}",
+        )
+    if (values["tls_cert"] is None) != (values["tls_key"] is None):
+        raise ConfigError(
+            SETTINGS_BY_NAME["tls_key" if values["tls_key"] is None else "tls_cert"],
+            "",
+            "TLS needs both CMDBUS_TLS_CERT and CMDBUS_TLS_KEY",
+        )
+    seen: dict[Bind, str] = {}
+    for face in FACE_NAMES:
+        bind = values[f"{face}_bind"]
+        if bind is None or bind.port == 0:
+            continue
+        if bind in seen:
+            raise ConfigError(
+                SETTINGS_BY_NAME[f"{face}_bind"],
+                str(bind),
+                f"already used by the {seen[bind]} face",
+            )
+        seen[bind] = face

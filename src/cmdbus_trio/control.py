@@ -1,0 +1,170 @@
+"""The control face: /livez /readyz /healthz /metrics over HTTP, for Kubernetes and
+Prometheus.
+
+A plain ASGI app served by hypercorn in the control nursery (docs/architecture.md says
+why it is not a quart-trio app). Handlers read in-memory state only: they never await a
+data-plane lock, limiter or store, so they answer however saturated the data plane is.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any, ClassVar
+from urllib.parse import parse_qs
+
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve as hypercorn_serve
+
+from . import metrics
+from .config import Bind
+from .health import Health
+from .logs import event
+
+log = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+MAX_BLOCK_SECONDS = 600.0
+_JSON = b"application/json"
+
+
+class ControlApp:
+    """The ASGI application of the control face."""
+
+    def __init__(self, health: Health, *, nursery: trio.Nursery, debug_hooks: bool = False) -> None:
+        self.health = health
+        self.nursery = nursery
+        self.debug_hooks = debug_hooks
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+        elif scope["type"] == "http":
+            status, content_type, body = await self._route(scope)
+            headers = [(b"content-type", content_type), (b"cache-control", b"no-store")]
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            if scope["method"] == "HEAD":
+                body = b""
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    @staticmethod
+    async def _lifespan(receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _route(self, scope: Scope) -> tuple[int, bytes, bytes]:
+        path, method = scope["path"], scope["method"]
+        if path == "/debug/block-loop" and self.debug_hooks:
+            if method != "POST":
+                return _json(405, {"error": "use POST"})
+            return self._block_loop(scope)
+        handler = self._GET.get(path)
+        if handler is None:
+            return _json(404, {"error": f"no such path {path}"})
+        if method not in ("GET", "HEAD"):
+            return _json(405, {"error": "use GET"})
+        return await handler(self)
+
+    async def _livez(self) -> tuple[int, bytes, bytes]:
+        loop = self.health.heartbeat.statistics()
+        if loop.stalled:
+            return _json(503, {"status": "stalled", "reason": loop.reason})
+        return _json(200, {"status": "ok"})
+
+    async def _readyz(self) -> tuple[int, bytes, bytes]:
+        readiness = self.health.readiness()
+        if not readiness.ready:
+            return _json(503, {"status": "not_ready", "reasons": list(readiness.reasons)})
+        return _json(200, {"status": "ready"})
+
+    async def _healthz(self) -> tuple[int, bytes, bytes]:
+        # One trip through the scheduler: a health check that never yields cannot see
+        # a starved loop (DESIGN.md), this one reports how long the trip took.
+        before = trio.current_time()
+        await trio.lowlevel.checkpoint()
+        summary = self.health.summary()
+        summary["loop"]["turn_ms"] = round((trio.current_time() - before) * 1000, 3)
+        return _json(200, summary)
+
+    async def _metrics(self) -> tuple[int, bytes, bytes]:
+        body, content_type = metrics.exposition()
+        return 200, content_type.encode(), body
+
+    _GET: ClassVar = {
+        "/livez": _livez,
+        "/readyz": _readyz,
+        "/healthz": _healthz,
+        "/metrics": _metrics,
+    }
+
+    def _block_loop(self, scope: Scope) -> tuple[int, bytes, bytes]:
+        """Test and drill hook (``CMDBUS_DEBUG_HOOKS``): block the event loop on purpose."""
+        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        try:
+            seconds = float(query.get("seconds", ["1"])[0])
+        except ValueError:
+            seconds = -1.0
+        if not 0 < seconds <= MAX_BLOCK_SECONDS:
+            return _json(400, {"error": f"seconds must be in (0, {MAX_BLOCK_SECONDS}]"})
+        event(log, logging.WARNING, "debug_block_loop", seconds=seconds)
+        self.nursery.start_soon(_block, seconds)
+        return _json(202, {"blocking_s": seconds})
+
+
+async def _block(seconds: float) -> None:
+    await trio.lowlevel.checkpoint()  # let the 202 go out first
+    time.sleep(seconds)  # noqa: ASYNC251 - blocking the loop is the point of this hook
+
+
+def _json(status: int, document: dict[str, Any]) -> tuple[int, bytes, bytes]:
+    return status, _JSON, json.dumps(document).encode()
+
+
+async def serve(
+    health: Health,
+    bind: Bind,
+    *,
+    keepalive: float = 5.0,
+    debug_hooks: bool = False,
+    shutdown: trio.Event | None = None,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve the control face on ``bind`` until ``shutdown`` is set (or cancelled);
+    reports the bound ``host:port``.
+
+    Cancellation: in-flight probe requests are abandoned; they hold nothing.
+    """
+    config = HypercornConfig()
+    config.bind = [str(bind)]
+    config.keep_alive_timeout = keepalive
+    config.graceful_timeout = 1.0
+    config.accesslog = None
+    http_log = logging.getLogger("cmdbus_trio.control.http")
+    if http_log.level == logging.NOTSET:
+        http_log.setLevel(logging.WARNING)  # hypercorn's info lines are sentences, not events
+    config.errorlog = http_log
+    config.include_server_header = False
+    stop = shutdown if shutdown is not None else trio.Event()
+    async with trio.open_nursery() as nursery:
+        app = ControlApp(health, nursery=nursery, debug_hooks=debug_hooks)
+        urls = await nursery.start(
+            lambda task_status: hypercorn_serve(
+                app,  # type: ignore[arg-type]  # hypercorn's Framework union is narrower
+                config,
+                shutdown_trigger=stop.wait,
+                task_status=task_status,
+            )
+        )
+        task_status.started(urls[0].split("://", 1)[1])

@@ -1,0 +1,38 @@
+"""Network faces of the data plane, one module per face.
+
+Each face is ``async def serve(ctx: FaceContext, *, task_status)``: it listens on
+``ctx.bind``, reports its bound ``host:port`` through ``task_status``, serves until
+``ctx.draining`` is set, then stops accepting, lets its in-flight requests finish and
+returns. It knows nothing of SQL: store work goes through ``ctx.gate`` leases.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Mapping
+from typing import Protocol
+
+import attrs
+import trio
+
+from cmdbus_trio.admission import Gate
+from cmdbus_trio.config import Bind, Config
+
+
+@attrs.frozen
+class FaceContext:
+    name: str
+    bind: Bind
+    config: Config
+    gate: Gate
+    draining: trio.Event
+
+
+class FaceServe(Protocol):
+    def __call__(
+        self, ctx: FaceContext, *, task_status: trio.TaskStatus[str] = ...
+    ) -> Awaitable[None]: ...
+
+
+AVAILABLE: Mapping[str, FaceServe] = {}
+"""The data faces this build implements, by face name. Faces are added by their issues:
+tier (3), cmd_ingest and cmd_claim (4), evt_ingest, evt_claim and evt_subscribe (5)."""

@@ -1,0 +1,88 @@
+"""What the writer knows about itself, in memory, for the control face to read.
+
+Nothing here awaits a data-plane lock, limiter or store: readers get a snapshot built
+from plain attributes, so a probe is answered however busy the data plane is.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import attrs
+import trio
+
+from . import __version__, metrics
+from .admission import Gate
+from .heartbeat import Heartbeat
+
+
+class FaceState(enum.StrEnum):
+    STARTING = "starting"
+    LISTENING = "listening"
+    CRASHED = "crashed"
+    STOPPED = "stopped"
+
+
+@attrs.frozen
+class Readiness:
+    ready: bool
+    reasons: tuple[str, ...]
+
+
+class Health:
+    def __init__(self, heartbeat: Heartbeat) -> None:
+        self.heartbeat = heartbeat
+        self.started_at = trio.current_time()
+        self.serving = False  # every enabled face bound and the stores open
+        self.draining = False
+        self.faces: dict[str, FaceState] = {}
+        self.addresses: dict[str, str] = {}
+        self.gates: dict[str, Gate] = {}
+        self.unavailable_stores: dict[str, str] = {}
+        """Store name -> why it cannot serve (e.g. poisoned); filled by the stores' owners."""
+
+    def readiness(self) -> Readiness:
+        reasons: list[str] = []
+        if self.draining:
+            reasons.append("draining: shutting down")
+        elif not self.serving:
+            reasons.append("starting: faces or stores not open yet")
+        reasons += [
+            f"face {face} {state.value}"
+            for face, state in sorted(self.faces.items())
+            if state is not FaceState.LISTENING and not self.draining
+        ]
+        reasons += [f"store {name} {why}" for name, why in sorted(self.unavailable_stores.items())]
+        ready = not reasons
+        metrics.READY.set(1 if ready else 0)
+        return Readiness(ready, tuple(reasons))
+
+    def summary(self) -> dict[str, Any]:
+        """The /healthz document."""
+        readiness = self.readiness()
+        loop = self.heartbeat.statistics()
+        return {
+            "status": "ok" if readiness.ready and not loop.stalled else "degraded",
+            "version": __version__,
+            "uptime_s": round(trio.current_time() - self.started_at, 3),
+            "ready": readiness.ready,
+            "not_ready_reasons": list(readiness.reasons),
+            "live": not loop.stalled,
+            "loop": {
+                "stalled": loop.stalled,
+                "reason": loop.reason,
+                "last_lag_ms": round(loop.last_lag * 1000, 3),
+                "worst_recent_lag_ms": round(loop.worst_recent_lag * 1000, 3),
+                "heartbeat_age_ms": round(loop.beat_age * 1000, 3),
+            },
+            "faces": {
+                face: {"state": state.value, "address": self.addresses.get(face)}
+                for face, state in self.faces.items()
+            },
+            "gates": {face: attrs.asdict(gate.statistics()) for face, gate in self.gates.items()},
+            "stores": {
+                name: {"state": "unavailable", "reason": why}
+                for name, why in self.unavailable_stores.items()
+            },
+        }

@@ -1,0 +1,66 @@
+"""Structured logging: one JSON object per line (or a console line for humans).
+
+Log with :func:`event`: a stable event name plus fields, never a formatted sentence, so
+that lines can be searched and counted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+_FIELDS = "cmdbus_fields"
+
+
+def event(
+    logger: logging.Logger,
+    level: int,
+    name: str,
+    *,
+    exc_info: BaseException | None = None,
+    **fields: Any,
+) -> None:
+    logger.log(level, name, exc_info=exc_info, extra={_FIELDS: fields})
+
+
+def _render(record: logging.LogRecord) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+        + f".{int(record.msecs):03d}Z",
+        "level": record.levelname.lower(),
+        "logger": record.name,
+        "event": record.getMessage(),
+    }
+    out.update(getattr(record, _FIELDS, {}))
+    if record.exc_info:
+        out["traceback"] = logging.Formatter().formatException(record.exc_info)
+    return out
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return json.dumps(_render(record), default=str, ensure_ascii=False)
+
+
+class ConsoleFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        fields = _render(record)
+        head = f"{fields.pop('ts')} {fields.pop('level'):7} {fields.pop('event')}"
+        fields.pop("logger")
+        traceback = fields.pop("traceback", None)
+        line = head + "".join(f" {key}={value}" for key, value in fields.items())
+        return line + (f"\n{traceback}" if traceback else "")
+
+
+def configure(log_format: str, level: str) -> None:
+    """Send every ``cmdbus_trio`` and ``hypercorn`` log line to stderr in ``log_format``."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if log_format == "json" else ConsoleFormatter())
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(level.upper())

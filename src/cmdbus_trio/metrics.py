@@ -1,0 +1,129 @@
+"""The metric catalogue: every family the writer exports, in one place.
+
+Names are part of the contract (DESIGN.md, "Metrics"); HELP texts say exactly what the
+code measures. This module never imports trio, so the storage layer may count into it.
+Nothing here blocks: gauges that mirror live state read in-memory numbers only.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+ProcessCollector(registry=REGISTRY)
+PlatformCollector(registry=REGISTRY)
+
+# From 0.5 ms (a cheap tier op) to 30 s (a request that waited out a long budget).
+LATENCY_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)  # fmt: skip
+LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+BUILD_INFO = Info("cmdbus_build", "Version of the running cmdbus-trio writer.", registry=REGISTRY)
+
+REQUEST_DURATION = Histogram(
+    "cmdbus_request_duration_seconds",
+    "Seconds from a request's arrival (its frame fully read) to its reply being handed to the "
+    "socket, including time queued for admission; recorded for every outcome, sheds included.",
+    ["face", "op", "outcome"],
+    buckets=LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+QUEUE_WAIT = Histogram(
+    "cmdbus_queue_wait_seconds",
+    "Seconds an admitted request waited for a Gate slot (0 when one was free at once); "
+    "shed requests are not in here but in cmdbus_shed_total.",
+    ["face", "op"],
+    buckets=LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+SERVICE = Histogram(
+    "cmdbus_service_seconds",
+    "Seconds an admitted request held its Gate lease: from admission until its work "
+    "(including any worker thread) returned.",
+    ["face", "op"],
+    buckets=LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+INFLIGHT = Gauge(
+    "cmdbus_inflight",
+    "Gate leases held right now: requests admitted whose work has not returned.",
+    ["face"],
+    registry=REGISTRY,
+)
+WAITERS = Gauge(
+    "cmdbus_waiters",
+    "Requests queued for a Gate slot right now.",
+    ["face"],
+    registry=REGISTRY,
+)
+CAPACITY = Gauge(
+    "cmdbus_capacity",
+    "Gate slots (max_inflight) of the face.",
+    ["face"],
+    registry=REGISTRY,
+)
+SHED = Counter(
+    "cmdbus_shed_total",
+    "Requests refused by admission control, by reason: waiters_full (queue full on arrival), "
+    "queue_timeout (waited shed_after without a slot), deadline (the request's budget ran out "
+    "before it could start).",
+    ["face", "op", "reason"],
+    registry=REGISTRY,
+)
+CONNECTIONS = Counter(
+    "cmdbus_connections_total",
+    "Data-face connections by outcome: accepted when opened; closed, protocol_error, "
+    "write_error, too_large or idle_timeout when they ended.",
+    ["face", "outcome"],
+    registry=REGISTRY,
+)
+FACE_CRASHES = Counter(
+    "cmdbus_face_crashes_total",
+    "Times a face's server task died with an unexpected error (the traceback is logged).",
+    ["face"],
+    registry=REGISTRY,
+)
+LOOP_LAG = Histogram(
+    "cmdbus_loop_lag_seconds",
+    "How late the event loop's heartbeat woke up compared with when it asked to: time the "
+    "loop spent unable to run ready tasks.",
+    buckets=LOOP_LAG_BUCKETS,
+    registry=REGISTRY,
+)
+LOOP_BLOCKING_CALLS = Counter(
+    "cmdbus_loop_blocking_calls_total",
+    "Storage entry points called on the event-loop thread (refused; any non-zero is a bug).",
+    ["entry"],
+    registry=REGISTRY,
+)
+READY = Gauge(
+    "cmdbus_ready",
+    "1 when /readyz answers 200, else 0.",
+    registry=REGISTRY,
+)
+
+
+def exposition() -> tuple[bytes, str]:
+    """The Prometheus text of every family, and its content type."""
+    return generate_latest(REGISTRY), CONTENT_TYPE_LATEST
+
+
+def blocking_calls_total() -> float:
+    """Sum of cmdbus_loop_blocking_calls_total over all entries (the test session checks 0)."""
+    return sum(
+        sample.value
+        for metric in LOOP_BLOCKING_CALLS.collect()
+        for sample in metric.samples
+        if sample.name.endswith("_total")
+    )

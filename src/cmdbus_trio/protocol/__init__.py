@@ -1,0 +1,44 @@
+"""The wire protocol as pure state machines: no I/O, no trio (see PROTOCOL.md)."""
+
+from ._envelope import (
+    PROTOCOL_VERSION,
+    SUPPORTED_VERSIONS,
+    Dialect,
+    Hello,
+    Request,
+    RequestError,
+    detect_dialect,
+    encode_error,
+    encode_hello_reply,
+    encode_ok,
+    parse_request,
+)
+from ._errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError
+from ._framing import CLOSED, HEADER_SIZE, NEED_DATA, FrameDecoder, Sentinel, encode_frame
+from ._json import dumps, loads
+
+__all__ = [
+    "CLOSED",
+    "HEADER_SIZE",
+    "NEED_DATA",
+    "PROTOCOL_VERSION",
+    "SUPPORTED_VERSIONS",
+    "Dialect",
+    "ErrorCode",
+    "FrameDecoder",
+    "Hello",
+    "LocalProtocolError",
+    "ProtocolError",
+    "RemoteProtocolError",
+    "Request",
+    "RequestError",
+    "Sentinel",
+    "detect_dialect",
+    "dumps",
+    "encode_error",
+    "encode_frame",
+    "encode_hello_reply",
+    "encode_ok",
+    "loads",
+    "parse_request",
+]

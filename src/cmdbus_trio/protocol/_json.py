@@ -1,0 +1,36 @@
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ._errors import RemoteProtocolError
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+_decoder = json.JSONDecoder(parse_constant=_refuse_constant)
+
+
+def loads(body: bytes) -> Any:
+    """Strict JSON from a frame body: UTF-8 only, no NaN/Infinity. Raises a fatal
+    :class:`RemoteProtocolError` (an unparseable frame closes the connection)."""
+    try:
+        text = body.decode("utf-8")
+        value, end = _decoder.raw_decode(text, _skip_ws(text, 0))
+        if _skip_ws(text, end) != len(text):
+            raise ValueError("extra data after the JSON value")
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise RemoteProtocolError(f"frame is not UTF-8 JSON: {exc}", fatal=True) from None
+    return value
+
+
+def _skip_ws(text: str, index: int) -> int:
+    while index < len(text) and text[index] in " \t\n\r":
+        index += 1
+    return index
+
+
+def dumps(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode("utf-8")

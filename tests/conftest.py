@@ -1,0 +1,36 @@
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cmdbus_trio import metrics
+from cmdbus_trio.config import DATA_FACE_NAMES, Config, load
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """DESIGN.md: the loop-blocking counter must stay 0 across the whole suite."""
+    blocked = metrics.blocking_calls_total()
+    if blocked:
+        session.config.get_terminal_writer().line(
+            f"FAILED: cmdbus_loop_blocking_calls_total is {blocked}, expected 0", red=True
+        )
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture
+def make_config(tmp_path: Path) -> Callable[..., Config]:
+    """A Config on loopback port 0 in a temp data dir; data faces off unless asked for."""
+
+    def make(**flags: Any) -> Config:
+        base: dict[str, str | None] = {
+            "data_dir": str(tmp_path / "data"),
+            "control_bind": "127.0.0.1:0",
+            **{f"{face}_bind": "" for face in DATA_FACE_NAMES},
+        }
+        base.update({name: str(value) for name, value in flags.items()})
+        return load(base, environ={})
+
+    return make

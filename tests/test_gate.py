@@ -1,0 +1,375 @@
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncIterator
+
+import pytest
+import trio
+import trio.testing
+
+from cmdbus_trio import metrics
+from cmdbus_trio.admission import (
+    DeadlineExceeded,
+    Gate,
+    GateClosed,
+    Shed,
+    ShedReason,
+)
+
+
+@pytest.fixture
+def autojump_clock() -> trio.testing.MockClock:
+    return trio.testing.MockClock(autojump_threshold=0)
+
+
+def make_gate(face: str = "test", **overrides: float) -> Gate:
+    settings = {"max_inflight": 1, "max_waiters": 1, "shed_after": 1.0, "default_budget": 10.0}
+    settings.update(overrides)
+    return Gate(
+        face,
+        max_inflight=int(settings["max_inflight"]),
+        max_waiters=int(settings["max_waiters"]),
+        shed_after=settings["shed_after"],
+        default_budget=settings["default_budget"],
+    )
+
+
+def sample(name: str, labels: dict[str, str]) -> float:
+    value = metrics.REGISTRY.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+async def hold(gate: Gate, release: trio.Event, *, task_status=trio.TASK_STATUS_IGNORED) -> None:  # type: ignore[no-untyped-def]
+    with await gate.acquire("hold"):
+        task_status.started()
+        await release.wait()
+
+
+@pytest.fixture
+async def full_gate() -> AsyncIterator[tuple[Gate, trio.Event, trio.Nursery]]:
+    """A one-slot gate whose slot is held until the returned event is set."""
+    gate = make_gate()
+    release = trio.Event()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(hold, gate, release)
+        yield gate, release, nursery
+        release.set()
+
+
+async def test_admitted_at_once_when_a_slot_is_free(autojump_clock: trio.testing.MockClock) -> None:
+    gate = make_gate("free")
+    with await gate.acquire("read") as lease:
+        assert gate.statistics().inflight == 1
+        assert lease.admitted_at == lease.arrival
+    stats = gate.statistics()
+    assert (stats.inflight, stats.admitted_total) == (0, 1)
+    assert sample("cmdbus_queue_wait_seconds_count", {"face": "free", "op": "read"}) == 1
+    assert sample("cmdbus_service_seconds_count", {"face": "free", "op": "read"}) == 1
+
+
+async def test_waiters_full_sheds_at_once(autojump_clock: trio.testing.MockClock) -> None:
+    gate = make_gate("wf", max_waiters=0)
+    release = trio.Event()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(hold, gate, release)
+        start = trio.current_time()
+        with pytest.raises(Shed) as info:
+            await gate.acquire("read")
+        assert trio.current_time() == start
+        assert info.value.reason is ShedReason.WAITERS_FULL
+        assert info.value.retry_after_ms == 1000
+        release.set()
+    assert gate.statistics().shed_total["waiters_full"] == 1
+    labels = {"face": "wf", "op": "read", "reason": "waiters_full"}
+    assert sample("cmdbus_shed_total", labels) == 1
+
+
+async def test_queue_timeout_after_shed_after(autojump_clock: trio.testing.MockClock) -> None:
+    gate = make_gate("qt", shed_after=0.5)
+    release = trio.Event()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(hold, gate, release)
+        start = trio.current_time()
+        with pytest.raises(Shed) as info:
+            await gate.acquire("read")
+        assert trio.current_time() - start == pytest.approx(0.5)
+        assert info.value.reason is ShedReason.QUEUE_TIMEOUT
+        release.set()
+    assert gate.statistics().shed_total == {"waiters_full": 0, "queue_timeout": 1, "deadline": 0}
+
+
+async def test_budget_shorter_than_shed_after_sheds_deadline(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    gate = make_gate("dl", shed_after=1.0)
+    release = trio.Event()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(hold, gate, release)
+        start = trio.current_time()
+        with pytest.raises(Shed) as info:
+            await gate.acquire("read", budget=0.2)
+        assert trio.current_time() - start == pytest.approx(0.2)
+        assert info.value.reason is ShedReason.DEADLINE
+        assert info.value.retry_after_ms == 0
+        release.set()
+
+
+async def test_spent_budget_sheds_deadline_even_with_a_free_slot(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    gate = make_gate("spent")
+    await trio.sleep(1)
+    with pytest.raises(Shed) as info:
+        await gate.acquire("read", budget=0.5, arrival=trio.current_time() - 0.6)
+    assert info.value.reason is ShedReason.DEADLINE
+    assert gate.statistics().inflight == 0
+
+
+async def test_waiter_is_admitted_when_a_slot_frees(autojump_clock: trio.testing.MockClock) -> None:
+    gate = make_gate("wait", shed_after=5.0)
+    release = trio.Event()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(hold, gate, release)
+
+        async def free_later() -> None:
+            await trio.sleep(2)
+            release.set()
+
+        nursery.start_soon(free_later)
+        arrival = trio.current_time()
+        with await gate.acquire("read") as lease:
+            assert lease.admitted_at - arrival == pytest.approx(2)
+    assert gate.statistics().admitted_total == 2
+
+
+async def test_arrival_counts_toward_queue_wait(autojump_clock: trio.testing.MockClock) -> None:
+    gate = make_gate("arrival")
+    arrival = trio.current_time()
+    await trio.sleep(0.3)  # e.g. time spent reading the frame
+    with await gate.acquire("read", arrival=arrival) as lease:
+        assert lease.admitted_at - lease.arrival == pytest.approx(0.3)
+        assert lease.deadline == pytest.approx(arrival + 10.0)
+    assert sample("cmdbus_queue_wait_seconds_sum", {"face": "arrival", "op": "read"}) == (
+        pytest.approx(0.3)
+    )
+
+
+async def test_acquire_nowait(autojump_clock: trio.testing.MockClock) -> None:
+    gate = make_gate("nowait", max_waiters=5)
+    lease = gate.acquire_nowait("read")
+    with pytest.raises(Shed) as info:
+        gate.acquire_nowait("read")
+    assert info.value.reason is ShedReason.WAITERS_FULL
+    lease.release()
+    gate.acquire_nowait("read").release()
+    with pytest.raises(Shed) as info:
+        gate.acquire_nowait("read", budget=0)
+    assert info.value.reason is ShedReason.DEADLINE
+
+
+async def test_cancelled_waiter_holds_and_counts_nothing(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    gate = make_gate("cancel", shed_after=5.0)
+    release = trio.Event()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(hold, gate, release)
+        with trio.move_on_after(1):
+            await gate.acquire("read")
+        stats = gate.statistics()
+        assert (stats.waiters, stats.inflight, stats.admitted_total) == (0, 1, 1)
+        assert sum(stats.shed_total.values()) == 0
+        release.set()
+
+
+async def test_lease_is_held_until_a_cancelled_requests_thread_returns() -> None:
+    gate = make_gate("lease")
+    thread_started = threading.Event()
+    let_thread_finish = threading.Event()
+    observed: list[str] = []
+
+    def work() -> str:
+        thread_started.set()
+        let_thread_finish.wait(timeout=10)
+        observed.append("thread returned")
+        return "done"
+
+    async def request() -> None:
+        with await gate.acquire("write") as lease:
+            await lease.run_cancellable(work)
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            request_scope = trio.CancelScope()
+
+            async def cancellable_request() -> None:
+                with request_scope:
+                    await request()
+
+            nursery.start_soon(cancellable_request)
+            await trio.to_thread.run_sync(thread_started.wait)
+            request_scope.cancel()
+            await trio.sleep(0.05)
+            # The client is gone, but the thread still runs: the lease must still be held.
+            assert gate.statistics().inflight == 1
+            drained = trio.Event()
+
+            async def drain() -> None:
+                gate.close()
+                await gate.wait_idle()
+                drained.set()
+
+            nursery.start_soon(drain)
+            await trio.sleep(0.05)
+            assert not drained.is_set()
+            let_thread_finish.set()
+            await drained.wait()
+            assert observed == ["thread returned"]
+            assert gate.statistics().inflight == 0
+
+
+async def test_read_work_stops_at_the_budget_within_one_page() -> None:
+    gate = make_gate("pages", default_budget=0.2)
+    pages: list[int] = []
+
+    def read_pages() -> None:
+        for page in range(10_000):
+            trio.from_thread.check_cancelled()
+            pages.append(page)
+            threading.Event().wait(0.01)  # a page of work
+
+    with (
+        trio.fail_after(10),
+        await gate.acquire("read") as lease,
+        pytest.raises(DeadlineExceeded),
+    ):
+        await lease.run_cancellable(read_pages)
+    assert 0 < len(pages) < 10_000
+    assert gate.statistics().inflight == 0
+
+
+async def test_write_work_finishes_even_when_cancelled() -> None:
+    gate = make_gate("writes")
+    finished = []
+
+    def write() -> None:
+        threading.Event().wait(0.1)
+        finished.append(True)
+
+    with trio.fail_after(10):
+        with trio.move_on_after(0.01), await gate.acquire("append") as lease:
+            await lease.run_to_completion(write)
+        assert finished == [True]
+        assert gate.statistics().inflight == 0
+
+
+async def test_one_thread_per_lease() -> None:
+    gate = make_gate("one", max_inflight=2)
+    with await gate.acquire("read") as lease:
+        started = threading.Event()
+        stop = threading.Event()
+
+        def slow() -> None:
+            started.set()
+            stop.wait(10)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lease.run_cancellable, slow)
+            await trio.to_thread.run_sync(started.wait)
+            with pytest.raises(RuntimeError, match="one thread per request"):
+                await lease.run_cancellable(slow)
+            stop.set()
+    with pytest.raises(RuntimeError, match="released"):
+        await lease.run_to_completion(slow)
+    with pytest.raises(RuntimeError, match="twice"):
+        lease.release()
+
+
+async def test_close_wakes_waiters_and_refuses_new_requests(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    gate = make_gate("close", shed_after=5.0)
+    release = trio.Event()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(hold, gate, release)
+        outcome: list[str] = []
+
+        async def waiter() -> None:
+            try:
+                await gate.acquire("read")
+            except GateClosed:
+                outcome.append("closed")
+
+        nursery.start_soon(waiter)
+        await trio.testing.wait_all_tasks_blocked()
+        assert gate.statistics().waiters == 1
+        gate.close()
+        await trio.testing.wait_all_tasks_blocked()
+        assert outcome == ["closed"]
+        with pytest.raises(GateClosed):
+            await gate.acquire("read")
+        with pytest.raises(GateClosed):
+            gate.acquire_nowait("read")
+        assert gate.statistics().closed
+        release.set()
+    await gate.wait_idle()
+
+
+async def test_statistics_and_gauges_match(autojump_clock: trio.testing.MockClock) -> None:
+    gate = make_gate("stats", max_inflight=2, max_waiters=3, shed_after=0.5)
+    release = trio.Event()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(hold, gate, release)
+        await nursery.start(hold, gate, release)
+
+        async def try_acquire() -> None:
+            try:
+                with await gate.acquire("read"):
+                    pass
+            except Shed:
+                pass
+
+        for _ in range(5):
+            nursery.start_soon(try_acquire)
+        await trio.testing.wait_all_tasks_blocked()
+        stats = gate.statistics()
+        assert (stats.capacity, stats.inflight, stats.waiters, stats.max_waiters) == (2, 2, 3, 3)
+        assert stats.shed_total["waiters_full"] == 2
+        assert sample("cmdbus_inflight", {"face": "stats"}) == 2
+        assert sample("cmdbus_waiters", {"face": "stats"}) == 3
+        assert sample("cmdbus_capacity", {"face": "stats"}) == 2
+        await trio.sleep(1)
+        stats = gate.statistics()
+        assert stats.waiters == 0
+        assert stats.shed_total == {"waiters_full": 2, "queue_timeout": 3, "deadline": 0}
+        release.set()
+    assert gate.statistics().admitted_total == 2
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [("max_inflight", 0), ("max_waiters", -1), ("shed_after", 0), ("default_budget", -1)],
+)
+def test_gate_parameters_are_checked(setting: str, value: float) -> None:
+    with pytest.raises(ValueError, match=setting):
+        make_gate(**{setting: value})
+
+
+async def test_shed_bursts_log_start_and_end(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    gate = make_gate("burst", max_waiters=0)
+    caplog.set_level("WARNING", logger="cmdbus_trio.admission")
+    release = trio.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(gate.watch_sheds)
+        await nursery.start(hold, gate, release)
+        for _ in range(50):
+            with pytest.raises(Shed):
+                await gate.acquire("read")
+        await trio.sleep(3)
+        events = [record.getMessage() for record in caplog.records]
+        assert events == ["shed_burst_started", "shed_burst_ended"]
+        assert caplog.records[1].cmdbus_fields["shed"] == {"waiters_full": 50}  # type: ignore[attr-defined]
+        release.set()
+        nursery.cancel_scope.cancel()
