@@ -24,15 +24,11 @@ import trio
 
 from . import metrics
 from .logs import event
-from .storage import register_loop_detector
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
 
 log = logging.getLogger(__name__)
-
-# The storage layer refuses to run where trio is running a loop.
-register_loop_detector(trio.lowlevel.in_trio_run)
 
 
 async def run_in_thread(fn: Callable[[*Ts], T], *args: *Ts, limiter: trio.CapacityLimiter) -> T:

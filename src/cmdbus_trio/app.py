@@ -41,14 +41,15 @@ class StartupError(Exception):
     """A face could not start (typically: its address is in use)."""
 
     def __init__(self, face: str, bind: Bind, cause: BaseException) -> None:
-        super().__init__(f"cannot start the {face} face on {bind}: {_describe(cause)}")
+        super().__init__(f"cannot start the {face} face on {bind}: {_leaf(cause)}")
         self.face = face
 
 
-def _describe(exc: BaseException) -> str:
+def _leaf(exc: BaseException) -> BaseException:
+    """The one error inside nested single-member exception groups (trio wraps each level)."""
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
-    return str(exc) or type(exc).__name__
+    return exc
 
 
 def gate_for(face: str, config: Config) -> Gate:
@@ -192,7 +193,15 @@ class Writer:
                 raise
             metrics.FACE_CRASHES.labels(face=ctx.name).inc()
             self.health.faces[ctx.name] = FaceState.CRASHED
-            event(log, logging.ERROR, "face_crashed", face=ctx.name, exc_info=exc)
+            leaf = _leaf(exc)
+            event(
+                log,
+                logging.ERROR,
+                "face_crashed",
+                face=ctx.name,
+                error=f"{type(leaf).__name__}: {leaf}",
+                exc_info=exc,
+            )
         else:
             self.health.faces[ctx.name] = FaceState.STOPPED
 

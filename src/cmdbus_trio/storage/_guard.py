@@ -3,14 +3,12 @@
 Storage work blocks: on the event-loop thread it would stall every face, the probes and
 the metrics scrape (the incident of DESIGN.md). So every storage entry point is wrapped in
 :func:`refuses_loop_thread`, which counts and refuses a call made on a loop thread.
-
-The storage layer cannot ask trio which thread runs the loop (it never imports trio), so
-the async side registers a detector (see ``cmdbus_trio.admission``).
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
@@ -19,21 +17,19 @@ from cmdbus_trio.metrics import LOOP_BLOCKING_CALLS
 P = ParamSpec("P")
 R = TypeVar("R")
 
-_detectors: list[Callable[[], bool]] = []
-
 
 class LoopThreadError(RuntimeError):
     """A storage entry point was called on the event-loop thread."""
 
 
-def register_loop_detector(detector: Callable[[], bool]) -> None:
-    """Add a function that answers True on an event-loop thread. Idempotent."""
-    if detector not in _detectors:
-        _detectors.append(detector)
-
-
 def on_loop_thread() -> bool:
-    return any(detector() for detector in _detectors)
+    """True when a trio loop runs on this thread.
+
+    The storage layer never imports trio: if trio is not loaded, no loop can be running;
+    if it is, it knows (its run state is thread-local, so worker threads answer False).
+    """
+    trio = sys.modules.get("trio")
+    return trio is not None and bool(trio.lowlevel.in_trio_run())
 
 
 def refuses_loop_thread(func: Callable[P, R]) -> Callable[P, R]:

@@ -1,0 +1,156 @@
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import trio
+from prometheus_client.parser import text_string_to_metric_families
+
+from cmdbus_trio.config import Config
+
+from .helpers import get, http_connection, running_writer
+
+
+async def test_probes_answer_when_serving(make_config: Callable[..., Config]) -> None:
+    with trio.fail_after(10):
+        async with running_writer(make_config()) as (_, addresses):
+            control = addresses["control"]
+            livez = await get(control, "/livez")
+            assert (livez.status, livez.json()) == (200, {"status": "ok"})
+            readyz = await get(control, "/readyz")
+            assert (readyz.status, readyz.json()) == (200, {"status": "ready"})
+            healthz = await get(control, "/healthz")
+            assert healthz.status == 200
+            summary = healthz.json()
+            assert summary["status"] == "ok"
+            assert summary["ready"] is True and summary["live"] is True
+            assert summary["faces"]["control"] == {"state": "listening", "address": control}
+            assert summary["loop"]["turn_ms"] >= 0
+            assert healthz.headers["content-type"] == "application/json"
+
+
+async def test_metrics_parse_and_carry_the_catalogue(make_config: Callable[..., Config]) -> None:
+    with trio.fail_after(10):
+        async with running_writer(make_config()) as (_, addresses):
+            await trio.sleep(0.3)  # a few heartbeats
+            response = await get(addresses["control"], "/metrics")
+    assert response.status == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    families = {
+        family.name: family for family in text_string_to_metric_families(response.body.decode())
+    }
+    for name in (
+        "cmdbus_loop_lag_seconds",
+        "cmdbus_loop_blocking_calls",
+        "cmdbus_request_duration_seconds",
+        "cmdbus_queue_wait_seconds",
+        "cmdbus_service_seconds",
+        "cmdbus_shed",
+        "cmdbus_connections",
+        "cmdbus_ready",
+        "cmdbus_build_info",
+        "process_resident_memory_bytes",
+    ):
+        assert name in families, name
+    lag_count = next(
+        sample.value
+        for sample in families["cmdbus_loop_lag_seconds"].samples
+        if sample.name == "cmdbus_loop_lag_seconds_count"
+    )
+    assert lag_count >= 1
+    assert families["cmdbus_loop_lag_seconds"].documentation.startswith("How late")
+
+
+async def test_livez_turns_503_with_a_reason_when_the_loop_is_blocked(
+    make_config: Callable[..., Config],
+) -> None:
+    config = make_config(liveness_threshold_ms=100, liveness_window_ms=500, debug_hooks="true")
+    with trio.fail_after(20):
+        async with running_writer(config) as (_, addresses):
+            control = addresses["control"]
+            assert (await get(control, "/livez")).status == 200
+            blocked = await get(control, "/debug/block-loop?seconds=0.4", method="POST")
+            assert blocked.status == 202
+            livez = await get(control, "/livez")  # served once the loop runs again
+            assert livez.status == 503
+            assert livez.json()["status"] == "stalled"
+            assert "event loop stalled" in livez.json()["reason"]
+            assert "threshold 0.100 s" in livez.json()["reason"]
+            health = (await get(control, "/healthz")).json()
+            assert health["live"] is False and health["status"] == "degraded"
+            # Readiness is about serving, not about a past stall.
+            assert (await get(control, "/readyz")).status == 200
+            # Once the window has passed without a new stall, it is live again.
+            while (await get(control, "/livez")).status != 200:
+                await trio.sleep(0.05)
+
+
+@pytest.mark.parametrize("seconds", ["0", "-1", "nan", "601", "x"])
+async def test_block_hook_refuses_bad_durations(
+    make_config: Callable[..., Config], seconds: str
+) -> None:
+    with trio.fail_after(10):
+        async with running_writer(make_config(debug_hooks="true")) as (_, addresses):
+            response = await get(
+                addresses["control"], f"/debug/block-loop?seconds={seconds}", "POST"
+            )
+            assert response.status == 400
+            assert "seconds must be" in response.json()["error"]
+
+
+async def test_block_hook_is_absent_unless_enabled(make_config: Callable[..., Config]) -> None:
+    with trio.fail_after(10):
+        async with running_writer(make_config()) as (_, addresses):
+            response = await get(addresses["control"], "/debug/block-loop?seconds=5", "POST")
+            assert response.status == 404
+
+
+async def test_unknown_path_and_wrong_method(make_config: Callable[..., Config]) -> None:
+    with trio.fail_after(10):
+        async with running_writer(make_config()) as (_, addresses):
+            control = addresses["control"]
+            assert (await get(control, "/nope")).status == 404
+            assert (await get(control, "/livez", "POST")).status == 405
+            head = await get(control, "/readyz", "HEAD")
+            assert (head.status, head.body) == (200, b"")
+
+
+async def test_server_closes_after_connection_close(make_config: Callable[..., Config]) -> None:
+    with trio.fail_after(10):
+        async with (
+            running_writer(make_config()) as (_, addresses),
+            http_connection(addresses["control"]) as connection,
+        ):
+            response = await connection.request("GET", "/livez", {"connection": "close"})
+            assert response.status == 200
+            await connection.wait_closed_by_server()
+
+
+async def test_server_closes_idle_keepalive_connections(
+    make_config: Callable[..., Config],
+) -> None:
+    with trio.fail_after(10):
+        async with (
+            running_writer(make_config(control_keepalive_ms=200)) as (_, addresses),
+            http_connection(addresses["control"]) as connection,
+        ):
+            for _ in range(3):  # keep-alive works...
+                assert (await connection.request("GET", "/readyz")).status == 200
+            await connection.wait_closed_by_server()  # ...until it idles out
+
+
+async def test_probes_keep_answering_while_threads_are_busy(
+    make_config: Callable[..., Config],
+) -> None:
+    """Threads doing GIL-releasing work (here: sleeping) do not delay the probes."""
+    import time
+
+    limiter = trio.CapacityLimiter(4)
+    with trio.fail_after(20):
+        async with running_writer(make_config()) as (_, addresses), trio.open_nursery() as nursery:
+            for _ in range(4):
+                nursery.start_soon(
+                    lambda: trio.to_thread.run_sync(time.sleep, 1.0, limiter=limiter)
+                )
+            for _ in range(10):
+                assert (await get(addresses["control"], "/healthz")).status == 200

@@ -1,0 +1,80 @@
+"""The layering of DESIGN.md, checked on the source: protocol/ and storage/ know nothing
+of trio or sockets; only the offload helper enters a worker thread."""
+
+from __future__ import annotations
+
+import ast
+import threading
+from pathlib import Path
+
+import pytest
+import trio
+
+from cmdbus_trio import metrics
+from cmdbus_trio.storage import LoopThreadError, refuses_loop_thread
+
+SRC = Path(__file__).resolve().parent.parent / "src" / "cmdbus_trio"
+
+
+def imported_modules(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("package", ["protocol", "storage"])
+def test_sans_io_packages_never_import_trio_or_sockets(package: str) -> None:
+    files = sorted((SRC / package).rglob("*.py"))
+    assert files
+    for path in files:
+        forbidden = imported_modules(path) & {"trio", "socket", "hypercorn", "asyncio"}
+        assert not forbidden, f"{path.relative_to(SRC)} imports {forbidden}"
+
+
+def test_only_the_offload_helper_enters_a_thread() -> None:
+    users = sorted(
+        str(path.relative_to(SRC))
+        for path in SRC.rglob("*.py")
+        if "to_thread" in path.read_text() or "abandon_on_cancel=True" in path.read_text()
+    )
+    assert users == ["admission.py"]
+    assert "abandon_on_cancel=True" not in (SRC / "admission.py").read_text()
+
+
+@refuses_loop_thread
+def storage_entry_point(value: int) -> int:
+    return value + 1
+
+
+def blocked_calls() -> float:
+    value = metrics.REGISTRY.get_sample_value(
+        "cmdbus_loop_blocking_calls_total", {"entry": "storage_entry_point"}
+    )
+    return value or 0.0
+
+
+def test_storage_runs_in_plain_threads() -> None:
+    results: list[int] = []
+    thread = threading.Thread(target=lambda: results.append(storage_entry_point(1)))
+    thread.start()
+    thread.join()
+    assert results == [2]
+    assert storage_entry_point(2) == 3  # no loop running in this thread either
+
+
+async def test_storage_refuses_the_loop_thread_and_counts_it() -> None:
+    from cmdbus_trio import admission
+
+    assert (
+        await admission.run_in_thread(storage_entry_point, 4, limiter=trio.CapacityLimiter(1)) == 5
+    )
+    before = blocked_calls()
+    with pytest.raises(LoopThreadError, match="storage_entry_point was called on the event-loop"):
+        storage_entry_point(1)
+    assert blocked_calls() == before + 1
+    # This test blocks deliberately; take it back out so the session check stays meaningful.
+    metrics.LOOP_BLOCKING_CALLS.remove("storage_entry_point")

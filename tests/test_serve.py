@@ -1,0 +1,190 @@
+"""`cmdbus-trio serve` as a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+ALL_PORT_ZERO = {
+    f"CMDBUS_{face}_BIND": "127.0.0.1:0"
+    for face in (
+        "CONTROL",
+        "CMD_INGEST",
+        "CMD_CLAIM",
+        "EVT_INGEST",
+        "EVT_CLAIM",
+        "EVT_SUBSCRIBE",
+        "TIER",
+    )
+}
+
+
+def environment(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CMDBUS_")}
+    env.update(ALL_PORT_ZERO)
+    env.update(
+        CMDBUS_DATA_DIR=str(tmp_path / "data"), CMDBUS_PORTS_FILE=str(tmp_path / "ports.json")
+    )
+    env.update(extra)
+    return env
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "cmdbus_trio", *args]
+
+
+@contextmanager
+def serving(
+    tmp_path: Path, *args: str, **env: str
+) -> Iterator[tuple[subprocess.Popen[str], dict[str, str]]]:
+    process = subprocess.Popen(
+        cli("serve", *args),
+        env=environment(tmp_path, **env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        ports_file = tmp_path / "ports.json"
+        deadline = time.monotonic() + 30
+        while not ports_file.exists():
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"no ports file; stderr: {process.communicate()[1]}")
+            time.sleep(0.02)
+        yield process, json.loads(ports_file.read_text())
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+
+
+def http_get(address: str, path: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(f"http://{address}{path}", timeout=5) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read()
+
+
+def log_events(stderr: str) -> list[dict[str, object]]:
+    return [json.loads(line) for line in stderr.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_serve_writes_ports_file_and_exits_0_on_signal(tmp_path: Path, signum: int) -> None:
+    with serving(tmp_path, "--shutdown-timeout-ms", "3000") as (process, ports):
+        assert "control" in ports
+        assert http_get(ports["control"], "/readyz")[0] == 200
+        assert http_get(ports["control"], "/livez")[0] == 200
+        start = time.monotonic()
+        process.send_signal(signum)
+        _, stderr = process.communicate(timeout=30)
+        assert process.returncode == 0, stderr
+        assert time.monotonic() - start < 3.0 + 5.0  # within the shutdown budget (+ slack)
+    events = log_events(stderr)
+    names = [event["event"] for event in events]
+    assert names.index("started") < names.index("drain_started") < names.index("stopped")
+    started = events[names.index("started")]
+    assert started["addresses"] == ports
+    assert started["version"]
+    assert started["settings"]["shutdown_timeout_ms"] == 3000  # type: ignore[index]
+    assert all(event["level"] in ("info", "warning") for event in events)
+
+
+def test_ports_file_lists_enabled_faces_only(tmp_path: Path) -> None:
+    with serving(tmp_path, "--tier-bind", "") as (process, ports):
+        process.send_signal(signal.SIGTERM)
+        process.communicate(timeout=30)
+    assert "tier" not in ports
+
+
+def test_flag_overrides_env_for_the_control_bind(tmp_path: Path) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with serving(tmp_path, "--control-bind", f"127.0.0.1:{port}") as (process, ports):
+        process.send_signal(signal.SIGTERM)
+        process.communicate(timeout=30)
+    assert ports["control"] == f"127.0.0.1:{port}"
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "expected"),
+    [
+        (
+            (),
+            {"CMDBUS_SYNC": "sometimes"},
+            "invalid setting CMDBUS_SYNC (--sync): 'sometimes': expected one of full, normal",
+        ),
+        (
+            ("--shard-count", "zero"),
+            {},
+            "invalid setting CMDBUS_SHARD_COUNT (--shard-count): 'zero'",
+        ),
+        (
+            ("--tier-bind", "nowhere"),
+            {},
+            "invalid setting CMDBUS_TIER_BIND (--tier-bind): 'nowhere'",
+        ),
+    ],
+)
+def test_bad_config_exits_2_with_one_line(
+    tmp_path: Path, args: tuple[str, ...], env: dict[str, str], expected: str
+) -> None:
+    result = subprocess.run(
+        cli("serve", *args),
+        env=environment(tmp_path, **env),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 2
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith(f"cmdbus-trio: {expected}")
+
+
+def test_an_address_in_use_exits_1_naming_the_face(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        result = subprocess.run(
+            cli("serve", "--control-bind", address),
+            env=environment(tmp_path),
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    assert result.returncode == 1
+    assert f"cmdbus-trio: cannot start the control face on {address}:" in result.stderr
+    assert "in use" in result.stderr
+
+
+def test_help_documents_every_setting() -> None:
+    from cmdbus_trio.config import SETTINGS
+
+    result = subprocess.run(cli("serve", "--help"), capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0
+    flat = " ".join(result.stdout.split())
+    for setting in SETTINGS:
+        assert f"--{setting.flag}" in flat
+        assert f"env {setting.env}" in flat
+
+
+def test_version() -> None:
+    from cmdbus_trio import __version__
+
+    result = subprocess.run(cli("--version"), capture_output=True, text=True, timeout=30)
+    assert result.stdout.strip() == f"cmdbus-trio {__version__}"
