@@ -29,7 +29,13 @@ def on_loop_thread() -> bool:
     if it is, it knows (its run state is thread-local, so worker threads answer False).
     """
     trio = sys.modules.get("trio")
-    return trio is not None and bool(trio.lowlevel.in_trio_run())
+    if trio is None:
+        return False
+    try:
+        trio.lowlevel.current_task()  # works on every trio we support, unlike in_trio_run
+    except RuntimeError:
+        return False
+    return True
 
 
 def refuses_loop_thread(func: Callable[P, R]) -> Callable[P, R]:
