@@ -180,3 +180,9 @@ def test_redacted_hides_the_token_and_is_json() -> None:
     assert shown["auth_token"] == "***"
     assert "s3cret" not in json.dumps(shown)
     assert shown["tier_bind"] == "127.0.0.1:9110"
+
+
+def test_docs_list_every_setting() -> None:
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
+    for setting in SETTINGS:
+        assert f"| `{setting.env}` | `--{setting.flag}` |" in docs, setting.env

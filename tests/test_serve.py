@@ -155,6 +155,24 @@ def test_bad_config_exits_2_with_one_line(
     assert lines[0].startswith(f"cmdbus-trio: {expected}")
 
 
+def test_data_dir_is_created_and_an_unusable_one_exits_2(tmp_path: Path) -> None:
+    with serving(tmp_path) as (process, _):
+        assert (tmp_path / "data").is_dir()
+        process.send_signal(signal.SIGTERM)
+        process.communicate(timeout=30)
+    (tmp_path / "file").write_text("not a directory")
+    result = subprocess.run(
+        cli("serve", "--data-dir", str(tmp_path / "file" / "data")),
+        env=environment(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 2
+    assert result.stderr.startswith("cmdbus-trio: invalid setting CMDBUS_DATA_DIR (--data-dir):")
+    assert "cannot create it: Not a directory" in result.stderr
+
+
 def test_an_address_in_use_exits_1_naming_the_face(tmp_path: Path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -48,6 +48,15 @@ def _serve(flags: dict[str, str | None]) -> int:
     except ConfigError as exc:
         print(f"cmdbus-trio: {exc}", file=sys.stderr)
         return 2
+    try:
+        config.data_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        print(
+            f"cmdbus-trio: invalid setting CMDBUS_DATA_DIR (--data-dir): "
+            f"{str(config.data_dir)!r}: cannot create it: {exc.strerror}",
+            file=sys.stderr,
+        )
+        return 2
     logs.configure(config.log_format, config.log_level)
     try:
         trio.run(app.serve_until_signalled, config)
