@@ -82,6 +82,7 @@ async def test_drain_waits_for_inflight_work_and_reports_draining(
         async with trio.open_nursery() as nursery:
             writer = Writer(config, faces={"tier": sleeper_face})
             addresses = await nursery.start(writer.run)
+            assert metrics.REGISTRY.get_sample_value("cmdbus_ready") == 1
             replies: list[bytes] = []
 
             async def client() -> None:
@@ -94,6 +95,7 @@ async def test_drain_waits_for_inflight_work_and_reports_draining(
             readyz = await get(addresses["control"], "/readyz")
             assert readyz.status == 503
             assert readyz.json()["reasons"] == ["draining: shutting down"]
+            assert metrics.REGISTRY.get_sample_value("cmdbus_ready") == 0
             assert finished_work == []  # still running; the writer has not stopped
     assert finished_work == [0.5]
     assert replies == [b"done"]

@@ -41,6 +41,8 @@ class Health:
         self.gates: dict[str, Gate] = {}
         self.unavailable_stores: dict[str, str] = {}
         """Store name -> why it cannot serve (e.g. poisoned); filled by the stores' owners."""
+        # Read at scrape time, so /metrics is right without anyone calling /readyz.
+        metrics.READY.set_function(lambda: 1 if self.readiness().ready else 0)
 
     def readiness(self) -> Readiness:
         reasons: list[str] = []
@@ -54,9 +56,7 @@ class Health:
             if state is not FaceState.LISTENING and not self.draining
         ]
         reasons += [f"store {name} {why}" for name, why in sorted(self.unavailable_stores.items())]
-        ready = not reasons
-        metrics.READY.set(1 if ready else 0)
-        return Readiness(ready, tuple(reasons))
+        return Readiness(not reasons, tuple(reasons))
 
     def summary(self) -> dict[str, Any]:
         """The /healthz document."""
