@@ -4,8 +4,13 @@ writer running in-process."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+import os
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -94,3 +99,141 @@ async def running_writer(
             yield writer, addresses
         finally:
             writer.request_drain()
+
+
+class FrameClient:
+    """A data-face client for tests: frames over a real socket, using our codec."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        from cmdbus_trio.protocol import FrameDecoder
+
+        self.stream = stream
+        self.decoder = FrameDecoder(max_bytes=(1 << 32) - 1)
+        self.next_id = 0
+
+    @classmethod
+    async def connect(cls, address: str) -> FrameClient:
+        host, port = address.rsplit(":", 1)
+        return cls(await trio.open_tcp_stream(host, int(port)))
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+    async def send(self, body: bytes) -> None:
+        from cmdbus_trio.protocol import encode_frame
+
+        await self.stream.send_all(encode_frame(body))
+
+    async def receive(self) -> bytes | None:
+        """The next frame, or None when the server closed the connection."""
+        from cmdbus_trio.protocol import CLOSED, NEED_DATA
+
+        while True:
+            frame = self.decoder.next_frame()
+            if isinstance(frame, bytes):
+                return frame
+            if frame is CLOSED:
+                return None
+            assert frame is NEED_DATA
+            try:
+                data = await self.stream.receive_some(1 << 20)
+            except trio.BrokenResourceError:
+                data = b""
+            self.decoder.receive_data(data)
+
+    async def receive_json(self) -> Any:
+        frame = await self.receive()
+        assert frame is not None, "the server closed the connection"
+        return json.loads(frame)
+
+    async def hello(self) -> dict[str, Any]:
+        await self.send(b'{"hello": {"protocol": 2, "client": "tests"}}')
+        reply: dict[str, Any] = await self.receive_json()
+        return reply
+
+    async def request(self, op: str, **fields: Any) -> dict[str, Any]:
+        """Send one v2 request and return its reply (no other request in flight)."""
+        self.next_id += 1
+        await self.send(json.dumps({"id": self.next_id, "op": op, **fields}).encode())
+        reply: dict[str, Any] = await self.receive_json()
+        assert reply["id"] == self.next_id, reply
+        return reply
+
+    async def v1(self, body: bytes | dict[str, Any]) -> bytes | None:
+        await self.send(body if isinstance(body, bytes) else json.dumps(body).encode())
+        return await self.receive()
+
+
+@asynccontextmanager
+async def frame_client(address: str, *, v2: bool = True) -> AsyncIterator[FrameClient]:
+    client = await FrameClient.connect(address)
+    try:
+        if v2:
+            await client.hello()
+        yield client
+    finally:
+        await client.aclose()
+
+
+# --- `cmdbus-trio serve` as a subprocess ----------------------------------------------
+
+ALL_PORT_ZERO = {
+    f"CMDBUS_{face}_BIND": "127.0.0.1:0"
+    for face in (
+        "CONTROL",
+        "CMD_INGEST",
+        "CMD_CLAIM",
+        "EVT_INGEST",
+        "EVT_CLAIM",
+        "EVT_SUBSCRIBE",
+        "TIER",
+    )
+}
+
+
+def environment(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CMDBUS_")}
+    env.update(ALL_PORT_ZERO)
+    env.update(
+        CMDBUS_DATA_DIR=str(tmp_path / "data"), CMDBUS_PORTS_FILE=str(tmp_path / "ports.json")
+    )
+    env.update(extra)
+    return env
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "cmdbus_trio", *args]
+
+
+@contextmanager
+def serving(
+    tmp_path: Path, *args: str, **env: str
+) -> Iterator[tuple[subprocess.Popen[str], dict[str, str]]]:
+    """Run ``cmdbus-trio serve`` with every face on port 0; yields the process and its
+    ports file. Its log goes to :func:`server_log` (a file: a pipe nobody reads while the
+    test runs could fill up and block the server)."""
+    ports_file = tmp_path / "ports.json"
+    ports_file.unlink(missing_ok=True)
+    with (tmp_path / "server.log").open("a") as log:
+        process = subprocess.Popen(
+            cli("serve", *args),
+            env=environment(tmp_path, **env),
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+            text=True,
+        )
+    try:
+        deadline = time.monotonic() + 30
+        while not ports_file.exists():
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"no ports file; log: {server_log(tmp_path)}")
+            time.sleep(0.02)
+        yield process, json.loads(ports_file.read_text())
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def server_log(tmp_path: Path) -> str:
+    return (tmp_path / "server.log").read_text()

@@ -3,70 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
-ALL_PORT_ZERO = {
-    f"CMDBUS_{face}_BIND": "127.0.0.1:0"
-    for face in (
-        "CONTROL",
-        "CMD_INGEST",
-        "CMD_CLAIM",
-        "EVT_INGEST",
-        "EVT_CLAIM",
-        "EVT_SUBSCRIBE",
-        "TIER",
-    )
-}
-
-
-def environment(tmp_path: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CMDBUS_")}
-    env.update(ALL_PORT_ZERO)
-    env.update(
-        CMDBUS_DATA_DIR=str(tmp_path / "data"), CMDBUS_PORTS_FILE=str(tmp_path / "ports.json")
-    )
-    env.update(extra)
-    return env
-
-
-def cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "cmdbus_trio", *args]
-
-
-@contextmanager
-def serving(
-    tmp_path: Path, *args: str, **env: str
-) -> Iterator[tuple[subprocess.Popen[str], dict[str, str]]]:
-    process = subprocess.Popen(
-        cli("serve", *args),
-        env=environment(tmp_path, **env),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        ports_file = tmp_path / "ports.json"
-        deadline = time.monotonic() + 30
-        while not ports_file.exists():
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"no ports file; stderr: {process.communicate()[1]}")
-            time.sleep(0.02)
-        yield process, json.loads(ports_file.read_text())
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
+from .helpers import cli, environment, server_log, serving
 
 
 def http_get(address: str, path: str) -> tuple[int, bytes]:
@@ -89,7 +35,8 @@ def test_serve_writes_ports_file_and_exits_0_on_signal(tmp_path: Path, signum: i
         assert http_get(ports["control"], "/livez")[0] == 200
         start = time.monotonic()
         process.send_signal(signum)
-        _, stderr = process.communicate(timeout=30)
+        process.wait(timeout=30)
+        stderr = server_log(tmp_path)
         assert process.returncode == 0, stderr
         assert time.monotonic() - start < 3.0 + 5.0  # within the shutdown budget (+ slack)
     events = log_events(stderr)
@@ -105,7 +52,7 @@ def test_serve_writes_ports_file_and_exits_0_on_signal(tmp_path: Path, signum: i
 def test_ports_file_lists_enabled_faces_only(tmp_path: Path) -> None:
     with serving(tmp_path, "--tier-bind", "") as (process, ports):
         process.send_signal(signal.SIGTERM)
-        process.communicate(timeout=30)
+        process.wait(timeout=30)
     assert "tier" not in ports
 
 
@@ -115,7 +62,7 @@ def test_flag_overrides_env_for_the_control_bind(tmp_path: Path) -> None:
         port = probe.getsockname()[1]
     with serving(tmp_path, "--control-bind", f"127.0.0.1:{port}") as (process, ports):
         process.send_signal(signal.SIGTERM)
-        process.communicate(timeout=30)
+        process.wait(timeout=30)
     assert ports["control"] == f"127.0.0.1:{port}"
 
 
@@ -159,7 +106,7 @@ def test_data_dir_is_created_and_an_unusable_one_exits_2(tmp_path: Path) -> None
     with serving(tmp_path) as (process, _):
         assert (tmp_path / "data").is_dir()
         process.send_signal(signal.SIGTERM)
-        process.communicate(timeout=30)
+        process.wait(timeout=30)
     (tmp_path / "file").write_text("not a directory")
     result = subprocess.run(
         cli("serve", "--data-dir", str(tmp_path / "file" / "data")),

@@ -25,16 +25,26 @@ from typing import Any
 import trio
 
 from . import __version__, control, metrics
-from .admission import Gate
+from .admission import Gate, run_in_thread
 from .config import DATA_FACE_NAMES, Bind, Config, cpu_quota
-from .faces import AVAILABLE, FaceContext, FaceServe
+from .faces import FaceContext, FaceServe
+from .faces import tier as tier_face
 from .health import FaceState, Health
 from .heartbeat import Heartbeat
 from .logs import event
+from .storage.tier import TierStore
 
 log = logging.getLogger(__name__)
 
 StartFn = Callable[..., Awaitable[None]]
+
+
+DATA_FACES: Mapping[str, FaceServe] = {"tier": tier_face.serve}
+"""The data faces this build implements. The buses come with their issues:
+cmd_ingest and cmd_claim (4), evt_ingest, evt_claim and evt_subscribe (5)."""
+
+STORE_FILES = {"tier": "tier.sqlite3"}
+"""Each store's database file under the data dir; a store is open while a face needs it."""
 
 
 class StartupError(Exception):
@@ -100,7 +110,7 @@ class Writer:
     """One writer: its faces, gates and health. :meth:`run` serves until
     :meth:`request_drain`, then drains."""
 
-    def __init__(self, config: Config, *, faces: Mapping[str, FaceServe] = AVAILABLE) -> None:
+    def __init__(self, config: Config, *, faces: Mapping[str, FaceServe] = DATA_FACES) -> None:
         self.config = config
         self.heartbeat = Heartbeat(
             threshold=config.liveness_threshold_ms / 1000,
@@ -111,6 +121,9 @@ class Writer:
         self._drain_requested = trio.Event()
         self._draining = trio.Event()  # seen by the faces
         self._control_stop = trio.Event()
+        # Store open/close: a limiter of its own, never trio's default one.
+        self._maintenance = trio.CapacityLimiter(1)
+        self._stores: dict[str, TierStore] = {}
 
     def request_drain(self) -> None:
         """Start the graceful drain (what SIGTERM does). Idempotent."""
@@ -141,6 +154,7 @@ class Writer:
                     await self._start(
                         control_nursery, "control", config.control_bind, self._serve_control
                     )
+                await self._open_stores(wanted)
                 async with trio.open_nursery() as background:
                     async with trio.open_nursery() as data:
                         for face in wanted:
@@ -153,6 +167,7 @@ class Writer:
                     if data.cancel_scope.cancelled_caught:
                         event(log, logging.WARNING, "shutdown_budget_exhausted")
                     background.cancel_scope.cancel()
+                await self._close_stores()  # every face has returned: no thread uses them
                 event(log, logging.INFO, "stopped")
                 self._control_stop.set()
                 control_nursery.cancel_scope.cancel()
@@ -175,8 +190,24 @@ class Writer:
         gate = gate_for(face, self.config)
         self.health.gates[face] = gate
         background.start_soon(gate.watch_sheds)
-        ctx = FaceContext(face, bind, self.config, gate, self._draining)
+        ctx = FaceContext(face, bind, self.config, gate, self._draining, self._stores)
         await self._start(data, face, bind, partial(self._supervise, ctx))
+
+    async def _open_stores(self, faces: list[str]) -> None:
+        for name, filename in STORE_FILES.items():
+            if name in faces and name in self._faces:
+                path = self.config.data_dir / filename
+                store = await run_in_thread(
+                    partial(TierStore.open, path, synchronous=self.config.sync),
+                    limiter=self._maintenance,
+                )
+                self._stores[name] = store
+                self.health.add_store(name, store)
+
+    async def _close_stores(self) -> None:
+        with trio.CancelScope(shield=True):
+            for store in self._stores.values():
+                await run_in_thread(store.close, limiter=self._maintenance)
 
     async def _supervise(
         self, ctx: FaceContext, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED

@@ -7,6 +7,7 @@ from plain attributes, so a probe is answered however busy the data plane is.
 from __future__ import annotations
 
 import enum
+from functools import partial
 from typing import Any
 
 import attrs
@@ -15,6 +16,11 @@ import trio
 from . import __version__, metrics
 from .admission import Gate
 from .heartbeat import Heartbeat
+from .storage import Store, StoreState
+
+
+def _is_state(store: Store, state: StoreState) -> int:
+    return 1 if store.state is state else 0
 
 
 class FaceState(enum.StrEnum):
@@ -39,10 +45,17 @@ class Health:
         self.faces: dict[str, FaceState] = {}
         self.addresses: dict[str, str] = {}
         self.gates: dict[str, Gate] = {}
-        self.unavailable_stores: dict[str, str] = {}
-        """Store name -> why it cannot serve (e.g. poisoned); filled by the stores' owners."""
+        self.stores: dict[str, Store] = {}
         # Read at scrape time, so /metrics is right without anyone calling /readyz.
         metrics.READY.set_function(lambda: 1 if self.readiness().ready else 0)
+
+    def add_store(self, name: str, store: Store) -> None:
+        """Report on ``store``: readiness, /healthz and ``cmdbus_store_state``."""
+        self.stores[name] = store
+        for state in StoreState:
+            metrics.STORE_STATE.labels(store=name, state=state.value).set_function(
+                partial(_is_state, store, state)
+            )
 
     def readiness(self) -> Readiness:
         reasons: list[str] = []
@@ -55,7 +68,11 @@ class Health:
             for face, state in sorted(self.faces.items())
             if state is not FaceState.LISTENING and not self.draining
         ]
-        reasons += [f"store {name} {why}" for name, why in sorted(self.unavailable_stores.items())]
+        reasons += [
+            f"store {name} poisoned: {store.poisoned_reason}"
+            for name, store in sorted(self.stores.items())
+            if store.state is StoreState.POISONED
+        ]
         return Readiness(not reasons, tuple(reasons))
 
     def summary(self) -> dict[str, Any]:
@@ -82,7 +99,7 @@ class Health:
             },
             "gates": {face: attrs.asdict(gate.statistics()) for face, gate in self.gates.items()},
             "stores": {
-                name: {"state": "unavailable", "reason": why}
-                for name, why in self.unavailable_stores.items()
+                name: {"state": store.state.value, "poisoned_reason": store.poisoned_reason}
+                for name, store in self.stores.items()
             },
         }

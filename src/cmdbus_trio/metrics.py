@@ -84,7 +84,8 @@ SHED = Counter(
 CONNECTIONS = Counter(
     "cmdbus_connections_total",
     "Data-face connections by outcome: accepted when opened; closed, protocol_error, "
-    "write_error, too_large or idle_timeout when they ended.",
+    "write_error, too_large, idle_timeout or internal_error (a bug, logged with its "
+    "traceback) when they ended.",
     ["face", "outcome"],
     registry=REGISTRY,
 )
@@ -105,6 +106,15 @@ LOOP_BLOCKING_CALLS = Counter(
     "cmdbus_loop_blocking_calls_total",
     "Storage entry points called on the event-loop thread (refused; any non-zero is a bug).",
     ["entry"],
+    registry=REGISTRY,
+)
+STORE_STATE = Gauge(
+    "cmdbus_store_state",
+    "1 for the store's current state, 0 for the others: ok; contended (a writer waited "
+    "longer than the contention threshold for the write lock within the last 10 s); "
+    "poisoned (a write failed leaving the disk state unknown: writes are refused until "
+    "restart). Read from memory; a scrape never waits for the store.",
+    ["store", "state"],
     registry=REGISTRY,
 )
 READY = Gauge(

@@ -25,14 +25,11 @@ class FaceContext:
     config: Config
     gate: Gate
     draining: trio.Event
+    stores: Mapping[str, object] = attrs.field(factory=dict)
+    """The open stores by name (``tier``, later the buses'); a face takes the one it needs."""
 
 
 class FaceServe(Protocol):
     def __call__(
         self, ctx: FaceContext, *, task_status: trio.TaskStatus[str] = ...
     ) -> Awaitable[None]: ...
-
-
-AVAILABLE: Mapping[str, FaceServe] = {}
-"""The data faces this build implements, by face name. Faces are added by their issues:
-tier (3), cmd_ingest and cmd_claim (4), evt_ingest, evt_claim and evt_subscribe (5)."""

@@ -1,5 +1,13 @@
 """Synchronous storage engines. Never imports trio; every entry point refuses the loop thread."""
 
+from ._common import Store, StoreState, StoreUnavailable
 from ._guard import LoopThreadError, on_loop_thread, refuses_loop_thread
 
-__all__ = ["LoopThreadError", "on_loop_thread", "refuses_loop_thread"]
+__all__ = [
+    "LoopThreadError",
+    "Store",
+    "StoreState",
+    "StoreUnavailable",
+    "on_loop_thread",
+    "refuses_loop_thread",
+]

@@ -1,0 +1,327 @@
+"""What every data face shares: listening, framing, dialects, timeouts, errors, drain.
+
+A face supplies a :class:`FaceHandler` (how to answer a v1 frame and a v2 request); this
+module runs the connections. Per connection, a reader task turns bytes into frames and
+hands them over an unbuffered channel, so a client that sends faster than we serve is
+held back by TCP, never by our memory; the reader also notices when the client goes
+away, which cancels that connection's read work.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from functools import partial
+from typing import Protocol
+
+import attrs
+import trio
+
+from cmdbus_trio import __version__, metrics
+from cmdbus_trio.admission import DeadlineExceeded, GateClosed, Shed
+from cmdbus_trio.logs import event
+from cmdbus_trio.protocol import (
+    NEED_DATA,
+    ErrorCode,
+    FrameDecoder,
+    LocalProtocolError,
+    RemoteProtocolError,
+    Request,
+    RequestError,
+    detect_dialect,
+    encode_error,
+    encode_frame,
+    encode_hello_reply,
+    parse_request,
+)
+from cmdbus_trio.storage import StoreUnavailable
+
+from . import FaceContext
+
+log = logging.getLogger(__name__)
+
+MAX_INFLIGHT_PER_CONNECTION = 32
+RECEIVE_CHUNK = 65536
+
+
+class FaceError(Exception):
+    """An error answer: v2 ``{"ok": false, "error": …}``, v1 as the face words it."""
+
+    def __init__(self, code: ErrorCode, message: str, retry_after_ms: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.retry_after_ms = retry_after_ms
+
+
+class CloseConnection(Exception):
+    """Close the connection without an answer (v1's documented response to bad input)."""
+
+    def __init__(self, outcome: str = "protocol_error") -> None:
+        super().__init__(outcome)
+        self.outcome = outcome
+
+
+def as_face_error(exc: Exception) -> FaceError | None:
+    """The answer for an exception from admission, the stores or the codecs."""
+    if isinstance(exc, FaceError):
+        return exc
+    if isinstance(exc, Shed):
+        if exc.reason.value == "deadline":
+            return FaceError(ErrorCode.DEADLINE, "the request's budget ran out before it started")
+        return FaceError(ErrorCode.BUSY, exc.reason.value, exc.retry_after_ms)
+    if isinstance(exc, DeadlineExceeded):
+        return FaceError(ErrorCode.DEADLINE, "the request's budget ran out; read work stopped")
+    if isinstance(exc, GateClosed):
+        return FaceError(ErrorCode.UNAVAILABLE, "the writer is draining")
+    if isinstance(exc, StoreUnavailable):
+        return FaceError(ErrorCode.UNAVAILABLE, str(exc))
+    if isinstance(exc, RemoteProtocolError) and not exc.fatal:
+        return FaceError(exc.code, exc.hint)
+    return None
+
+
+@attrs.frozen
+class V1Reply:
+    op: str
+    data: bytes
+    """Sent as it is (a face frames it, or not, as its v1 dialect says)."""
+    outcome: str = "ok"
+
+
+class FaceHandler(Protocol):
+    async def v1(self, frame: bytes, arrival: float) -> V1Reply:
+        """Answer one v1 frame. Raise :class:`CloseConnection` to close instead."""
+        ...
+
+    async def v2(self, request: Request, arrival: float) -> bytes:
+        """Answer one v2 request with its reply body (``{"id": …, "ok": true, …}``).
+        Raise an exception that :func:`as_face_error` maps for an error answer."""
+        ...
+
+
+async def serve(
+    ctx: FaceContext,
+    handler: FaceHandler,
+    *,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Listen on ``ctx.bind`` and serve connections until ``ctx.draining``; then stop
+    accepting, let every connection finish its in-flight requests, and return."""
+    listeners = await trio.open_tcp_listeners(ctx.bind.port, host=ctx.bind.host)
+    async with trio.open_nursery() as connections:
+        async with trio.open_nursery() as acceptor:
+            handle = partial(_Connection.run, ctx, handler)
+            await acceptor.start(
+                partial(trio.serve_listeners, handle, listeners, handler_nursery=connections)
+            )
+            host, port = listeners[0].socket.getsockname()[:2]
+            task_status.started(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+            await ctx.draining.wait()
+            acceptor.cancel_scope.cancel()
+        for listener in listeners:  # new clients are refused; connections finish
+            await listener.aclose()
+
+
+class _Connection:
+    def __init__(self, ctx: FaceContext, handler: FaceHandler, stream: trio.SocketStream) -> None:
+        self.ctx = ctx
+        self.face = ctx.name
+        self.handler = handler
+        self.stream = stream
+        self.decoder = FrameDecoder(ctx.config.max_request_bytes)
+        self.max_reply = ctx.config.max_reply_bytes
+        self.send_lock = trio.Lock()
+        self.outcome = "closed"
+        self.peer_gone = False
+        self.dialect_v2 = False
+
+    @classmethod
+    async def run(cls, ctx: FaceContext, handler: FaceHandler, stream: trio.SocketStream) -> None:
+        connection = cls(ctx, handler, stream)
+        metrics.CONNECTIONS.labels(face=connection.face, outcome="accepted").inc()
+        try:
+            async with stream:
+                await connection._serve()
+        except Exception as exc:
+            # A bug met by one connection closes that connection only; the face and
+            # every other client keep going.
+            connection._end("internal_error")
+            event(log, logging.ERROR, "connection_failed", face=connection.face, exc_info=exc)
+        finally:
+            metrics.CONNECTIONS.labels(face=connection.face, outcome=connection.outcome).inc()
+
+    def _end(self, outcome: str) -> None:
+        if self.outcome == "closed":  # the first reason wins
+            self.outcome = outcome
+
+    async def _serve(self) -> None:
+        send_frames, receive_frames = trio.open_memory_channel[tuple[bytes, float]](0)
+        async with trio.open_nursery() as nursery:
+            requests = trio.CancelScope()
+            nursery.start_soon(self._read_frames, send_frames, requests)
+            with requests:
+                async with receive_frames:
+                    await self._dispatch(receive_frames)
+            nursery.cancel_scope.cancel()
+
+    # --- reading -----------------------------------------------------------------------
+
+    async def _read_frames(
+        self, out: trio.MemorySendChannel[tuple[bytes, float]], requests: trio.CancelScope
+    ) -> None:
+        config = self.ctx.config
+        async with out, trio.open_nursery() as reading:
+            reading.start_soon(self._stop_reading_on_drain, reading.cancel_scope)
+            await self._read_loop(out, config.idle_timeout_ms, config.read_timeout_ms)
+            reading.cancel_scope.cancel()
+        if self.peer_gone:
+            requests.cancel()  # nobody to answer: stop read work (started writes finish)
+
+    async def _stop_reading_on_drain(self, reading: trio.CancelScope) -> None:
+        await self.ctx.draining.wait()
+        reading.cancel()
+
+    async def _read_loop(
+        self, out: trio.MemorySendChannel[tuple[bytes, float]], idle_ms: int, read_ms: int
+    ) -> None:
+        while True:
+            try:
+                frame = self.decoder.next_frame()
+            except RemoteProtocolError as exc:
+                await self._fatal(exc)
+                return
+            if isinstance(frame, bytes):
+                await out.send((frame, trio.current_time()))
+                continue
+            if frame is not NEED_DATA:  # CLOSED: the peer finished cleanly
+                self.peer_gone = True
+                return
+            timeout = (read_ms if self.decoder.in_partial_frame else idle_ms) / 1000
+            with trio.move_on_after(timeout) as waited:
+                try:
+                    data = await self.stream.receive_some(RECEIVE_CHUNK)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    data = b""
+            if waited.cancelled_caught:
+                self._end("idle_timeout")
+                return
+            self.decoder.receive_data(data)
+
+    async def _fatal(self, exc: RemoteProtocolError) -> None:
+        too_large = exc.code is ErrorCode.TOO_LARGE
+        self._end("too_large" if too_large else "protocol_error")
+        if self.dialect_v2 and too_large:  # v1 just closes
+            await self._send(encode_frame(encode_error(None, exc.code, exc.hint)))
+
+    # --- dispatching ---------------------------------------------------------------------
+
+    async def _dispatch(self, frames: trio.MemoryReceiveChannel[tuple[bytes, float]]) -> None:
+        try:
+            first, arrival = await frames.receive()
+        except trio.EndOfChannel:
+            return
+        try:
+            hello = detect_dialect(first)
+        except RemoteProtocolError as exc:
+            self._end("protocol_error")
+            await self._send(encode_frame(encode_error(None, exc.code, exc.hint)))
+            return
+        if hello is None:
+            await self._v1(first, arrival)
+            async for frame, arrival in frames:
+                if not await self._v1(frame, arrival):
+                    return
+            return
+        self.dialect_v2 = True
+        await self._send(
+            encode_frame(
+                encode_hello_reply(
+                    server=f"cmdbus-trio {__version__}",
+                    face=self.face,
+                    max_request_bytes=self.ctx.config.max_request_bytes,
+                    max_reply_bytes=self.max_reply,
+                )
+            )
+        )
+        slots = trio.CapacityLimiter(MAX_INFLIGHT_PER_CONNECTION)
+        async with trio.open_nursery() as inflight:
+            async for frame, arrival in frames:
+                try:
+                    request = parse_request(frame)
+                except RequestError as exc:
+                    await self._send_v2_error(exc.request_id, "unknown", exc, arrival)
+                    continue
+                except RemoteProtocolError as exc:  # unparseable: answer, then close
+                    self._end("protocol_error")
+                    await self._send(encode_frame(encode_error(None, exc.code, exc.hint)))
+                    return
+                slot = object()  # a hashable borrower token per request
+                await slots.acquire_on_behalf_of(slot)
+                inflight.start_soon(self._v2, request, arrival, slots, slot)
+
+    async def _v1(self, frame: bytes, arrival: float) -> bool:
+        try:
+            reply = await self.handler.v1(frame, arrival)
+        except CloseConnection as close:
+            self._end(close.outcome)
+            return False
+        sent = await self._send(reply.data)
+        self._observe(reply.op, reply.outcome, arrival)
+        return sent
+
+    async def _v2(
+        self, request: Request, arrival: float, slots: trio.CapacityLimiter, slot: object
+    ) -> None:
+        try:
+            try:
+                body = await self.handler.v2(request, arrival)
+            except Exception as exc:
+                await self._send_v2_error(request.id, request.op, exc, arrival)
+                return
+            try:
+                frame = encode_frame(body, self.max_reply)
+            except LocalProtocolError as exc:
+                await self._send_v2_error(
+                    request.id, request.op, FaceError(exc.code, exc.hint), arrival
+                )
+                return
+            await self._send(frame)
+            self._observe(request.op, "ok", arrival)
+        finally:
+            slots.release_on_behalf_of(slot)
+
+    async def _send_v2_error(
+        self, request_id: int | None, op: str, exc: Exception, arrival: float
+    ) -> None:
+        error = as_face_error(exc)
+        if error is None:
+            event(log, logging.ERROR, "request_failed", face=self.face, op=op, exc_info=exc)
+            error = FaceError(ErrorCode.INTERNAL, f"internal error ({type(exc).__name__})")
+        await self._send(
+            encode_frame(
+                encode_error(
+                    request_id, error.code, error.message, retry_after_ms=error.retry_after_ms
+                )
+            )
+        )
+        self._observe(op, error.code.value, arrival)
+
+    def _observe(self, op: str, outcome: str, arrival: float) -> None:
+        metrics.REQUEST_DURATION.labels(face=self.face, op=op, outcome=outcome).observe(
+            trio.current_time() - arrival
+        )
+
+    async def _send(self, data: bytes) -> bool:
+        """Send whole, in order; a peer that does not read for a read timeout is cut off.
+        Returns False (and ends the connection) when the reply could not be delivered."""
+        timeout = self.ctx.config.read_timeout_ms / 1000
+        async with self.send_lock:
+            try:
+                with trio.fail_after(timeout if math.isfinite(timeout) else math.inf):
+                    await self.stream.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError):
+                self._end("write_error")
+                self.peer_gone = True
+                return False
+        return True

@@ -1,0 +1,237 @@
+"""The tier face (:9110): per-execution history, both dialects (PROTOCOL.md, "Tier face").
+
+``health`` is answered on the connection, without a Gate slot. Every other request is
+admitted by the tier Gate and then runs whole — payload checks, store work, reply
+encoding — in **one** worker thread call. Reads work page by page, checking for
+cancellation between pages, and stop adding records when the reply would pass the reply
+cap (v2: fewer records and ``next_after``; v1: the documented text error).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import trio
+
+from cmdbus_trio.protocol import (
+    ErrorCode,
+    RemoteProtocolError,
+    Request,
+    dumps,
+    encode_frame,
+    encode_ok,
+)
+from cmdbus_trio.protocol import tier as codec
+from cmdbus_trio.storage.tier import NewRecord, TierRecord, TierStore, VersionConflict
+
+from . import FaceContext
+from ._connection import FaceError, V1Reply, as_face_error
+from ._connection import serve as serve_connections
+
+__all__ = ["TierHandler", "serve"]
+
+_NO_ID = -1  # marks a v1 request in the thread functions
+
+
+class TierHandler:
+    def __init__(self, ctx: FaceContext, store: TierStore) -> None:
+        self.gate = ctx.gate
+        self.store = store
+        self.max_reply = ctx.config.max_reply_bytes
+
+    # --- dialects ------------------------------------------------------------------------
+
+    async def v1(self, frame: bytes, arrival: float) -> V1Reply:
+        try:
+            request = codec.decode_v1(frame)
+        except codec.FieldError as exc:
+            message = exc.op if isinstance(exc, codec.UnsupportedOp) else exc.hint
+            return V1Reply(
+                "unknown", self._v1_text(codec.v1_error(exc.code, message)), exc.code.value
+            )
+        except RemoteProtocolError as exc:
+            return V1Reply(
+                "unknown", self._v1_text(codec.v1_error(ErrorCode.INVALID, exc.hint)), "invalid"
+            )
+        if isinstance(request, codec.Health):
+            return V1Reply("health", encode_frame(codec.V1_HEALTH_REPLY))
+        try:
+            body = await self._run(request, arrival, None, _NO_ID)
+        except Exception as exc:
+            error = as_face_error(exc)
+            if error is None:
+                raise
+            text = codec.v1_error(error.code, error.message, error.retry_after_ms)
+            return V1Reply(request.op, self._v1_text(text), error.code.value)
+        return V1Reply(request.op, encode_frame(body))
+
+    def _v1_text(self, text: bytes) -> bytes:
+        return encode_frame(text[: self.max_reply])
+
+    async def v2(self, request: Request, arrival: float) -> bytes:
+        tier_request = codec.decode_op(request.op, request.fields)
+        if isinstance(tier_request, codec.Health):
+            return encode_ok(request.id, {"status": "ok", "service": "tier-service"})
+        budget = None if request.deadline_ms is None else request.deadline_ms / 1000
+        return await self._run(tier_request, arrival, budget, request.id)
+
+    async def _run(
+        self, request: codec.TierRequest, arrival: float, budget: float | None, request_id: int
+    ) -> bytes:
+        with await self.gate.acquire(request.op, budget=budget, arrival=arrival) as lease:
+            if request.op in codec.WRITE_OPS:
+                return await lease.run_to_completion(self._write, request, request_id)
+            return await lease.run_cancellable(self._read, request, request_id)
+
+    # --- in the worker thread ------------------------------------------------------------
+
+    def _reply(self, request_id: int, body: dict[str, Any]) -> bytes:
+        return dumps(body) if request_id == _NO_ID else encode_ok(request_id, body)
+
+    def _write(self, request: codec.TierRequest, request_id: int) -> bytes:
+        if isinstance(request, codec.Append):
+            records = [
+                NewRecord(
+                    request.payload, request.transaction_id, codec.payload_event_id(request.payload)
+                )
+            ]
+            expected = request.expected_version
+        elif isinstance(request, codec.AppendBatch):
+            # Every payload is checked before anything is stored: a bad one refuses the batch.
+            records = [
+                NewRecord(
+                    payload,
+                    request.transaction_id,
+                    codec.payload_event_id(payload, f"payloads[{i}]"),
+                )
+                for i, payload in enumerate(request.payloads)
+            ]
+            expected = None
+        else:
+            raise AssertionError(request)
+        try:
+            results = self.store.append_batch(
+                request.tier, request.execution_id, records, expected_version=expected
+            )
+        except VersionConflict as exc:
+            raise FaceError(ErrorCode.CONFLICT, str(exc)) from None
+        bodies = [
+            codec.append_body(r.global_sequence, r.log_record_count, r.deduplicated)
+            for r in results
+        ]
+        if isinstance(request, codec.Append):
+            return self._reply(request_id, bodies[0])
+        return self._reply(request_id, codec.append_batch_body(bodies))
+
+    def _read(self, request: codec.TierRequest, request_id: int) -> bytes:
+        head: dict[str, Any] = {} if request_id == _NO_ID else {"id": request_id, "ok": True}
+        if isinstance(request, codec.ReadExecution):
+            count = self.store.execution_count(request.tier, request.execution_id)
+            head |= {
+                "action": f"{request.tier}-read-execution",
+                "execution_id": request.execution_id,
+                "exists": count is not None,
+                "record_count": count or 0,
+            }
+            pages = self.store.iter_execution(
+                request.tier, request.execution_id, after=request.after
+            )
+        elif isinstance(request, codec.Scan):
+            pages = self.store.iter_scan(request.tier, after=request.after)
+        else:
+            raise AssertionError(request)
+        with_returned = isinstance(request, codec.ReadExecution)
+        if request_id == _NO_ID:
+            return self._read_v1(head, pages, request.limit, with_returned)
+        return self._read_v2(head, pages, request.limit, with_returned)
+
+    def _read_v2(self, head: dict[str, Any], pages: Any, limit: int, with_returned: bool) -> bytes:
+        # Sizes are checked against the largest head and tail this reply can have.
+        worst_head = head | ({"returned": limit} if with_returned else {})
+        worst_tail = {"next_after": 1 << 63}
+        fragments: list[bytes] = []
+        size = 0
+        last: int | None = None
+        more = False
+        for page in _pages(pages):
+            for record in page:
+                if len(fragments) == limit:
+                    more = True
+                    break
+                fragment = _fragment(record)
+                total = codec.reply_size(
+                    worst_head, size + len(fragment), len(fragments) + 1, worst_tail
+                )
+                if total > self.max_reply:
+                    if not fragments:
+                        raise FaceError(
+                            ErrorCode.TOO_LARGE,
+                            f"record {record.global_sequence} alone needs a reply of {total} "
+                            f"bytes, over the {self.max_reply}-byte cap",
+                        )
+                    more = True
+                    break
+                fragments.append(fragment)
+                size += len(fragment)
+                last = record.global_sequence
+            if more:
+                break
+        if with_returned:
+            head["returned"] = len(fragments)
+        return codec.with_records(head, fragments, {"next_after": last if more else None})
+
+    def _read_v1(self, head: dict[str, Any], pages: Any, limit: int, with_returned: bool) -> bytes:
+        # v1 has no paging: up to `limit` records, or the documented error with the size
+        # the reply would have had (counted without keeping what does not fit).
+        fragments: list[bytes] = []
+        sizes = 0
+        count = 0
+        last = None
+        more = False
+        for page in _pages(pages):
+            for record in page:
+                if count == limit:
+                    more = True
+                    break
+                fragment = _fragment(record)
+                sizes += len(fragment)
+                count += 1
+                last = record.global_sequence
+                if sizes <= self.max_reply:  # past the cap the reply is refused anyway
+                    fragments.append(fragment)
+            if more:
+                break
+        if with_returned:
+            head["returned"] = count
+        tail = {} if with_returned else {"next_after": last if more else None}
+        total = codec.reply_size(head, sizes, count, tail)
+        if total > self.max_reply:
+            raise FaceError(ErrorCode.TOO_LARGE, codec.too_large_message(total, self.max_reply))
+        return codec.with_records(head, fragments, tail)
+
+
+def _pages(pages: Any) -> Any:
+    """The store's pages, with a cancellation check before each: an expired budget or a
+    vanished client stops the thread within one page."""
+    for page in pages:
+        trio.from_thread.check_cancelled()
+        yield page
+
+
+def _fragment(record: TierRecord) -> bytes:
+    return codec.record_fragment(
+        record.global_sequence,
+        record.execution_id,
+        record.transaction_id,
+        record.byte_len,
+        record.payload,
+    )
+
+
+async def serve(
+    ctx: FaceContext, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
+) -> None:
+    store = ctx.stores["tier"]
+    if not isinstance(store, TierStore):
+        raise TypeError(f"the tier face needs a TierStore, got {store!r}")
+    await serve_connections(ctx, TierHandler(ctx, store), task_status=task_status)

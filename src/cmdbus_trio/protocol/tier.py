@@ -1,0 +1,301 @@
+"""The tier face's requests and replies, both dialects (PROTOCOL.md, "Tier face").
+
+Decoding checks every field and names the bad one; it never touches a store. Reply
+encoding works on pre-encoded record fragments so that a page can be cut by bytes.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
+
+import attrs
+
+from ._errors import ErrorCode, RemoteProtocolError
+from ._json import dumps, loads
+
+TIERS: Final = ("eventlog", "projection", "catalog")
+DEFAULT_TIER: Final = "eventlog"
+MAX_RECORDS_PER_REPLY: Final = 1000
+DEFAULT_SCAN_LIMIT: Final = 100
+MAX_BATCH: Final = 10_000
+MAX_TRANSACTION_ID: Final = 256
+V1_HEALTH_REPLY: Final = b"ok tier-service v1"
+
+_EXECUTION_ID = re.compile(r"[A-Za-z0-9_.:+-]{1,128}")
+_I64 = range(-(1 << 63), 1 << 63)
+
+
+class FieldError(RemoteProtocolError):
+    """A request field is missing or malformed; ``str()`` starts with the field's name."""
+
+    def __init__(self, field: str, why: str, code: ErrorCode = ErrorCode.INVALID) -> None:
+        super().__init__(f"{field}: {why}", code=code, fatal=False)
+
+
+class UnsupportedOp(FieldError):
+    def __init__(self, op: str) -> None:
+        super().__init__(
+            "op", f"unknown op {op!r}; ops: {', '.join(_FIELDS)}", ErrorCode.UNSUPPORTED
+        )
+        self.op = op
+
+
+@attrs.frozen
+class Health:
+    op = "health"
+
+
+@attrs.frozen
+class Append:
+    tier: str
+    execution_id: str
+    payload: str
+    transaction_id: str = ""
+    expected_version: int | None = None
+    op = "append"
+
+
+@attrs.frozen
+class AppendBatch:
+    tier: str
+    execution_id: str
+    payloads: tuple[str, ...]
+    transaction_id: str = ""
+    op = "append_batch"
+
+
+@attrs.frozen
+class ReadExecution:
+    tier: str
+    execution_id: str
+    after: int = 0
+    limit: int = MAX_RECORDS_PER_REPLY
+    op = "read_execution"
+
+
+@attrs.frozen
+class Scan:
+    tier: str
+    after: int = 0
+    limit: int = DEFAULT_SCAN_LIMIT
+    op = "scan"
+
+
+TierRequest = Health | Append | AppendBatch | ReadExecution | Scan
+WRITE_OPS: Final = frozenset({"append", "append_batch"})
+
+_FIELDS: Final[dict[str, frozenset[str]]] = {
+    "health": frozenset({"tier"}),
+    "append": frozenset({"tier", "execution_id", "payload", "transaction_id", "expected_version"}),
+    "append_batch": frozenset({"tier", "execution_id", "payloads", "transaction_id"}),
+    "read_execution": frozenset({"tier", "execution_id", "after", "limit"}),
+    "scan": frozenset({"tier", "after", "limit"}),
+}
+
+
+def decode_v1(frame: bytes) -> TierRequest:
+    """A v1 request: the bare text ``health``, or a JSON object with ``op``.
+
+    Error handling: :class:`FieldError` (answer ``invalid …`` / ``unsupported …``), or a
+    fatal :class:`RemoteProtocolError` when the frame is not JSON.
+    """
+    if frame.strip() == b"health":
+        return Health()
+    value = loads(frame)
+    if not isinstance(value, dict):
+        raise FieldError("request", "expected a JSON object or the text health")
+    op = value.get("op")
+    if not isinstance(op, str):
+        raise FieldError("op", "expected a string")
+    # v1 is what NoETL clients send: members we do not know are ignored, not refused.
+    return decode_op(op, {k: v for k, v in value.items() if k != "op"}, strict=False)
+
+
+def decode_op(op: str, fields: Mapping[str, Any], *, strict: bool = True) -> TierRequest:
+    """The request for ``op`` from its fields (v2: the envelope's other members)."""
+    known = _FIELDS.get(op)
+    if known is None:
+        raise UnsupportedOp(op)
+    if strict and (unknown := sorted(set(fields) - known)):
+        raise FieldError(unknown[0], "unknown field")
+    tier = _tier(fields)
+    if op == "health":
+        return Health()
+    if op == "scan":
+        return Scan(tier, _after(fields), _limit(fields, DEFAULT_SCAN_LIMIT))
+    execution_id = execution_id_field(fields)
+    if op == "read_execution":
+        return ReadExecution(
+            tier, execution_id, _after(fields), _limit(fields, MAX_RECORDS_PER_REPLY)
+        )
+    transaction_id = _transaction_id(fields)
+    if op == "append":
+        expected = fields.get("expected_version")
+        if expected is not None and not (_is_int(expected) and expected >= 0):
+            raise FieldError("expected_version", "expected a non-negative integer")
+        return Append(
+            tier, execution_id, _payload(fields.get("payload"), "payload"), transaction_id, expected
+        )
+    payloads = fields.get("payloads")
+    if not isinstance(payloads, list) or not 1 <= len(payloads) <= MAX_BATCH:
+        raise FieldError("payloads", f"expected a list of 1 to {MAX_BATCH} payloads")
+    checked = tuple(_payload(item, f"payloads[{i}]") for i, item in enumerate(payloads))
+    return AppendBatch(tier, execution_id, checked, transaction_id)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _tier(fields: Mapping[str, Any]) -> str:
+    tier = fields.get("tier", DEFAULT_TIER)
+    if tier is None:
+        return DEFAULT_TIER
+    if tier not in TIERS:
+        raise FieldError("tier", f"unknown tier {tier!r}; tiers: {', '.join(TIERS)}")
+    return str(tier)
+
+
+def execution_id_field(fields: Mapping[str, Any]) -> str:
+    """The execution id as text: an integer (fitting i64) or 1-128 characters of
+    ``A-Z a-z 0-9 _ . : + -``. Ids are data, never paths."""
+    value = fields.get("execution_id")
+    if _is_int(value):
+        if value not in _I64:
+            raise FieldError("execution_id", "integer out of the signed 64-bit range")
+        return str(value)
+    if isinstance(value, str) and _EXECUTION_ID.fullmatch(value):
+        return value
+    raise FieldError(
+        "execution_id", "expected an integer or 1-128 characters of A-Z a-z 0-9 _ . : + -"
+    )
+
+
+def _transaction_id(fields: Mapping[str, Any]) -> str:
+    value = fields.get("transaction_id", "")
+    if value is None:
+        return ""
+    if not isinstance(value, str) or len(value) > MAX_TRANSACTION_ID:
+        raise FieldError(
+            "transaction_id", f"expected a string of at most {MAX_TRANSACTION_ID} characters"
+        )
+    return value
+
+
+def _payload(value: Any, field: str) -> str:
+    if not isinstance(value, str):
+        raise FieldError(field, "expected JSON text (a string)")
+    return value
+
+
+def _after(fields: Mapping[str, Any]) -> int:
+    after = fields.get("after", 0)
+    if after is None:
+        return 0
+    if not (_is_int(after) and after >= 0):
+        raise FieldError("after", "expected a non-negative integer")
+    return int(after)
+
+
+def _limit(fields: Mapping[str, Any], default: int) -> int:
+    limit = fields.get("limit", default)
+    if limit is None:
+        return default
+    if not _is_int(limit):
+        raise FieldError("limit", "expected an integer")
+    return max(1, min(MAX_RECORDS_PER_REPLY, int(limit)))  # clamped, as PROTOCOL.md says
+
+
+def payload_event_id(payload: str, field: str = "payload") -> str | None:
+    """Check that a payload is JSON text and return its ``event_id`` as canonical JSON
+    text (``None`` when it has none). Runs in the request's worker thread: it parses
+    the whole payload."""
+    try:
+        value = loads(payload.encode())
+    except RemoteProtocolError:
+        raise FieldError(field, "not valid JSON text") from None
+    if isinstance(value, dict) and value.get("event_id") is not None:
+        return dumps(value["event_id"]).decode()
+    return None
+
+
+# --- replies -------------------------------------------------------------------------
+
+
+def append_body(global_sequence: int, log_record_count: int, deduplicated: bool) -> dict[str, Any]:
+    return {
+        "appended": True,
+        "global_sequence": global_sequence,
+        "log_record_count": log_record_count,
+        "deduplicated": deduplicated,
+    }
+
+
+def append_batch_body(bodies: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "action": "ehdb.tier.append_batch",
+        "outcome": "ok",
+        "appended": sum(1 for body in bodies if not body["deduplicated"]),
+        "requested": len(bodies),
+        "results": [{"ok": True, "body": body} for body in bodies],
+    }
+
+
+def record_fragment(
+    global_sequence: int, execution_id: str, transaction_id: str, byte_len: int, payload: str
+) -> bytes:
+    """One record of a read reply, encoded: replies are assembled from these fragments."""
+    return dumps(
+        {
+            "global_sequence": global_sequence,
+            "execution_id": execution_id,
+            "transaction_id": transaction_id,
+            "byte_len": byte_len,
+            "payload": payload,
+        }
+    )
+
+
+def with_records(head: dict[str, Any], fragments: Sequence[bytes], tail: dict[str, Any]) -> bytes:
+    """``head`` + ``"records": [fragments]`` + ``tail`` as one JSON object."""
+    parts = [dumps(head)[:-1]]
+    if head:
+        parts.append(b",")
+    parts += [b'"records":[', b",".join(fragments), b"]"]
+    if tail:
+        parts += [b",", dumps(tail)[1:-1]]
+    parts.append(b"}")
+    return b"".join(parts)
+
+
+def reply_size(head: dict[str, Any], fragment_sizes: int, count: int, tail: dict[str, Any]) -> int:
+    """The size :func:`with_records` would produce, without building it."""
+    return (
+        len(dumps(head))
+        - 1
+        + (1 if head else 0)
+        + len(b'"records":[]')
+        + fragment_sizes
+        + max(0, count - 1)
+        + (len(dumps(tail)) - 1 if tail else 0)
+        + 1
+    )
+
+
+def v1_error(code: ErrorCode, message: str, retry_after_ms: int | None = None) -> bytes:
+    """The v1 text error: ``invalid <why>``, ``unsupported <op>``, ``unavailable <why>``,
+    ``busy <reason> retry_after_ms=<n>``, else ``error <why>``."""
+    if code is ErrorCode.BUSY:
+        return f"busy {message} retry_after_ms={retry_after_ms or 0}".encode()
+    word = (
+        code.value
+        if code in (ErrorCode.INVALID, ErrorCode.UNSUPPORTED, ErrorCode.UNAVAILABLE)
+        else "error"
+    )
+    return f"{word} {message}".encode()
+
+
+def too_large_message(size: int, cap: int) -> str:
+    return f"reply of {size} bytes exceeds the {cap}-byte cap; page the query"

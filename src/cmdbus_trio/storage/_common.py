@@ -1,0 +1,27 @@
+from __future__ import annotations
+
+import enum
+from typing import Protocol
+
+
+class StoreState(enum.StrEnum):
+    """``cmdbus_store_state``: ok; contended (a writer waited past the threshold
+    recently); poisoned (a write failed with the disk state unknown: writes refused)."""
+
+    OK = "ok"
+    CONTENDED = "contended"
+    POISONED = "poisoned"
+
+
+class StoreUnavailable(Exception):
+    """The store refuses writes: it is poisoned (or closed)."""
+
+
+class Store(Protocol):
+    """What the writer needs of every store to report on it, without blocking."""
+
+    @property
+    def state(self) -> StoreState: ...
+
+    @property
+    def poisoned_reason(self) -> str | None: ...

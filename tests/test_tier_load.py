@@ -1,0 +1,191 @@
+"""The tier face under load and faults: shedding, disconnects, SIGKILL, poisoning."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sqlite3
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import trio
+
+from cmdbus_trio import metrics
+from cmdbus_trio.admission import run_in_thread
+from cmdbus_trio.config import Config
+from cmdbus_trio.storage.tier import NewRecord, TierRecord, TierStore
+
+from .helpers import frame_client, get, running_writer, serving
+
+
+async def test_overload_sheds_busy_while_healthz_answers_within_1s(tmp_path: Path) -> None:
+    tiny_gate = {
+        "CMDBUS_TIER_MAX_INFLIGHT": "1",
+        "CMDBUS_TIER_MAX_WAITERS": "1",
+        "CMDBUS_TIER_SHED_AFTER_MS": "50",
+    }
+    with serving(tmp_path, **tiny_gate) as (_, ports):
+        outcomes: dict[str, int] = {}
+        busy_replies: list[dict[str, object]] = []
+        probes: list[int] = []
+
+        async def client(n: int) -> None:
+            async with frame_client(ports["tier"]) as tier:
+                for i in range(40):
+                    reply = await tier.request(
+                        "append", execution_id=f"load-{n}", payload=json.dumps({"i": i})
+                    )
+                    code = "ok" if reply["ok"] else reply["error"]["code"]
+                    outcomes[code] = outcomes.get(code, 0) + 1
+                    if code == "busy":
+                        busy_replies.append(reply["error"])
+
+        async def probe(done: trio.Event) -> None:
+            while not done.is_set():
+                with trio.fail_after(1):  # the point of the whole design
+                    probes.append((await get(ports["control"], "/healthz")).status)
+                await trio.sleep(0.02)
+
+        with trio.fail_after(60):
+            done = trio.Event()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(probe, done)
+                async with trio.open_nursery() as clients:
+                    for n in range(12):
+                        clients.start_soon(client, n)
+                done.set()
+        assert outcomes.get("busy", 0) > 0, outcomes
+        assert outcomes.get("ok", 0) > 0, outcomes
+        assert set(outcomes) <= {"ok", "busy"}, outcomes
+        assert all(error["message"] in ("waiters_full", "queue_timeout") for error in busy_replies)
+        assert all(error["retry_after_ms"] == 50 for error in busy_replies)
+        assert probes and set(probes) == {200}
+        text = (await get(ports["control"], "/metrics")).body.decode()
+        assert 'cmdbus_shed_total{face="tier",op="append",reason=' in text
+        assert 'outcome="busy"' in text
+
+
+async def test_a_client_leaving_mid_read_frees_its_slot_within_a_page(
+    make_config: Callable[..., Config],
+) -> None:
+    config = make_config(tier_bind="127.0.0.1:0", tier_max_inflight=1)
+    pages_served: list[int] = []
+    with trio.fail_after(30):
+        async with running_writer(config) as (writer, addresses):
+            store = writer._stores["tier"]
+            records = [NewRecord(json.dumps({"i": i})) for i in range(4000)]
+            await run_in_thread(
+                store.append_batch, "eventlog", "big", records, limiter=trio.CapacityLimiter(1)
+            )
+            original = store.iter_execution
+
+            def slow_pages(
+                tier: str, execution_id: str, *, after: int = 0
+            ) -> Iterator[list[TierRecord]]:
+                for page in original(tier, execution_id, after=after):
+                    pages_served.append(len(page))
+                    time.sleep(0.3)  # a page of slow work
+                    yield page
+
+            store.iter_execution = slow_pages  # type: ignore[method-assign]
+            gate = writer.health.gates["tier"]
+            async with frame_client(addresses["tier"]) as client:
+                await client.send(b'{"id": 1, "op": "read_execution", "execution_id": "big"}')
+                while gate.statistics().inflight == 0:
+                    await trio.sleep(0.01)
+            left_at = trio.current_time()
+            while gate.statistics().inflight:
+                await trio.sleep(0.01)
+            freed_after = trio.current_time() - left_at
+    assert len(pages_served) < 4  # a full read needs 4 pages of 256 records (limit 1000)
+    assert freed_after < 2.0
+
+
+async def test_sigkill_after_acknowledged_appends_loses_nothing(tmp_path: Path) -> None:
+    acked: dict[str, list[int]] = {}
+    killed = trio.Event()
+
+    async def writer_client(n: int, address: str) -> None:
+        execution = f"durable-{n}"
+        acked[execution] = []
+        try:
+            async with frame_client(address) as client:
+                for i in range(1000):
+                    reply = await client.request(
+                        "append", execution_id=execution, payload=json.dumps({"i": i})
+                    )
+                    assert reply["ok"], reply
+                    acked[execution].append(reply["global_sequence"])
+        except (trio.BrokenResourceError, AssertionError):
+            assert killed.is_set()  # only the kill may stop a client
+
+    with serving(tmp_path) as (process, ports), trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            for n in range(4):
+                nursery.start_soon(writer_client, n, ports["tier"])
+            while sum(map(len, acked.values())) < 200:
+                await trio.sleep(0.01)
+            killed.set()
+            process.send_signal(signal.SIGKILL)
+        process.wait()
+    total = sum(map(len, acked.values()))
+    assert total >= 200
+    with serving(tmp_path) as (_, ports), trio.fail_after(30):
+        async with frame_client(ports["tier"]) as client:
+            for execution, sequences in acked.items():
+                stored: list[int] = []
+                after = 0
+                while after is not None:
+                    page = await client.request(
+                        "read_execution", execution_id=execution, after=after
+                    )
+                    stored += [record["global_sequence"] for record in page["records"]]
+                    after = page["next_after"]
+                missing = set(sequences) - set(stored)
+                assert not missing, f"{execution}: acknowledged but lost: {sorted(missing)[:10]}"
+            # Sequences keep ascending after the restart: none is reused.
+            reply = await client.request("append", execution_id="after-restart", payload="{}")
+            assert reply["global_sequence"] > max(max(s) for s in acked.values() if s)
+
+
+async def test_a_poisoned_store_refuses_writes_and_the_writer_turns_unready(
+    make_config: Callable[..., Config],
+) -> None:
+    config = make_config(tier_bind="127.0.0.1:0")
+    with trio.fail_after(30):
+        async with running_writer(config) as (writer, addresses):
+            control = addresses["control"]
+            store: TierStore = writer._stores["tier"]
+            async with frame_client(addresses["tier"]) as client:
+                assert (await client.request("append", execution_id="p", payload="{}"))["ok"]
+
+                def io_error() -> None:
+                    error = sqlite3.OperationalError("disk I/O error")
+                    error.sqlite_errorcode = 10  # type: ignore[attr-defined]
+                    raise error
+
+                store.before_commit = io_error
+                failed = await client.request("append", execution_id="p", payload="{}")
+                store.before_commit = None
+                assert failed["error"]["code"] == "unavailable"
+                assert "poisoned" in failed["error"]["message"]
+                again = await client.request("append", execution_id="p", payload="{}")
+                assert again["error"]["code"] == "unavailable"
+                read = await client.request("read_execution", execution_id="p")
+                assert read["record_count"] == 1  # reads keep working
+                assert (await client.request("health"))["ok"]
+            async with frame_client(addresses["tier"], v2=False) as v1:
+                reply = await v1.v1({"op": "append", "execution_id": "p", "payload": "{}"})
+                assert reply is not None and reply.startswith(b"unavailable tier store is poisoned")
+            readyz = await get(control, "/readyz")
+            assert readyz.status == 503
+            assert readyz.json()["reasons"] == [
+                "store tier poisoned: OperationalError: disk I/O error"
+            ]
+            health = (await get(control, "/healthz")).json()
+            assert health["stores"]["tier"]["state"] == "poisoned"
+            state = metrics.REGISTRY.get_sample_value(
+                "cmdbus_store_state", {"store": "tier", "state": "poisoned"}
+            )
+            assert state == 1

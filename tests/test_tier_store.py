@@ -1,0 +1,237 @@
+from __future__ import annotations
+
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from cmdbus_trio.storage.tier import (
+    PAGE_ROWS,
+    TIERS,
+    NewRecord,
+    StoreState,
+    StoreUnavailable,
+    TierStore,
+    VersionConflict,
+)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> TierStore:
+    opened = TierStore.open(tmp_path / "tier.sqlite3")
+    yield opened  # type: ignore[misc]
+    opened.close()
+
+
+def rec(payload: str = '{"a": 1}', event_id: str | None = None, tx: str = "") -> NewRecord:
+    return NewRecord(payload=payload, transaction_id=tx, event_id=event_id)
+
+
+def read_all(store: TierStore, tier: str, execution_id: str, after: int = 0) -> list[int]:
+    return [
+        r.global_sequence
+        for page in store.iter_execution(tier, execution_id, after=after)
+        for r in page
+    ]
+
+
+def test_open_uses_wal(store: TierStore) -> None:
+    mode = sqlite3.connect(store.path).execute("PRAGMA journal_mode").fetchone()[0]
+    assert mode == "wal"
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_append_and_read_back_in_each_tier(store: TierStore, tier: str) -> None:
+    first = store.append(tier, "e1", rec('{"n": 1}', tx="t1"))
+    second = store.append(tier, "e1", rec('{"n": "é"}'))
+    assert (first.global_sequence, first.log_record_count, first.deduplicated) == (1, 1, False)
+    assert (second.global_sequence, second.log_record_count) == (2, 2)
+    records = [r for page in store.iter_execution(tier, "e1") for r in page]
+    assert [(r.global_sequence, r.execution_id, r.transaction_id, r.payload) for r in records] == [
+        (1, "e1", "t1", '{"n": 1}'),
+        (2, "e1", "", '{"n": "é"}'),
+    ]
+    assert records[1].byte_len == len('{"n": "é"}'.encode())
+    assert store.execution_count(tier, "e1") == 2
+    assert store.execution_count(tier, "nope") is None
+
+
+def test_sequences_are_per_tier(store: TierStore) -> None:
+    assert store.append("eventlog", "e", rec()).global_sequence == 1
+    assert store.append("catalog", "e", rec()).global_sequence == 1
+    assert store.append("eventlog", "f", rec()).global_sequence == 2
+    assert store.append("eventlog", "f", rec()).log_record_count == 3
+    assert store.statistics().record_counts == {"eventlog": 3, "projection": 0, "catalog": 1}
+
+
+def test_dedup_by_event_id_per_execution_and_tier(store: TierStore) -> None:
+    first = store.append("eventlog", "e", rec('{"event_id": 7}', event_id="7"))
+    again = store.append("eventlog", "e", rec('{"event_id": 7, "x": 1}', event_id="7"))
+    assert again == type(again)(first.global_sequence, 1, True)
+    assert not store.append("eventlog", "other", rec(event_id="7")).deduplicated
+    assert not store.append("projection", "e", rec(event_id="7")).deduplicated
+    assert read_all(store, "eventlog", "e") == [1]
+
+
+def test_batch_dedups_within_itself(store: TierStore) -> None:
+    results = store.append_batch("eventlog", "e", [rec(event_id='"a"'), rec(event_id='"a"'), rec()])
+    assert [(r.global_sequence, r.deduplicated) for r in results] == [
+        (1, False),
+        (1, True),
+        (2, False),
+    ]
+    assert all(r.log_record_count == 2 for r in results)
+    assert store.execution_count("eventlog", "e") == 2
+
+
+def test_batch_is_all_or_nothing(store: TierStore) -> None:
+    store.append("eventlog", "e", rec())
+
+    def fail() -> None:
+        raise RuntimeError("crash before commit")
+
+    store.before_commit = fail
+    with pytest.raises(RuntimeError):
+        store.append_batch("eventlog", "e", [rec(), rec(), rec()])
+    store.before_commit = None
+    assert read_all(store, "eventlog", "e") == [1]
+    assert store.state is StoreState.OK  # not an I/O failure: not poisoned
+    assert store.append("eventlog", "e", rec()).log_record_count == 2
+
+
+def test_expected_version(store: TierStore) -> None:
+    store.append("eventlog", "e", rec(), expected_version=0)
+    store.append("eventlog", "e", rec(), expected_version=1)
+    with pytest.raises(VersionConflict) as info:
+        store.append("eventlog", "e", rec(), expected_version=1)
+    assert (info.value.expected, info.value.actual) == (1, 2)
+    assert store.execution_count("eventlog", "e") == 2
+
+
+def test_sequences_survive_reopen_and_are_never_reused(tmp_path: Path) -> None:
+    path = tmp_path / "tier.sqlite3"
+    store = TierStore.open(path)
+    store.append_batch("eventlog", "e", [rec(), rec(), rec()])
+    store.close()
+    store = TierStore.open(path)
+    assert store.append("eventlog", "e", rec()).global_sequence == 4
+    assert store.statistics().record_counts["eventlog"] == 4
+    # Even if the newest rows vanished (they never do by our hand), AUTOINCREMENT
+    # never hands their numbers out again.
+    raw = sqlite3.connect(path)
+    raw.execute("DELETE FROM eventlog_records WHERE global_sequence = 4")
+    raw.commit()
+    raw.close()
+    assert store.append("eventlog", "e", rec()).global_sequence == 5
+    store.close()
+
+
+def test_paging_visits_every_record_once(store: TierStore) -> None:
+    count = PAGE_ROWS * 2 + 17
+    store.append_batch("eventlog", "big", [rec(f'{{"i": {i}}}') for i in range(count)])
+    store.append("eventlog", "small", rec())
+    pages = list(store.iter_execution("eventlog", "big"))
+    assert [len(page) for page in pages] == [PAGE_ROWS, PAGE_ROWS, 17]
+    assert read_all(store, "eventlog", "big") == list(range(1, count + 1))
+    assert read_all(store, "eventlog", "big", after=count - 3) == [count - 2, count - 1, count]
+    scanned = [
+        r.global_sequence for page in store.iter_scan("eventlog", after=count - 1) for r in page
+    ]
+    assert scanned == [count, count + 1]
+
+
+def test_concurrent_appends_from_threads(store: TierStore) -> None:
+    def append(i: int) -> int:
+        return store.append("eventlog", f"e{i % 5}", rec()).global_sequence
+
+    with ThreadPoolExecutor(8) as pool:
+        sequences = list(pool.map(append, range(400)))
+    assert sorted(sequences) == list(range(1, 401))
+    assert sum(store.execution_count("eventlog", f"e{i}") or 0 for i in range(5)) == 400
+
+
+def test_injected_io_error_poisons_writes_but_not_reads(store: TierStore) -> None:
+    store.append("eventlog", "e", rec())
+
+    def io_error() -> None:
+        error = sqlite3.OperationalError("disk I/O error")
+        error.sqlite_errorcode = 10  # type: ignore[attr-defined]
+        raise error
+
+    store.before_commit = io_error
+    with pytest.raises(StoreUnavailable, match="poisoned: OperationalError: disk I/O error"):
+        store.append("eventlog", "e", rec())
+    store.before_commit = None
+    assert store.state is StoreState.POISONED
+    with pytest.raises(StoreUnavailable, match="poisoned"):
+        store.append("catalog", "e", rec())
+    assert read_all(store, "eventlog", "e") == [1]
+
+
+def test_contended_when_a_writer_waits_past_the_threshold(tmp_path: Path) -> None:
+    now = [0.0]
+    store = TierStore.open(tmp_path / "t.sqlite3", contention_threshold=0.5, clock=lambda: now[0])
+    assert store.state is StoreState.OK
+    store._write_lock.acquire()
+    waiting = threading.Thread(target=store.append, args=("eventlog", "e", rec()))
+    waiting.start()
+    now[0] = 1.0  # the waiting writer will have waited 1 s
+    store._write_lock.release()
+    waiting.join()
+    assert store.state is StoreState.CONTENDED
+    assert store.statistics().write_lock_waits_over_threshold == 1
+    now[0] = 20.0
+    assert store.state is StoreState.OK
+    store.close()
+
+
+def test_closed_store_refuses(store: TierStore) -> None:
+    store.close()
+    with pytest.raises(StoreUnavailable, match="closed"):
+        store.append("eventlog", "e", rec())
+
+
+def test_unknown_tier(store: TierStore) -> None:
+    with pytest.raises(ValueError, match="unknown tier 'nope'"):
+        store.append("nope", "e", rec())
+
+
+def test_synchronous_setting_is_checked(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="synchronous"):
+        TierStore(tmp_path / "x", synchronous="off")
+
+
+def test_a_real_write_failure_poisons_the_store(tmp_path: Path) -> None:
+    """A file-size limit makes the kernel refuse writes (EFBIG), as a full disk would."""
+    script = textwrap.dedent(
+        f"""
+        import resource, signal
+        from pathlib import Path
+        from cmdbus_trio.storage.tier import NewRecord, StoreUnavailable, TierStore
+        store = TierStore.open(Path({str(tmp_path / "t.sqlite3")!r}))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, 256 * 1024))
+        acked = 0
+        try:
+            for i in range(1000):
+                store.append("eventlog", "e", NewRecord('"' + "x" * 4000 + '"'))
+                acked += 1
+        except StoreUnavailable as exc:
+            print("unavailable", acked, store.state.value, exc)
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    word, acked, state, *_ = result.stdout.split()
+    assert (word, state) == ("unavailable", "poisoned")
+    # Nothing acknowledged is lost: a clean reopen has every acknowledged record.
+    store = TierStore.open(tmp_path / "t.sqlite3")
+    assert store.execution_count("eventlog", "e") == int(acked) > 0
+    store.close()
