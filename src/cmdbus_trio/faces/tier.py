@@ -146,11 +146,12 @@ class TierHandler:
         return self._read_v2(head, pages, request.limit, with_returned)
 
     def _read_v2(self, head: dict[str, Any], pages: Any, limit: int, with_returned: bool) -> bytes:
-        # Sizes are checked against the largest head and tail this reply can have.
+        # Sizes are checked against the largest head and tail this reply can have; that
+        # overhead is the same for every record, so it is computed once.
         worst_head = head | ({"returned": limit} if with_returned else {})
-        worst_tail = {"next_after": 1 << 63}
+        overhead = codec.reply_size(worst_head, 0, 0, {"next_after": 1 << 63})
         fragments: list[bytes] = []
-        size = 0
+        size = 0  # the fragments and the commas between them
         last: int | None = None
         more = False
         for page in _pages(pages):
@@ -159,20 +160,18 @@ class TierHandler:
                     more = True
                     break
                 fragment = _fragment(record)
-                total = codec.reply_size(
-                    worst_head, size + len(fragment), len(fragments) + 1, worst_tail
-                )
-                if total > self.max_reply:
+                grown = size + len(fragment) + (1 if fragments else 0)
+                if overhead + grown > self.max_reply:
                     if not fragments:
                         raise FaceError(
                             ErrorCode.TOO_LARGE,
-                            f"record {record.global_sequence} alone needs a reply of {total} "
-                            f"bytes, over the {self.max_reply}-byte cap",
+                            f"record {record.global_sequence} alone needs a reply of "
+                            f"{overhead + grown} bytes, over the {self.max_reply}-byte cap",
                         )
                     more = True
                     break
                 fragments.append(fragment)
-                size += len(fragment)
+                size = grown
                 last = record.global_sequence
             if more:
                 break

@@ -1,0 +1,75 @@
+"""A minimal v2 client and timing helpers for the benchmarks (trio, our own codec)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from typing import Any
+
+import trio
+
+from cmdbus_trio.protocol import CLOSED, NEED_DATA, FrameDecoder, encode_frame
+
+
+class Client:
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self.decoder = FrameDecoder(max_bytes=(1 << 32) - 1)
+        self.next_id = 0
+
+    @classmethod
+    async def connect(cls, address: str, *, hello: bool = True) -> Client:
+        host, port = address.rsplit(":", 1)
+        client = cls(await trio.open_tcp_stream(host, int(port)))
+        if hello:
+            await client.stream.send_all(
+                encode_frame(b'{"hello": {"protocol": 2, "client": "bench"}}')
+            )
+            await client.receive()
+        return client
+
+    async def receive(self) -> bytes:
+        while True:
+            frame = self.decoder.next_frame()
+            if isinstance(frame, bytes):
+                return frame
+            if frame is CLOSED:
+                raise EOFError("server closed the connection")
+            assert frame is NEED_DATA
+            self.decoder.receive_data(await self.stream.receive_some(1 << 20))
+
+    async def call_raw(self, op: str, **fields: Any) -> bytes:
+        self.next_id += 1
+        await self.stream.send_all(
+            encode_frame(json.dumps({"id": self.next_id, "op": op, **fields}).encode())
+        )
+        return await self.receive()
+
+    async def call(self, op: str, **fields: Any) -> dict[str, Any]:
+        reply: dict[str, Any] = json.loads(await self.call_raw(op, **fields))
+        return reply
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+async def http_get(address: str, path: str) -> int:
+    """One GET on a new connection, as a kubelet probe or a scrape does; returns the status."""
+    host, port = address.rsplit(":", 1)
+    async with await trio.open_tcp_stream(host, int(port)) as stream:
+        await stream.send_all(
+            f"GET {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n".encode()
+        )
+        data = b""
+        while chunk := await stream.receive_some(1 << 16):
+            data += chunk
+    return int(data.split(b" ", 2)[1])
+
+
+def percentiles(samples: list[float]) -> dict[str, float]:
+    """p50 / p99 / max in milliseconds."""
+    if not samples:
+        return {"p50": float("nan"), "p99": float("nan"), "max": float("nan")}
+    ordered = sorted(samples)
+    p99 = ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
+    return {"p50": statistics.median(ordered) * 1000, "p99": p99 * 1000, "max": ordered[-1] * 1000}

@@ -1,0 +1,360 @@
+"""The incident at small scale: huge paged reads of one execution, appends, and probes.
+
+    python benchmarks/stall.py                 # full run (about 3 minutes on 2 cores)
+    python benchmarks/stall.py --quick         # smaller data, shorter phases
+
+Preloads one execution of --events records (default 200,000 of ~1.1 KB: over 200 MB of
+payload) plus many small executions, then for --duration seconds runs 8 x max_inflight
+readers paging through the big execution, a few appenders, and a probe that measures
+/healthz, /metrics and the tier face's `health` (each on a new connection, as kubelet and
+Prometheus do). It does this against cmdbus-trio and against benchmarks/baseline_inline.py
+(the seed's design: store work on the loop) in the same run, and prints both. Then it
+times read_execution of a 100-event execution in a store of 10k vs 1M events.
+
+The load generator runs in its own process, so the probe's numbers are the servers'.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _client import Client, http_get, percentiles  # noqa: E402
+
+from cmdbus_trio.config import cpu_quota  # noqa: E402
+from cmdbus_trio.storage.tier import NewRecord, TierStore  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+NEXT_AFTER = re.compile(rb'"next_after":(null|\d+)\}$')
+PROBE_TIMEOUT = 10.0
+
+
+def preload(data_dir: Path, *, big_events: int, payload_bytes: int, small_executions: int) -> None:
+    store = TierStore.open(data_dir / "tier.sqlite3", synchronous="normal")
+    pad = "x" * payload_bytes
+    batch: list[NewRecord] = []
+    for i in range(big_events):
+        batch.append(NewRecord(json.dumps({"event_id": i, "pad": pad}), "tx", str(i)))
+        if len(batch) == 5000:
+            store.append_batch("eventlog", "big", batch)
+            batch = []
+    if batch:
+        store.append_batch("eventlog", "big", batch)
+    for n in range(small_executions):
+        store.append_batch(
+            "eventlog", f"small-{n}", [NewRecord(json.dumps({"n": n, "i": i})) for i in range(10)]
+        )
+    store.close()
+
+
+def add_execution(data_dir: Path, execution_id: str, events: int) -> None:
+    store = TierStore.open(data_dir / "tier.sqlite3", synchronous="normal")
+    store.append_batch(
+        "eventlog", execution_id, [NewRecord(json.dumps({"i": i})) for i in range(events)]
+    )
+    store.close()
+
+
+def fill(data_dir: Path, events: int) -> None:
+    store = TierStore.open(data_dir / "tier.sqlite3", synchronous="normal")
+    for start in range(0, events, 10_000):
+        store.append_batch(
+            "eventlog",
+            f"fill-{start}",
+            [NewRecord(json.dumps({"i": i})) for i in range(start, min(events, start + 10_000))],
+        )
+    store.close()
+
+
+class Server:
+    def __init__(self, kind: str, data_dir: Path, workdir: Path) -> None:
+        self.ports_file = workdir / f"{kind}-ports.json"
+        self.ports_file.unlink(missing_ok=True)
+        if kind == "cmdbus-trio":
+            command = [sys.executable, "-m", "cmdbus_trio", "serve", "--data-dir", str(data_dir)]
+            env = {
+                **os.environ,
+                "CMDBUS_PORTS_FILE": str(self.ports_file),
+                "CMDBUS_LOG_LEVEL": "warning",
+            }
+            env.update(
+                {
+                    f"CMDBUS_{face}_BIND": ""
+                    for face in (
+                        "CMD_INGEST",
+                        "CMD_CLAIM",
+                        "EVT_INGEST",
+                        "EVT_CLAIM",
+                        "EVT_SUBSCRIBE",
+                    )
+                }
+            )
+            env.update(CMDBUS_CONTROL_BIND="127.0.0.1:0", CMDBUS_TIER_BIND="127.0.0.1:0")
+        else:
+            command = [
+                sys.executable,
+                str(HERE / "baseline_inline.py"),
+                "--data-dir",
+                str(data_dir),
+                "--ports-file",
+                str(self.ports_file),
+            ]
+            env = dict(os.environ)
+        self.log = (workdir / f"{kind}.log").open("w")
+        self.process = subprocess.Popen(command, env=env, stdout=self.log, stderr=self.log)
+        deadline = time.monotonic() + 60
+        while not self.ports_file.exists():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"{kind} did not start; see {self.log.name}")
+            time.sleep(0.05)
+        self.ports: dict[str, str] = json.loads(self.ports_file.read_text())
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.log.close()
+
+
+# --- the load generator (a separate process) ---------------------------------------------
+
+
+async def load(tier: str, readers: int, appenders: int, duration: float) -> dict[str, Any]:
+    stats = {"pages": 0, "records_bytes": 0, "appends": 0, "busy": 0, "errors": 0}
+    deadline = trio.current_time() + duration
+
+    async def reader() -> None:
+        client = await Client.connect(tier)
+        after = 0
+        while trio.current_time() < deadline:
+            reply = await client.call_raw(
+                "read_execution", execution_id="big", after=after, limit=1000
+            )
+            match = NEXT_AFTER.search(reply)
+            if match is None:
+                error = json.loads(reply)["error"]
+                stats["busy" if error["code"] == "busy" else "errors"] += 1
+                await trio.sleep(error.get("retry_after_ms", 100) / 1000)
+                continue
+            stats["pages"] += 1
+            stats["records_bytes"] += len(reply)
+            after = 0 if match.group(1) == b"null" else int(match.group(1))
+
+    async def appender(n: int) -> None:
+        client = await Client.connect(tier)
+        i = 0
+        while trio.current_time() < deadline:
+            reply = await client.call(
+                "append", execution_id=f"small-{n}", payload=json.dumps({"bench": i})
+            )
+            i += 1
+            if reply.get("ok"):
+                stats["appends"] += 1
+            else:
+                stats["busy" if reply["error"]["code"] == "busy" else "errors"] += 1
+                await trio.sleep(reply["error"].get("retry_after_ms", 100) / 1000)
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(readers):
+            nursery.start_soon(reader)
+        for n in range(appenders):
+            nursery.start_soon(appender, n)
+    return stats
+
+
+# --- the probe (this process) ----------------------------------------------------------
+
+
+async def probe(ports: dict[str, str], duration: float) -> dict[str, Any]:
+    samples: dict[str, list[float]] = {"healthz": [], "metrics": [], "tier health": []}
+    timeouts = {name: 0 for name in samples}
+
+    async def timed(name: str, call: Any) -> None:
+        start = trio.current_time()
+        with trio.move_on_after(PROBE_TIMEOUT) as scope:
+            await call()
+        if scope.cancelled_caught:
+            timeouts[name] += 1
+        samples[name].append(trio.current_time() - start)
+
+    async def tier_health() -> None:
+        client = await Client.connect(ports["tier"])
+        try:
+            await client.call("health")
+        finally:
+            await client.aclose()
+
+    deadline = trio.current_time() + duration
+    while trio.current_time() < deadline:
+        await timed("healthz", lambda: http_get(ports["control"], "/healthz"))
+        await timed("metrics", lambda: http_get(ports["control"], "/metrics"))
+        await timed("tier health", tier_health)
+        await trio.sleep(0.05)
+    return {
+        name: {**percentiles(values), "n": len(values), "timeouts": timeouts[name]}
+        for name, values in samples.items()
+    }
+
+
+def run_target(
+    kind: str, data_dir: Path, workdir: Path, readers: int, duration: float
+) -> dict[str, Any]:
+    server = Server(kind, data_dir, workdir)
+    try:
+        generator = subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--load-gen",
+                server.ports["tier"],
+                str(readers),
+                "4",
+                str(duration),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        probed = trio.run(probe, server.ports, duration)
+        out, _ = generator.communicate(timeout=duration + 120)
+        return {"probe": probed, "load": json.loads(out)}
+    finally:
+        server.stop()
+
+
+async def read_latency(tier: str, execution_id: str, count: int) -> dict[str, float]:
+    client = await Client.connect(tier)
+    samples = []
+    for _ in range(count):
+        start = trio.current_time()
+        reply = await client.call_raw("read_execution", execution_id=execution_id)
+        samples.append(trio.current_time() - start)
+        assert b'"returned":100' in reply, reply[:200]
+    await client.aclose()
+    return percentiles(samples)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--events", type=int, default=200_000)
+    parser.add_argument("--payload-bytes", type=int, default=1100)
+    parser.add_argument("--small", type=int, default=2000, help="small executions to preload")
+    parser.add_argument("--duration", type=float, default=20.0, help="seconds per target")
+    parser.add_argument(
+        "--scale-events",
+        type=int,
+        default=1_000_000,
+        help="the large store of the read-scaling test",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="20k events, 5 s phases, 100k scale store"
+    )
+    parser.add_argument("--workdir", type=Path)
+    args = parser.parse_args()
+    if args.quick:
+        args.events, args.small, args.duration, args.scale_events = 20_000, 200, 5.0, 100_000
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="cmdbus-stall-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    cpus = cpu_quota()
+    readers = 8 * cpus
+    print(
+        f"machine: {os.cpu_count()} CPUs, quota {cpus}; max_inflight {cpus}; readers {readers}; python {sys.version.split()[0]}"
+    )
+    data_dir = workdir / "data"
+    shutil.rmtree(data_dir, ignore_errors=True)
+    data_dir.mkdir(parents=True)
+    started = time.monotonic()
+    preload(
+        data_dir,
+        big_events=args.events,
+        payload_bytes=args.payload_bytes,
+        small_executions=args.small,
+    )
+    size = (data_dir / "tier.sqlite3").stat().st_size
+    print(
+        f"preloaded {args.events} events of {args.payload_bytes}+ bytes in one execution, {args.small} small executions: {size / 2**20:.0f} MiB in {time.monotonic() - started:.0f} s"
+    )
+
+    results = {
+        kind: run_target(kind, data_dir, workdir, readers, args.duration)
+        for kind in ("cmdbus-trio", "baseline-inline")
+    }
+    print()
+    print(
+        f"{args.duration:.0f} s of {readers} paged readers of the big execution + 4 appenders; probe p50 / p99 / max in ms (timeouts at {PROBE_TIMEOUT:.0f} s)"
+    )
+    print(
+        f"{'target':<16} {'/healthz':>24} {'/metrics':>24} {'tier health':>24} {'pages/s':>8} {'appends/s':>9} {'busy':>6} {'errors':>6}"
+    )
+    for kind, result in results.items():
+        cells = [
+            f"{p['p50']:.1f} / {p['p99']:.1f} / {p['max']:.0f}"
+            + (f" ({p['timeouts']}t)" if p["timeouts"] else "")
+            for p in (result["probe"][name] for name in ("healthz", "metrics", "tier health"))
+        ]
+        load_stats = result["load"]
+        print(
+            f"{kind:<16} {cells[0]:>24} {cells[1]:>24} {cells[2]:>24} "
+            f"{load_stats['pages'] / args.duration:>8.1f} {load_stats['appends'] / args.duration:>9.1f} {load_stats['busy']:>6} {load_stats['errors']:>6}"
+        )
+    ours, theirs = results["cmdbus-trio"]["probe"], results["baseline-inline"]["probe"]
+    for name in ("healthz", "metrics", "tier health"):
+        print(
+            f"p99 {name}: baseline / cmdbus-trio = {theirs[name]['p99'] / ours[name]['p99']:.1f}x"
+        )
+
+    print()
+    print(
+        "read_execution of a 100-event execution (200 sequential reads, cmdbus-trio, no other load)"
+    )
+    scale = {}
+    for events in (10_000, args.scale_events):
+        store_dir = workdir / f"scale-{events}"
+        shutil.rmtree(store_dir, ignore_errors=True)
+        store_dir.mkdir()
+        fill(store_dir, events - 100)
+        add_execution(store_dir, "hundred", 100)
+        server = Server("cmdbus-trio", store_dir, workdir)
+        try:
+            scale[events] = trio.run(read_latency, server.ports["tier"], "hundred", 200)
+        finally:
+            server.stop()
+        print(
+            f"store of {events:>9,} events: p50 {scale[events]['p50']:.2f} ms, p99 {scale[events]['p99']:.2f} ms"
+        )
+    small, large = scale[10_000], scale[args.scale_events]
+    print(
+        f"ratio {args.scale_events:,} / 10,000: p50 {large['p50'] / small['p50']:.2f}, p99 {large['p99'] / small['p99']:.2f}"
+    )
+    print(f"\nworkdir: {workdir}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 6 and sys.argv[1] == "--load-gen":
+        tier_address, readers_arg, appenders_arg, duration_arg = sys.argv[2:6]
+        print(
+            json.dumps(
+                trio.run(
+                    load, tier_address, int(readers_arg), int(appenders_arg), float(duration_arg)
+                )
+            )
+        )
+    else:
+        main()
