@@ -108,8 +108,8 @@ async def tier_connection(store: TierStore, stream: trio.SocketStream) -> None:
 
 
 async def control_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-    if scope["type"] != "http":
-        while (message := await receive())["type"] != "lifespan.shutdown":
+    if scope["type"] == "lifespan":
+        while (await receive())["type"] != "lifespan.shutdown":
             await send({"type": "lifespan.startup.complete"})
         await send({"type": "lifespan.shutdown.complete"})
         return

@@ -32,10 +32,10 @@ from typing import Any
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _client import Client, http_get, percentiles  # noqa: E402
+from _client import Client, http_get, percentiles
 
-from cmdbus_trio.config import cpu_quota  # noqa: E402
-from cmdbus_trio.storage.tier import NewRecord, TierStore  # noqa: E402
+from cmdbus_trio.config import cpu_quota
+from cmdbus_trio.storage.tier import NewRecord, TierStore
 
 HERE = Path(__file__).resolve().parent
 NEXT_AFTER = re.compile(rb'"next_after":(null|\d+)\}$')
@@ -274,9 +274,8 @@ def main() -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     cpus = cpu_quota()
     readers = 8 * cpus
-    print(
-        f"machine: {os.cpu_count()} CPUs, quota {cpus}; max_inflight {cpus}; readers {readers}; python {sys.version.split()[0]}"
-    )
+    python = sys.version.split()[0]
+    print(f"machine: {os.cpu_count()} CPUs, quota {cpus}; max_inflight {cpus}; python {python}")
     data_dir = workdir / "data"
     shutil.rmtree(data_dir, ignore_errors=True)
     data_dir.mkdir(parents=True)
@@ -288,8 +287,10 @@ def main() -> None:
         small_executions=args.small,
     )
     size = (data_dir / "tier.sqlite3").stat().st_size
+    took = time.monotonic() - started
     print(
-        f"preloaded {args.events} events of {args.payload_bytes}+ bytes in one execution, {args.small} small executions: {size / 2**20:.0f} MiB in {time.monotonic() - started:.0f} s"
+        f"preloaded {args.events} events of {args.payload_bytes}+ bytes in one execution "
+        f"and {args.small} small executions: {size / 2**20:.0f} MiB in {took:.0f} s"
     )
 
     results = {
@@ -298,10 +299,14 @@ def main() -> None:
     }
     print()
     print(
-        f"{args.duration:.0f} s of {readers} paged readers of the big execution + 4 appenders; probe p50 / p99 / max in ms (timeouts at {PROBE_TIMEOUT:.0f} s)"
+        f"{args.duration:.0f} s of {readers} paged readers of the big execution + 4 appenders; "
+        f"probe p50 / p99 / max in ms (timeouts at {PROBE_TIMEOUT:.0f} s)"
     )
+    columns = ("/healthz", "/metrics", "tier health")
     print(
-        f"{'target':<16} {'/healthz':>24} {'/metrics':>24} {'tier health':>24} {'pages/s':>8} {'appends/s':>9} {'busy':>6} {'errors':>6}"
+        f"{'target':<16}"
+        + "".join(f"{c:>24}" for c in columns)
+        + f"{'pages/s':>9}{'appends/s':>10}{'busy':>6}{'errors':>7}"
     )
     for kind, result in results.items():
         cells = [
@@ -309,10 +314,12 @@ def main() -> None:
             + (f" ({p['timeouts']}t)" if p["timeouts"] else "")
             for p in (result["probe"][name] for name in ("healthz", "metrics", "tier health"))
         ]
-        load_stats = result["load"]
+        done = result["load"]
         print(
-            f"{kind:<16} {cells[0]:>24} {cells[1]:>24} {cells[2]:>24} "
-            f"{load_stats['pages'] / args.duration:>8.1f} {load_stats['appends'] / args.duration:>9.1f} {load_stats['busy']:>6} {load_stats['errors']:>6}"
+            f"{kind:<16}"
+            + "".join(f"{cell:>24}" for cell in cells)
+            + f"{done['pages'] / args.duration:>9.1f}{done['appends'] / args.duration:>10.1f}"
+            + f"{done['busy']:>6}{done['errors']:>7}"
         )
     ours, theirs = results["cmdbus-trio"]["probe"], results["baseline-inline"]["probe"]
     for name in ("healthz", "metrics", "tier health"):
@@ -336,13 +343,11 @@ def main() -> None:
             scale[events] = trio.run(read_latency, server.ports["tier"], "hundred", 200)
         finally:
             server.stop()
-        print(
-            f"store of {events:>9,} events: p50 {scale[events]['p50']:.2f} ms, p99 {scale[events]['p99']:.2f} ms"
-        )
+        p50, p99 = scale[events]["p50"], scale[events]["p99"]
+        print(f"store of {events:>9,} events: p50 {p50:.2f} ms, p99 {p99:.2f} ms")
     small, large = scale[10_000], scale[args.scale_events]
-    print(
-        f"ratio {args.scale_events:,} / 10,000: p50 {large['p50'] / small['p50']:.2f}, p99 {large['p99'] / small['p99']:.2f}"
-    )
+    p50_ratio, p99_ratio = large["p50"] / small["p50"], large["p99"] / small["p99"]
+    print(f"ratio {args.scale_events:,} / 10,000: p50 {p50_ratio:.2f}, p99 {p99_ratio:.2f}")
     print(f"\nworkdir: {workdir}")
 
 
