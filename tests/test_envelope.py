@@ -161,3 +161,28 @@ def test_any_bytes_parse_or_give_a_protocol_error(body: bytes) -> None:
     # Anything else (TypeError, KeyError, ...) escaping would crash a face.
     with contextlib.suppress(RemoteProtocolError):
         parse_request(body)
+
+
+@given(
+    st.integers(1, 1 << 62),
+    st.text(),
+    st.text(),
+    st.integers(0, 1 << 30),
+    st.text(),
+)
+def test_record_fragment_is_the_json_of_the_record(
+    sequence: int, execution_id: str, transaction_id: str, byte_len: int, payload: str
+) -> None:
+    from cmdbus_trio.protocol import dumps
+    from cmdbus_trio.protocol.tier import record_fragment
+
+    expected = dumps(
+        {
+            "global_sequence": sequence,
+            "execution_id": execution_id,
+            "transaction_id": transaction_id,
+            "byte_len": byte_len,
+            "payload": payload,
+        }
+    )
+    assert record_fragment(sequence, execution_id, transaction_id, byte_len, payload) == expected

@@ -455,3 +455,12 @@ async def test_metrics_record_tier_requests(server: dict[str, str]) -> None:
     assert 'cmdbus_capacity{face="tier"}' in text
     assert 'cmdbus_connections_total{face="tier",outcome="accepted"}' in text
     assert "cmdbus_loop_blocking_calls_total{" not in text  # never incremented
+
+
+async def test_v1_frame_that_is_not_json_gets_text_and_keeps_the_connection(
+    server: dict[str, str],
+) -> None:
+    async with frame_client(server["tier"], v2=False) as client:
+        reply = await client.v1(b"{nope")
+        assert reply is not None and reply.startswith(b"invalid frame is not UTF-8 JSON: ")
+        assert await client.v1(b"health") == b"ok tier-service v1"

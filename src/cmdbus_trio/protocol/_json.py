@@ -32,5 +32,16 @@ def _skip_ws(text: str, index: int) -> int:
     return index
 
 
+# One encoder for every reply: json.dumps with non-default options builds a new encoder
+# on each call, which costs more than encoding a small reply.
+_encoder = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+
+
 def dumps(value: Any) -> bytes:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    return _encoder.encode(value).encode("utf-8")
+
+
+def dumps_str(text: str) -> str:
+    """A JSON string literal for ``text`` (the C encoder's fast path), as :func:`dumps`
+    would write it inside a larger value."""
+    return _encoder.encode(text)
