@@ -235,3 +235,18 @@ def test_a_real_write_failure_poisons_the_store(tmp_path: Path) -> None:
     store = TierStore.open(tmp_path / "t.sqlite3")
     assert store.execution_count("eventlog", "e") == int(acked) > 0
     store.close()
+
+
+def test_connections_are_bounded_by_concurrency_not_by_threads_seen(store: TierStore) -> None:
+    """trio retires idle worker threads and starts new ones; each new thread must not
+    leave a connection (a file descriptor) behind."""
+    for i in range(50):
+        thread = threading.Thread(
+            target=lambda i=i: (
+                store.append("eventlog", "e", rec()),
+                [page for page in store.iter_execution("eventlog", "e")],
+            )
+        )
+        thread.start()
+        thread.join()
+    assert store.statistics().connections == 1

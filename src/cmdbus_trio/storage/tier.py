@@ -1,7 +1,9 @@
 """The tier store: per-execution event history in three tiers, on SQLite.
 
-Synchronous and thread-safe: each thread gets its own connection (WAL lets readers run
-beside the one writer); writes are serialized by a lock whose wait time is measured, so a
+Synchronous and thread-safe: each call checks a connection out of a small pool and puts
+it back (WAL lets readers run beside the one writer), so connections are bounded by how
+many calls ever ran at once, not by how many threads came and went (trio retires idle
+worker threads). Writes are serialized by a lock whose wait time is measured, so a
 contended store is visible. Every public entry point refuses the event-loop thread.
 
 Durability: an append returns only after its transaction committed (``synchronous=FULL``
@@ -16,6 +18,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Final
 
@@ -77,6 +80,8 @@ class StoreStatistics:
     poisoned_reason: str | None
     record_counts: dict[str, int]
     write_lock_waits_over_threshold: int
+    connections: int
+    """SQLite connections open (in use or idle in the pool)."""
 
 
 class TierStore:
@@ -103,9 +108,9 @@ class TierStore:
         self._contention_threshold = contention_threshold
         self._contention_memory = contention_memory
         self._clock = clock
-        self._local = threading.local()
-        self._connections: list[sqlite3.Connection] = []
-        self._connections_lock = threading.Lock()
+        self._idle: list[sqlite3.Connection] = []
+        self._open_connections = 0
+        self._pool_lock = threading.Lock()
         self._write_lock = threading.Lock()
         self._closed = False
         self._poisoned: str | None = None
@@ -123,8 +128,7 @@ class TierStore:
         """Open (creating if needed) the store at ``path``."""
         store = cls(path, **options)  # type: ignore[arg-type]
         path.parent.mkdir(parents=True, exist_ok=True)
-        connection = store._connection()
-        with connection:
+        with store._connection() as connection:
             for tier in TIERS:
                 connection.executescript(
                     f"""
@@ -152,32 +156,50 @@ class TierStore:
             )
             for tier in TIERS:
                 connection.execute("INSERT OR IGNORE INTO tier_counts VALUES (?, 0)", (tier,))
-        store._counts = dict(connection.execute("SELECT tier, record_count FROM tier_counts"))
+            store._counts = dict(connection.execute("SELECT tier, record_count FROM tier_counts"))
         return store
 
     @refuses_loop_thread
     def close(self) -> None:
-        """Close every thread's connection. Call once no thread uses the store."""
-        self._closed = True
-        with self._connections_lock:
-            for connection in self._connections:
-                connection.close()
-            self._connections.clear()
+        """Close the store's connections; one still in use is closed when it comes back."""
+        with self._pool_lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+            self._open_connections -= len(idle)
+        for connection in idle:
+            connection.close()
 
-    def _connection(self) -> sqlite3.Connection:
-        connection: sqlite3.Connection | None = getattr(self._local, "connection", None)
-        if connection is None:
+    @contextmanager
+    def _connection(self) -> Iterator[sqlite3.Connection]:
+        """A connection for this call (autocommit mode; transactions are explicit)."""
+        with self._pool_lock:
             if self._closed:
                 raise StoreUnavailable("tier store is closed")
-            connection = sqlite3.connect(
-                self.path, isolation_level=None, check_same_thread=False, timeout=30
-            )
-            connection.execute("PRAGMA journal_mode=WAL")
-            connection.execute(f"PRAGMA synchronous={self._synchronous}")
-            self._local.connection = connection
-            with self._connections_lock:
-                self._connections.append(connection)
-        return connection
+            connection = self._idle.pop() if self._idle else None
+            if connection is None:
+                self._open_connections += 1
+        if connection is None:
+            try:
+                connection = sqlite3.connect(
+                    self.path, isolation_level=None, check_same_thread=False, timeout=30
+                )
+                connection.execute("PRAGMA journal_mode=WAL")
+                connection.execute(f"PRAGMA synchronous={self._synchronous}")
+            except BaseException:
+                with self._pool_lock:
+                    self._open_connections -= 1
+                raise
+        try:
+            yield connection
+        finally:
+            with self._pool_lock:
+                keep = not self._closed
+                if keep:
+                    self._idle.append(connection)
+                else:
+                    self._open_connections -= 1
+            if not keep:
+                connection.close()
 
     # --- state -----------------------------------------------------------------------
 
@@ -200,6 +222,7 @@ class TierStore:
             poisoned_reason=self._poisoned,
             record_counts=dict(self._counts),
             write_lock_waits_over_threshold=self._contended_waits,
+            connections=self._open_connections,
         )
 
     # --- writes ----------------------------------------------------------------------
@@ -300,26 +323,33 @@ class TierStore:
             if waited > self._contention_threshold:
                 self._contended_at = self._clock()
                 self._contended_waits += 1
-            connection = self._connection()
-            committing = False
-            try:
-                connection.execute("BEGIN IMMEDIATE")
-                result = work(connection)
-                if self.before_commit is not None:
-                    self.before_commit()
-                committing = True
-                connection.execute("COMMIT")
-                return result
-            except BaseException as exc:
-                if connection.in_transaction:
-                    try:
-                        connection.execute("ROLLBACK")
-                    except sqlite3.Error:
-                        committing = True  # cannot even roll back: state unknown
-                if isinstance(exc, sqlite3.Error) and (committing or _poisons(exc)):
-                    self._poison(exc)
-                    raise StoreUnavailable(f"tier store is poisoned: {self._poisoned}") from exc
-                raise
+            with self._connection() as connection:
+                return self._transaction(connection, work)
+
+    def _transaction(
+        self,
+        connection: sqlite3.Connection,
+        work: Callable[[sqlite3.Connection], tuple[list[AppendResult], int]],
+    ) -> tuple[list[AppendResult], int]:
+        committing = False
+        try:
+            connection.execute("BEGIN IMMEDIATE")
+            result = work(connection)
+            if self.before_commit is not None:
+                self.before_commit()
+            committing = True
+            connection.execute("COMMIT")
+            return result
+        except BaseException as exc:
+            if connection.in_transaction:
+                try:
+                    connection.execute("ROLLBACK")
+                except sqlite3.Error:
+                    committing = True  # cannot even roll back: state unknown
+            if isinstance(exc, sqlite3.Error) and (committing or _poisons(exc)):
+                self._poison(exc)
+                raise StoreUnavailable(f"tier store is poisoned: {self._poisoned}") from exc
+            raise
 
     def _poison(self, exc: sqlite3.Error) -> None:
         if self._poisoned is None:
@@ -331,14 +361,11 @@ class TierStore:
     def execution_count(self, tier: str, execution_id: str) -> int | None:
         """The execution's record count, or ``None`` if it has none in this tier."""
         _check_tier(tier)
-        row = (
-            self._connection()
-            .execute(
+        with self._connection() as connection:
+            row = connection.execute(
                 f"SELECT record_count FROM {tier}_executions WHERE execution_id = ?",
                 (execution_id,),
-            )
-            .fetchone()
-        )
+            ).fetchone()
         return None if row is None else int(row[0])
 
     @refuses_loop_thread
@@ -370,16 +397,17 @@ class TierStore:
 
     def _pages(self, sql: str, head: tuple[object, ...], after: int) -> Iterator[list[TierRecord]]:
         # One short query per page, so no read transaction stays open while the caller
-        # encodes a page (or stops early).
-        connection = self._connection()
-        while True:
-            rows = connection.execute(sql, (*head, after, PAGE_ROWS)).fetchall()
-            if not rows:
-                return
-            yield [TierRecord(*row) for row in rows]
-            if len(rows) < PAGE_ROWS:
-                return
-            after = rows[-1][0]
+        # encodes a page (or stops early). The connection goes back to the pool when the
+        # iteration ends or is dropped.
+        with self._connection() as connection:
+            while True:
+                rows = connection.execute(sql, (*head, after, PAGE_ROWS)).fetchall()
+                if not rows:
+                    return
+                yield [TierRecord(*row) for row in rows]
+                if len(rows) < PAGE_ROWS:
+                    return
+                after = rows[-1][0]
 
 
 def _check_tier(tier: str) -> None:
