@@ -189,3 +189,29 @@ async def test_a_poisoned_store_refuses_writes_and_the_writer_turns_unready(
                 "cmdbus_store_state", {"store": "tier", "state": "poisoned"}
             )
             assert state == 1
+
+
+async def test_a_started_write_finishes_when_its_client_leaves(
+    make_config: Callable[..., Config],
+) -> None:
+    config = make_config(tier_bind="127.0.0.1:0")
+    with trio.fail_after(30):
+        async with running_writer(config) as (writer, addresses):
+            store: TierStore = writer._stores["tier"]
+            gate = writer.health.gates["tier"]
+            store.before_commit = lambda: time.sleep(0.5)  # a slow fsync
+            async with frame_client(addresses["tier"]) as client:
+                await client.send(
+                    b'{"id": 1, "op": "append", "execution_id": "left", "payload": "{}"}'
+                )
+                while gate.statistics().inflight == 0:
+                    await trio.sleep(0.01)
+            # The client is gone; the write is still running and holds its lease.
+            assert gate.statistics().inflight == 1
+            while gate.statistics().inflight:
+                await trio.sleep(0.01)
+            store.before_commit = None
+            count = await run_in_thread(
+                store.execution_count, "eventlog", "left", limiter=trio.CapacityLimiter(1)
+            )
+            assert count == 1
