@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import pytest
 import trio
@@ -45,14 +46,13 @@ async def hold(gate: Gate, release: trio.Event, *, task_status=trio.TASK_STATUS_
         await release.wait()
 
 
-@pytest.fixture
-async def full_gate() -> AsyncIterator[tuple[Gate, trio.Event, trio.Nursery]]:
-    """A one-slot gate whose slot is held until the returned event is set."""
-    gate = make_gate()
+@asynccontextmanager
+async def held(gate: Gate) -> AsyncIterator[None]:
+    """One of the gate's slots is taken for the duration of the block."""
     release = trio.Event()
     async with trio.open_nursery() as nursery:
         await nursery.start(hold, gate, release)
-        yield gate, release, nursery
+        yield
         release.set()
 
 
@@ -69,16 +69,13 @@ async def test_admitted_at_once_when_a_slot_is_free(autojump_clock: trio.testing
 
 async def test_waiters_full_sheds_at_once(autojump_clock: trio.testing.MockClock) -> None:
     gate = make_gate("wf", max_waiters=0)
-    release = trio.Event()
-    async with trio.open_nursery() as nursery:
-        await nursery.start(hold, gate, release)
+    async with held(gate):
         start = trio.current_time()
         with pytest.raises(Shed) as info:
             await gate.acquire("read")
         assert trio.current_time() == start
         assert info.value.reason is ShedReason.WAITERS_FULL
         assert info.value.retry_after_ms == 1000
-        release.set()
     assert gate.statistics().shed_total["waiters_full"] == 1
     labels = {"face": "wf", "op": "read", "reason": "waiters_full"}
     assert sample("cmdbus_shed_total", labels) == 1
@@ -86,15 +83,12 @@ async def test_waiters_full_sheds_at_once(autojump_clock: trio.testing.MockClock
 
 async def test_queue_timeout_after_shed_after(autojump_clock: trio.testing.MockClock) -> None:
     gate = make_gate("qt", shed_after=0.5)
-    release = trio.Event()
-    async with trio.open_nursery() as nursery:
-        await nursery.start(hold, gate, release)
+    async with held(gate):
         start = trio.current_time()
         with pytest.raises(Shed) as info:
             await gate.acquire("read")
         assert trio.current_time() - start == pytest.approx(0.5)
         assert info.value.reason is ShedReason.QUEUE_TIMEOUT
-        release.set()
     assert gate.statistics().shed_total == {"waiters_full": 0, "queue_timeout": 1, "deadline": 0}
 
 
@@ -102,16 +96,13 @@ async def test_budget_shorter_than_shed_after_sheds_deadline(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     gate = make_gate("dl", shed_after=1.0)
-    release = trio.Event()
-    async with trio.open_nursery() as nursery:
-        await nursery.start(hold, gate, release)
+    async with held(gate):
         start = trio.current_time()
         with pytest.raises(Shed) as info:
             await gate.acquire("read", budget=0.2)
         assert trio.current_time() - start == pytest.approx(0.2)
         assert info.value.reason is ShedReason.DEADLINE
         assert info.value.retry_after_ms == 0
-        release.set()
 
 
 async def test_spent_budget_sheds_deadline_even_with_a_free_slot(
@@ -171,15 +162,12 @@ async def test_cancelled_waiter_holds_and_counts_nothing(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     gate = make_gate("cancel", shed_after=5.0)
-    release = trio.Event()
-    async with trio.open_nursery() as nursery:
-        await nursery.start(hold, gate, release)
+    async with held(gate):
         with trio.move_on_after(1):
             await gate.acquire("read")
         stats = gate.statistics()
         assert (stats.waiters, stats.inflight, stats.admitted_total) == (0, 1, 1)
         assert sum(stats.shed_total.values()) == 0
-        release.set()
 
 
 async def test_lease_is_held_until_a_cancelled_requests_thread_returns() -> None:
