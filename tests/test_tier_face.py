@@ -464,3 +464,20 @@ async def test_v1_frame_that_is_not_json_gets_text_and_keeps_the_connection(
         reply = await client.v1(b"{nope")
         assert reply is not None and reply.startswith(b"invalid frame is not UTF-8 JSON: ")
         assert await client.v1(b"health") == b"ok tier-service v1"
+
+
+async def test_v2_hello_and_an_oversized_frame_in_one_write_get_too_large(
+    small_server: dict[str, str],
+) -> None:
+    """The too_large answer depends on the dialect the hello chose, even when both arrive
+    in the same packet (repeated: the reader and the dispatcher race otherwise)."""
+    for _ in range(20):
+        async with frame_client(small_server["tier"], v2=False) as client:
+            hello = b'{"hello": {"protocol": 2}}'
+            await client.stream.send_all(
+                len(hello).to_bytes(4, "big") + hello + (1 << 20).to_bytes(4, "big")
+            )
+            assert (await client.receive_json())["ok"] is True
+            error = await client.receive_json()
+            assert (error["id"], error["error"]["code"]) == (None, "too_large")
+            assert await client.receive() is None

@@ -43,6 +43,10 @@ log = logging.getLogger(__name__)
 MAX_INFLIGHT_PER_CONNECTION = 32
 RECEIVE_CHUNK = 65536
 
+Item = tuple[bytes | RemoteProtocolError, float]
+"""What the reader hands the dispatcher: a frame, or the error that ends the stream (in
+order, so that the answer to it can depend on the dialect the frames before chose)."""
+
 
 class FaceError(Exception):
     """An error answer: v2 ``{"ok": false, "error": …}``, v1 as the face words it."""
@@ -134,7 +138,6 @@ class _Connection:
         self.send_lock = trio.Lock()
         self.outcome = "closed"
         self.peer_gone = False
-        self.dialect_v2 = False
 
     @classmethod
     async def run(cls, ctx: FaceContext, handler: FaceHandler, stream: trio.SocketStream) -> None:
@@ -156,7 +159,7 @@ class _Connection:
             self.outcome = outcome
 
     async def _serve(self) -> None:
-        send_frames, receive_frames = trio.open_memory_channel[tuple[bytes, float]](0)
+        send_frames, receive_frames = trio.open_memory_channel[Item](0)
         async with trio.open_nursery() as nursery:
             requests = trio.CancelScope()
             nursery.start_soon(self._read_frames, send_frames, requests)
@@ -168,7 +171,7 @@ class _Connection:
     # --- reading -----------------------------------------------------------------------
 
     async def _read_frames(
-        self, out: trio.MemorySendChannel[tuple[bytes, float]], requests: trio.CancelScope
+        self, out: trio.MemorySendChannel[Item], requests: trio.CancelScope
     ) -> None:
         config = self.ctx.config
         async with out, trio.open_nursery() as reading:
@@ -183,13 +186,13 @@ class _Connection:
         reading.cancel()
 
     async def _read_loop(
-        self, out: trio.MemorySendChannel[tuple[bytes, float]], idle_ms: int, read_ms: int
+        self, out: trio.MemorySendChannel[Item], idle_ms: int, read_ms: int
     ) -> None:
         while True:
             try:
                 frame = self.decoder.next_frame()
             except RemoteProtocolError as exc:
-                await self._fatal(exc)
+                await out.send((exc, trio.current_time()))
                 return
             if isinstance(frame, bytes):
                 await out.send((frame, trio.current_time()))
@@ -208,18 +211,18 @@ class _Connection:
                 return
             self.decoder.receive_data(data)
 
-    async def _fatal(self, exc: RemoteProtocolError) -> None:
-        too_large = exc.code is ErrorCode.TOO_LARGE
-        self._end("too_large" if too_large else "protocol_error")
-        if self.dialect_v2 and too_large:  # v1 just closes
-            await self._send(encode_frame(encode_error(None, exc.code, exc.hint)))
-
     # --- dispatching ---------------------------------------------------------------------
 
-    async def _dispatch(self, frames: trio.MemoryReceiveChannel[tuple[bytes, float]]) -> None:
+    def _stream_error(self, exc: RemoteProtocolError) -> None:
+        self._end("too_large" if exc.code is ErrorCode.TOO_LARGE else "protocol_error")
+
+    async def _dispatch(self, frames: trio.MemoryReceiveChannel[Item]) -> None:
         try:
             first, arrival = await frames.receive()
         except trio.EndOfChannel:
+            return
+        if isinstance(first, RemoteProtocolError):  # no dialect chosen yet: just close
+            self._stream_error(first)
             return
         try:
             hello = detect_dialect(first)
@@ -228,12 +231,26 @@ class _Connection:
             await self._send(encode_frame(encode_error(None, exc.code, exc.hint)))
             return
         if hello is None:
-            await self._v1(first, arrival)
-            async for frame, arrival in frames:
-                if not await self._v1(frame, arrival):
-                    return
-            return
-        self.dialect_v2 = True
+            await self._serve_v1(first, arrival, frames)
+        else:
+            await self._serve_v2(frames)
+
+    async def _serve_v1(
+        self, first: bytes, arrival: float, frames: trio.MemoryReceiveChannel[Item]
+    ) -> None:
+        frame: bytes | RemoteProtocolError = first
+        while True:
+            if isinstance(frame, RemoteProtocolError):
+                self._stream_error(frame)  # v1: the documented answer is to close
+                return
+            if not await self._v1(frame, arrival):
+                return
+            try:
+                frame, arrival = await frames.receive()
+            except trio.EndOfChannel:
+                return
+
+    async def _serve_v2(self, frames: trio.MemoryReceiveChannel[Item]) -> None:
         await self._send(
             encode_frame(
                 encode_hello_reply(
@@ -247,6 +264,11 @@ class _Connection:
         slots = trio.CapacityLimiter(MAX_INFLIGHT_PER_CONNECTION)
         async with trio.open_nursery() as inflight:
             async for frame, arrival in frames:
+                if isinstance(frame, RemoteProtocolError):
+                    self._stream_error(frame)
+                    if frame.code is ErrorCode.TOO_LARGE:
+                        await self._send(encode_frame(encode_error(None, frame.code, frame.hint)))
+                    return  # requests in flight are still answered
                 try:
                     request = parse_request(frame)
                 except RequestError as exc:
