@@ -10,15 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from cmdbus_trio.storage.tier import (
-    PAGE_ROWS,
-    TIERS,
-    NewRecord,
-    StoreState,
-    StoreUnavailable,
-    TierStore,
-    VersionConflict,
-)
+from cmdbus_trio.storage import StoreState, StoreUnavailable
+from cmdbus_trio.storage.tier import PAGE_ROWS, TIERS, NewRecord, TierStore, VersionConflict
 
 
 @pytest.fixture
@@ -212,7 +205,8 @@ def test_a_real_write_failure_poisons_the_store(tmp_path: Path) -> None:
         f"""
         import resource, signal
         from pathlib import Path
-        from cmdbus_trio.storage.tier import NewRecord, StoreUnavailable, TierStore
+        from cmdbus_trio.storage import StoreUnavailable
+        from cmdbus_trio.storage.tier import NewRecord, TierStore
         store = TierStore.open(Path({str(tmp_path / "t.sqlite3")!r}))
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, 256 * 1024))

@@ -1,44 +1,25 @@
 """The tier store: per-execution event history in three tiers, on SQLite.
 
-Synchronous and thread-safe: each call checks a connection out of a small pool and puts
-it back (WAL lets readers run beside the one writer), so connections are bounded by how
-many calls ever ran at once, not by how many threads came and went (trio retires idle
-worker threads). Writes are serialized by a lock whose wait time is measured, so a
-contended store is visible. Every public entry point refuses the event-loop thread.
-
-Durability: an append returns only after its transaction committed (``synchronous=FULL``
-by default, so it is on disk). A failed write that leaves the disk state unknown (I/O
-error, disk full, corruption, a failed commit) *poisons* the store: writes then raise
-:class:`StoreUnavailable` until the process restarts and reopens it cleanly.
-"""
+Threads, the pool, the write lock and poisoning come from :class:`SqliteStore`. An append
+returns only after its transaction committed (``synchronous=FULL`` by default, so it is
+on disk)."""
 
 from __future__ import annotations
 
 import sqlite3
-import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Final
 
 import attrs
 
-from ._common import StoreState, StoreUnavailable
+from ._common import StoreState
 from ._guard import refuses_loop_thread
+from ._sqlite import SqliteStore
 
 TIERS: Final = ("eventlog", "projection", "catalog")
 PAGE_ROWS: Final = 256
 """Rows fetched per SQL query when iterating; callers check for cancellation between pages."""
-
-# SQLite primary result codes after which the file's state is unknown: stop writing.
-_POISONING_CODES: Final = {
-    10,  # SQLITE_IOERR (and its extended codes, whose low byte is 10)
-    11,  # SQLITE_CORRUPT
-    13,  # SQLITE_FULL
-    14,  # SQLITE_CANTOPEN
-    26,  # SQLITE_NOTADB
-}
 
 
 class VersionConflict(Exception):
@@ -84,7 +65,7 @@ class StoreStatistics:
     """SQLite connections open (in use or idle in the pool)."""
 
 
-class TierStore:
+class TierStore(SqliteStore):
     """Open with :meth:`open`; share one instance between threads; :meth:`close` last.
 
     Error handling: :class:`StoreUnavailable` when poisoned or closed,
@@ -92,137 +73,49 @@ class TierStore:
     unknown tier (callers validate first).
     """
 
-    def __init__(
-        self,
-        path: Path,
-        *,
-        synchronous: str = "full",
-        contention_threshold: float = 0.1,
-        contention_memory: float = 10.0,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        if synchronous not in ("full", "normal"):
-            raise ValueError(f"synchronous must be full or normal, got {synchronous!r}")
-        self.path = path
-        self._synchronous = synchronous.upper()
-        self._contention_threshold = contention_threshold
-        self._contention_memory = contention_memory
-        self._clock = clock
-        self._idle: list[sqlite3.Connection] = []
-        self._open_connections = 0
-        self._pool_lock = threading.Lock()
-        self._write_lock = threading.Lock()
-        self._closed = False
-        self._poisoned: str | None = None
-        self._contended_at = -float("inf")
-        self._contended_waits = 0
+    name = "tier"
+
+    def __init__(self, path: Path, **options: object) -> None:
+        super().__init__(path, **options)  # type: ignore[arg-type]
         self._counts: dict[str, int] = {}
-        self.before_commit: Callable[[], None] | None = None
-        """Test hook: called inside each write transaction, before COMMIT."""
 
-    # --- life cycle ------------------------------------------------------------------
-
-    @classmethod
-    @refuses_loop_thread
-    def open(cls, path: Path, **options: object) -> TierStore:
-        """Open (creating if needed) the store at ``path``."""
-        store = cls(path, **options)  # type: ignore[arg-type]
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with store._connection() as connection:
-            for tier in TIERS:
-                connection.executescript(
-                    f"""
-                    CREATE TABLE IF NOT EXISTS {tier}_records (
-                        global_sequence INTEGER PRIMARY KEY AUTOINCREMENT,
-                        execution_id TEXT NOT NULL,
-                        transaction_id TEXT NOT NULL,
-                        event_id TEXT,
-                        byte_len INTEGER NOT NULL,
-                        payload TEXT NOT NULL
-                    );
-                    CREATE INDEX IF NOT EXISTS {tier}_by_execution
-                        ON {tier}_records (execution_id, global_sequence);
-                    CREATE UNIQUE INDEX IF NOT EXISTS {tier}_by_event
-                        ON {tier}_records (execution_id, event_id) WHERE event_id IS NOT NULL;
-                    CREATE TABLE IF NOT EXISTS {tier}_executions (
-                        execution_id TEXT PRIMARY KEY,
-                        record_count INTEGER NOT NULL
-                    ) WITHOUT ROWID;
-                    """
-                )
-            connection.execute(
-                "CREATE TABLE IF NOT EXISTS tier_counts "
-                "(tier TEXT PRIMARY KEY, record_count INTEGER NOT NULL) WITHOUT ROWID"
+    def _setup(self, connection: sqlite3.Connection) -> None:
+        for tier in TIERS:
+            connection.executescript(
+                f"""
+                CREATE TABLE IF NOT EXISTS {tier}_records (
+                    global_sequence INTEGER PRIMARY KEY AUTOINCREMENT,
+                    execution_id TEXT NOT NULL,
+                    transaction_id TEXT NOT NULL,
+                    event_id TEXT,
+                    byte_len INTEGER NOT NULL,
+                    payload TEXT NOT NULL
+                );
+                CREATE INDEX IF NOT EXISTS {tier}_by_execution
+                    ON {tier}_records (execution_id, global_sequence);
+                CREATE UNIQUE INDEX IF NOT EXISTS {tier}_by_event
+                    ON {tier}_records (execution_id, event_id) WHERE event_id IS NOT NULL;
+                CREATE TABLE IF NOT EXISTS {tier}_executions (
+                    execution_id TEXT PRIMARY KEY,
+                    record_count INTEGER NOT NULL
+                ) WITHOUT ROWID;
+                """
             )
-            for tier in TIERS:
-                connection.execute("INSERT OR IGNORE INTO tier_counts VALUES (?, 0)", (tier,))
-            store._counts = dict(connection.execute("SELECT tier, record_count FROM tier_counts"))
-        return store
-
-    @refuses_loop_thread
-    def close(self) -> None:
-        """Close the store's connections; one still in use is closed when it comes back."""
-        with self._pool_lock:
-            self._closed = True
-            idle, self._idle = self._idle, []
-            self._open_connections -= len(idle)
-        for connection in idle:
-            connection.close()
-
-    @contextmanager
-    def _connection(self) -> Iterator[sqlite3.Connection]:
-        """A connection for this call (autocommit mode; transactions are explicit)."""
-        with self._pool_lock:
-            if self._closed:
-                raise StoreUnavailable("tier store is closed")
-            connection = self._idle.pop() if self._idle else None
-            if connection is None:
-                self._open_connections += 1
-        if connection is None:
-            try:
-                connection = sqlite3.connect(
-                    self.path, isolation_level=None, check_same_thread=False, timeout=30
-                )
-                connection.execute("PRAGMA journal_mode=WAL")
-                connection.execute(f"PRAGMA synchronous={self._synchronous}")
-            except BaseException:
-                with self._pool_lock:
-                    self._open_connections -= 1
-                raise
-        try:
-            yield connection
-        finally:
-            with self._pool_lock:
-                keep = not self._closed
-                if keep:
-                    self._idle.append(connection)
-                else:
-                    self._open_connections -= 1
-            if not keep:
-                connection.close()
-
-    # --- state -----------------------------------------------------------------------
-
-    @property
-    def state(self) -> StoreState:
-        """Never blocks: plain attribute reads, safe from a metrics scrape."""
-        if self._poisoned is not None:
-            return StoreState.POISONED
-        if self._clock() - self._contended_at < self._contention_memory:
-            return StoreState.CONTENDED
-        return StoreState.OK
-
-    @property
-    def poisoned_reason(self) -> str | None:
-        return self._poisoned
+        connection.execute(
+            "CREATE TABLE IF NOT EXISTS tier_counts "
+            "(tier TEXT PRIMARY KEY, record_count INTEGER NOT NULL) WITHOUT ROWID"
+        )
+        for tier in TIERS:
+            connection.execute("INSERT OR IGNORE INTO tier_counts VALUES (?, 0)", (tier,))
+        self._counts = dict(connection.execute("SELECT tier, record_count FROM tier_counts"))
 
     def statistics(self) -> StoreStatistics:
         return StoreStatistics(
             state=self.state,
-            poisoned_reason=self._poisoned,
+            poisoned_reason=self.poisoned_reason,
             record_counts=dict(self._counts),
-            write_lock_waits_over_threshold=self._contended_waits,
-            connections=self._open_connections,
+            write_lock_waits_over_threshold=self.write_lock_waits_over_threshold,
+            connections=self.connections,
         )
 
     # --- writes ----------------------------------------------------------------------
@@ -310,53 +203,6 @@ class TierStore:
         self._counts[tier] += added
         return results
 
-    def _write(
-        self, work: Callable[[sqlite3.Connection], tuple[list[AppendResult], int]]
-    ) -> tuple[list[AppendResult], int]:
-        if self._poisoned is not None:
-            raise StoreUnavailable(f"tier store is poisoned: {self._poisoned}")
-        if self._closed:
-            raise StoreUnavailable("tier store is closed")
-        asked = self._clock()
-        with self._write_lock:
-            waited = self._clock() - asked
-            if waited > self._contention_threshold:
-                self._contended_at = self._clock()
-                self._contended_waits += 1
-            with self._connection() as connection:
-                return self._transaction(connection, work)
-
-    def _transaction(
-        self,
-        connection: sqlite3.Connection,
-        work: Callable[[sqlite3.Connection], tuple[list[AppendResult], int]],
-    ) -> tuple[list[AppendResult], int]:
-        committing = False
-        try:
-            connection.execute("BEGIN IMMEDIATE")
-            result = work(connection)
-            if self.before_commit is not None:
-                self.before_commit()
-            committing = True
-            connection.execute("COMMIT")
-            return result
-        except BaseException as exc:
-            if connection.in_transaction:
-                try:
-                    connection.execute("ROLLBACK")
-                except sqlite3.Error:
-                    committing = True  # cannot even roll back: state unknown
-            if isinstance(exc, sqlite3.Error) and (committing or _poisons(exc)):
-                self._poison(exc)
-                raise StoreUnavailable(f"tier store is poisoned: {self._poisoned}") from exc
-            raise
-
-    def _poison(self, exc: sqlite3.Error) -> None:
-        if self._poisoned is None:
-            self._poisoned = f"{type(exc).__name__}: {exc}"
-
-    # --- reads -----------------------------------------------------------------------
-
     @refuses_loop_thread
     def execution_count(self, tier: str, execution_id: str) -> int | None:
         """The execution's record count, or ``None`` if it has none in this tier."""
@@ -413,10 +259,3 @@ class TierStore:
 def _check_tier(tier: str) -> None:
     if tier not in TIERS:
         raise ValueError(f"unknown tier {tier!r}; tiers: {', '.join(TIERS)}")
-
-
-def _poisons(exc: sqlite3.Error) -> bool:
-    code = getattr(exc, "sqlite_errorcode", None)
-    if code is None:
-        return isinstance(exc, sqlite3.DatabaseError) and "disk" in str(exc).lower()
-    return (code & 0xFF) in _POISONING_CODES

@@ -1,0 +1,195 @@
+"""What every SQLite store of the writer shares: a connection pool, one measured write
+lock, explicit transactions, and poisoning.
+
+Thread-safe and synchronous. Each call checks a connection out of a small pool and puts
+it back (WAL lets readers run beside the one writer), so connections are bounded by how
+many calls ever ran at once, not by how many threads came and went (trio retires idle
+worker threads). Writes are serialized by a lock whose wait is measured, so a contended
+store is visible. A write that fails leaving the disk state unknown (I/O error, disk full,
+corruption, any failure of COMMIT) *poisons* the store: writes then raise
+:class:`StoreUnavailable` until the process restarts and reopens it cleanly.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Final, Self, TypeVar
+
+from ._common import StoreState, StoreUnavailable
+from ._guard import refuses_loop_thread
+
+T = TypeVar("T")
+
+# SQLite primary result codes after which the file's state is unknown: stop writing.
+_POISONING_CODES: Final = {
+    10,  # SQLITE_IOERR (and its extended codes, whose low byte is 10)
+    11,  # SQLITE_CORRUPT
+    13,  # SQLITE_FULL
+    14,  # SQLITE_CANTOPEN
+    26,  # SQLITE_NOTADB
+}
+
+
+class SqliteStore:
+    """Base of the stores; subclasses set :attr:`name` and create their schema in
+    :meth:`_setup`. Open with :meth:`open`, share between threads, :meth:`close` last."""
+
+    name = "store"
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        synchronous: str = "full",
+        contention_threshold: float = 0.1,
+        contention_memory: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if synchronous not in ("full", "normal"):
+            raise ValueError(f"synchronous must be full or normal, got {synchronous!r}")
+        self.path = path
+        self._synchronous = synchronous.upper()
+        self._contention_threshold = contention_threshold
+        self._contention_memory = contention_memory
+        self._clock = clock
+        self._idle: list[sqlite3.Connection] = []
+        self._open_connections = 0
+        self._pool_lock = threading.Lock()
+        self._write_lock = threading.Lock()
+        self._closed = False
+        self._poisoned: str | None = None
+        self._contended_at = -float("inf")
+        self._contended_waits = 0
+        self.before_commit: Callable[[], None] | None = None
+        """Test hook: called inside each write transaction, before COMMIT."""
+
+    @classmethod
+    @refuses_loop_thread
+    def open(cls, path: Path, **options: object) -> Self:
+        """Open (creating if needed) the store at ``path``."""
+        store = cls(path, **options)  # type: ignore[arg-type]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with store._connection() as connection:
+            store._setup(connection)
+        return store
+
+    def _setup(self, connection: sqlite3.Connection) -> None:
+        """Create the schema if needed and load what the store keeps in memory."""
+
+    @refuses_loop_thread
+    def close(self) -> None:
+        """Close the store's connections; one still in use is closed when it comes back."""
+        with self._pool_lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+            self._open_connections -= len(idle)
+        for connection in idle:
+            connection.close()
+
+    @contextmanager
+    def _connection(self) -> Iterator[sqlite3.Connection]:
+        """A connection for this call (autocommit mode; transactions are explicit)."""
+        with self._pool_lock:
+            if self._closed:
+                raise StoreUnavailable(f"{self.name} store is closed")
+            connection = self._idle.pop() if self._idle else None
+            if connection is None:
+                self._open_connections += 1
+        if connection is None:
+            try:
+                connection = sqlite3.connect(
+                    self.path, isolation_level=None, check_same_thread=False, timeout=30
+                )
+                connection.execute("PRAGMA journal_mode=WAL")
+                connection.execute(f"PRAGMA synchronous={self._synchronous}")
+            except BaseException:
+                with self._pool_lock:
+                    self._open_connections -= 1
+                raise
+        try:
+            yield connection
+        finally:
+            with self._pool_lock:
+                keep = not self._closed
+                if keep:
+                    self._idle.append(connection)
+                else:
+                    self._open_connections -= 1
+            if not keep:
+                connection.close()
+
+    # --- state -----------------------------------------------------------------------
+
+    @property
+    def state(self) -> StoreState:
+        """Never blocks: plain attribute reads, safe from a metrics scrape."""
+        if self._poisoned is not None:
+            return StoreState.POISONED
+        if self._clock() - self._contended_at < self._contention_memory:
+            return StoreState.CONTENDED
+        return StoreState.OK
+
+    @property
+    def poisoned_reason(self) -> str | None:
+        return self._poisoned
+
+    @property
+    def connections(self) -> int:
+        """SQLite connections open (in use or idle in the pool)."""
+        return self._open_connections
+
+    @property
+    def write_lock_waits_over_threshold(self) -> int:
+        return self._contended_waits
+
+    # --- writes ----------------------------------------------------------------------
+
+    def _write(self, work: Callable[[sqlite3.Connection], T]) -> T:
+        """Run ``work`` in one write transaction and commit it."""
+        if self._poisoned is not None:
+            raise StoreUnavailable(f"{self.name} store is poisoned: {self._poisoned}")
+        if self._closed:
+            raise StoreUnavailable(f"{self.name} store is closed")
+        asked = self._clock()
+        with self._write_lock:
+            if self._clock() - asked > self._contention_threshold:
+                self._contended_at = self._clock()
+                self._contended_waits += 1
+            with self._connection() as connection:
+                return self._transaction(connection, work)
+
+    def _transaction(
+        self, connection: sqlite3.Connection, work: Callable[[sqlite3.Connection], T]
+    ) -> T:
+        committing = False
+        try:
+            connection.execute("BEGIN IMMEDIATE")
+            result = work(connection)
+            if self.before_commit is not None:
+                self.before_commit()
+            committing = True
+            connection.execute("COMMIT")
+            return result
+        except BaseException as exc:
+            if connection.in_transaction:
+                try:
+                    connection.execute("ROLLBACK")
+                except sqlite3.Error:
+                    committing = True  # cannot even roll back: state unknown
+            if isinstance(exc, sqlite3.Error) and (committing or _poisons(exc)):
+                if self._poisoned is None:
+                    self._poisoned = f"{type(exc).__name__}: {exc}"
+                raise StoreUnavailable(f"{self.name} store is poisoned: {self._poisoned}") from exc
+            raise
+
+
+def _poisons(exc: sqlite3.Error) -> bool:
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is None:
+        return isinstance(exc, sqlite3.DatabaseError) and "disk" in str(exc).lower()
+    return (code & 0xFF) in _POISONING_CODES
