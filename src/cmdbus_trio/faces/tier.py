@@ -15,6 +15,7 @@ import trio
 
 from cmdbus_trio.protocol import (
     ErrorCode,
+    FieldError,
     RemoteProtocolError,
     Request,
     dumps,
@@ -44,7 +45,7 @@ class TierHandler:
     async def v1(self, frame: bytes, arrival: float) -> V1Reply:
         try:
             request = codec.decode_v1(frame)
-        except codec.FieldError as exc:
+        except FieldError as exc:
             message = exc.op if isinstance(exc, codec.UnsupportedOp) else exc.hint
             return V1Reply(
                 "unknown", self._v1_text(codec.v1_error(exc.code, message)), exc.code.value

@@ -14,6 +14,7 @@ from ._envelope import (
     parse_request,
 )
 from ._errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError
+from ._fields import FieldError
 from ._framing import CLOSED, HEADER_SIZE, NEED_DATA, FrameDecoder, Sentinel, encode_frame
 from ._json import dumps, loads
 
@@ -25,6 +26,7 @@ __all__ = [
     "SUPPORTED_VERSIONS",
     "Dialect",
     "ErrorCode",
+    "FieldError",
     "FrameDecoder",
     "Hello",
     "LocalProtocolError",

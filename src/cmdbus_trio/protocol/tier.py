@@ -6,13 +6,13 @@ encoding works on pre-encoded record fragments so that a page can be cut by byte
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 import attrs
 
-from ._errors import ErrorCode, RemoteProtocolError
+from ._errors import ErrorCode
+from ._fields import FieldError, execution_id, is_int, payload_json, payload_text, transaction_id
 from ._json import dumps, dumps_str, loads
 
 TIERS: Final = ("eventlog", "projection", "catalog")
@@ -20,18 +20,7 @@ DEFAULT_TIER: Final = "eventlog"
 MAX_RECORDS_PER_REPLY: Final = 1000
 DEFAULT_SCAN_LIMIT: Final = 100
 MAX_BATCH: Final = 10_000
-MAX_TRANSACTION_ID: Final = 256
 V1_HEALTH_REPLY: Final = b"ok tier-service v1"
-
-_EXECUTION_ID = re.compile(r"[A-Za-z0-9_.:+-]{1,128}")
-_I64 = range(-(1 << 63), 1 << 63)
-
-
-class FieldError(RemoteProtocolError):
-    """A request field is missing or malformed; ``str()`` starts with the field's name."""
-
-    def __init__(self, field: str, why: str, code: ErrorCode = ErrorCode.INVALID) -> None:
-        super().__init__(f"{field}: {why}", code=code, fatal=False)
 
 
 class UnsupportedOp(FieldError):
@@ -125,28 +114,20 @@ def decode_op(op: str, fields: Mapping[str, Any], *, strict: bool = True) -> Tie
         return Health()
     if op == "scan":
         return Scan(tier, _after(fields), _limit(fields, DEFAULT_SCAN_LIMIT))
-    execution_id = execution_id_field(fields)
+    execution = str(execution_id(fields.get("execution_id")))
     if op == "read_execution":
-        return ReadExecution(
-            tier, execution_id, _after(fields), _limit(fields, MAX_RECORDS_PER_REPLY)
-        )
-    transaction_id = _transaction_id(fields)
+        return ReadExecution(tier, execution, _after(fields), _limit(fields, MAX_RECORDS_PER_REPLY))
+    transaction = transaction_id(fields.get("transaction_id"))
     if op == "append":
         expected = fields.get("expected_version")
-        if expected is not None and not (_is_int(expected) and expected >= 0):
+        if expected is not None and not (is_int(expected) and expected >= 0):
             raise FieldError("expected_version", "expected a non-negative integer")
-        return Append(
-            tier, execution_id, _payload(fields.get("payload"), "payload"), transaction_id, expected
-        )
+        return Append(tier, execution, payload_text(fields.get("payload")), transaction, expected)
     payloads = fields.get("payloads")
     if not isinstance(payloads, list) or not 1 <= len(payloads) <= MAX_BATCH:
         raise FieldError("payloads", f"expected a list of 1 to {MAX_BATCH} payloads")
-    checked = tuple(_payload(item, f"payloads[{i}]") for i, item in enumerate(payloads))
-    return AppendBatch(tier, execution_id, checked, transaction_id)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    checked = tuple(payload_text(item, f"payloads[{i}]") for i, item in enumerate(payloads))
+    return AppendBatch(tier, execution, checked, transaction)
 
 
 def _tier(fields: Mapping[str, Any]) -> str:
@@ -158,43 +139,11 @@ def _tier(fields: Mapping[str, Any]) -> str:
     return str(tier)
 
 
-def execution_id_field(fields: Mapping[str, Any]) -> str:
-    """The execution id as text: an integer (fitting i64) or 1-128 characters of
-    ``A-Z a-z 0-9 _ . : + -``. Ids are data, never paths."""
-    value = fields.get("execution_id")
-    if _is_int(value):
-        if value not in _I64:
-            raise FieldError("execution_id", "integer out of the signed 64-bit range")
-        return str(value)
-    if isinstance(value, str) and _EXECUTION_ID.fullmatch(value):
-        return value
-    raise FieldError(
-        "execution_id", "expected an integer or 1-128 characters of A-Z a-z 0-9 _ . : + -"
-    )
-
-
-def _transaction_id(fields: Mapping[str, Any]) -> str:
-    value = fields.get("transaction_id", "")
-    if value is None:
-        return ""
-    if not isinstance(value, str) or len(value) > MAX_TRANSACTION_ID:
-        raise FieldError(
-            "transaction_id", f"expected a string of at most {MAX_TRANSACTION_ID} characters"
-        )
-    return value
-
-
-def _payload(value: Any, field: str) -> str:
-    if not isinstance(value, str):
-        raise FieldError(field, "expected JSON text (a string)")
-    return value
-
-
 def _after(fields: Mapping[str, Any]) -> int:
     after = fields.get("after", 0)
     if after is None:
         return 0
-    if not (_is_int(after) and after >= 0):
+    if not (is_int(after) and after >= 0):
         raise FieldError("after", "expected a non-negative integer")
     return int(after)
 
@@ -203,7 +152,7 @@ def _limit(fields: Mapping[str, Any], default: int) -> int:
     limit = fields.get("limit", default)
     if limit is None:
         return default
-    if not _is_int(limit):
+    if not is_int(limit):
         raise FieldError("limit", "expected an integer")
     return max(1, min(MAX_RECORDS_PER_REPLY, int(limit)))  # clamped, as PROTOCOL.md says
 
@@ -212,10 +161,7 @@ def payload_event_id(payload: str, field: str = "payload") -> str | None:
     """Check that a payload is JSON text and return its ``event_id`` as canonical JSON
     text (``None`` when it has none). Runs in the request's worker thread: it parses
     the whole payload."""
-    try:
-        value = loads(payload.encode())
-    except RemoteProtocolError:
-        raise FieldError(field, "not valid JSON text") from None
+    value = payload_json(payload, field)
     if isinstance(value, dict) and value.get("event_id") is not None:
         return dumps(value["event_id"]).decode()
     return None

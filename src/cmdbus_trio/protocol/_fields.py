@@ -1,0 +1,58 @@
+"""Field checks shared by every face's request decoder; each error names its field."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Final, TypeGuard
+
+from ._errors import ErrorCode, RemoteProtocolError
+from ._json import loads
+
+MAX_TRANSACTION_ID: Final = 256
+_EXECUTION_ID = re.compile(r"[A-Za-z0-9_.:+-]{1,128}")
+_I64 = range(-(1 << 63), 1 << 63)
+
+
+class FieldError(RemoteProtocolError):
+    """A request field is missing or malformed; ``str()`` starts with the field's name."""
+
+    def __init__(self, field: str, why: str, code: ErrorCode = ErrorCode.INVALID) -> None:
+        super().__init__(f"{field}: {why}", code=code, fatal=False)
+
+
+def is_int(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def execution_id(value: Any, field: str = "execution_id") -> str | int:
+    """An execution id as given: an integer fitting i64, or 1-128 characters of
+    ``A-Z a-z 0-9 _ . : + -``. Ids are data, never paths."""
+    if is_int(value):
+        if value not in _I64:
+            raise FieldError(field, "integer out of the signed 64-bit range")
+        return value
+    if isinstance(value, str) and _EXECUTION_ID.fullmatch(value):
+        return value
+    raise FieldError(field, "expected an integer or 1-128 characters of A-Z a-z 0-9 _ . : + -")
+
+
+def transaction_id(value: Any, field: str = "transaction_id") -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, str) or len(value) > MAX_TRANSACTION_ID:
+        raise FieldError(field, f"expected a string of at most {MAX_TRANSACTION_ID} characters")
+    return value
+
+
+def payload_text(value: Any, field: str = "payload") -> str:
+    if not isinstance(value, str):
+        raise FieldError(field, "expected JSON text (a string)")
+    return value
+
+
+def payload_json(payload: str, field: str = "payload") -> Any:
+    """The payload's JSON value. Runs in a worker thread: it parses the whole payload."""
+    try:
+        return loads(payload.encode())
+    except RemoteProtocolError:
+        raise FieldError(field, "not valid JSON text") from None

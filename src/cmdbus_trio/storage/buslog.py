@@ -1,0 +1,145 @@
+"""The bus log: the durable record log of one bus (commands or events), on SQLite.
+
+Records get writer-assigned sort keys: ascending from 1, never reused (``AUTOINCREMENT``),
+stable across restarts. A publish carrying a ``msg_id`` seen within the dedup window
+returns the first record's sort key and appends nothing; the window is kept in the
+database, so it survives a restart. One :meth:`BusLog.publish` call is one transaction
+(one fsync), however many entries it carries: the group committer batches into it.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import attrs
+
+from ._guard import refuses_loop_thread
+from ._sqlite import SqliteStore
+
+MSG_ID_PRUNE_BATCH = 1000
+"""msg_ids past the window deleted per publish at most, so pruning never makes one
+transaction long."""
+
+
+@attrs.frozen
+class BusEntry:
+    """A record to publish: its subject, the record as JSON text (as it will be
+    delivered), and an optional ``msg_id`` for deduplication."""
+
+    subject: str
+    record: str
+    msg_id: str | None = None
+
+
+@attrs.frozen
+class Published:
+    sort_key: int
+    subject: str
+    duplicate: bool
+
+
+@attrs.frozen
+class StoredRecord:
+    sort_key: int
+    subject: str
+    record: str
+
+
+class BusLog(SqliteStore):
+    def __init__(
+        self,
+        path: Path,
+        *,
+        name: str = "commands",
+        dedup_window: float = 120.0,
+        wall_clock: Callable[[], float] = time.time,
+        **options: object,
+    ) -> None:
+        super().__init__(path, **options)  # type: ignore[arg-type]
+        self.name = name
+        self.dedup_window = dedup_window
+        self._wall_clock = wall_clock  # msg_id ages must mean the same after a restart
+        self._last_sort_key = 0
+
+    def _setup(self, connection: sqlite3.Connection) -> None:
+        connection.executescript(
+            """
+            CREATE TABLE IF NOT EXISTS records (
+                sort_key INTEGER PRIMARY KEY AUTOINCREMENT,
+                subject TEXT NOT NULL,
+                record TEXT NOT NULL
+            );
+            CREATE TABLE IF NOT EXISTS msg_ids (
+                msg_id TEXT PRIMARY KEY,
+                sort_key INTEGER NOT NULL,
+                subject TEXT NOT NULL,
+                published_at REAL NOT NULL
+            ) WITHOUT ROWID;
+            CREATE INDEX IF NOT EXISTS msg_ids_by_age ON msg_ids (published_at);
+            """
+        )
+        row = connection.execute(
+            "SELECT seq FROM sqlite_sequence WHERE name = 'records'"
+        ).fetchone()
+        self._last_sort_key = int(row[0]) if row else 0
+
+    @property
+    def last_sort_key(self) -> int:
+        """The newest sort key handed out (0 when none). A plain read: never blocks."""
+        return self._last_sort_key
+
+    @refuses_loop_thread
+    def publish(self, entries: Sequence[BusEntry]) -> list[Published]:
+        """Append ``entries`` in one transaction, in order; all or nothing."""
+
+        def write(connection: sqlite3.Connection) -> list[Published]:
+            now = self._wall_clock()
+            oldest = now - self.dedup_window
+            connection.execute(
+                "DELETE FROM msg_ids WHERE msg_id IN "
+                "(SELECT msg_id FROM msg_ids WHERE published_at < ? LIMIT ?)",
+                (oldest, MSG_ID_PRUNE_BATCH),
+            )
+            results: list[Published] = []
+            for entry in entries:
+                if entry.msg_id is not None:
+                    seen = connection.execute(
+                        "SELECT sort_key, subject FROM msg_ids "
+                        "WHERE msg_id = ? AND published_at >= ?",
+                        (entry.msg_id, oldest),
+                    ).fetchone()
+                    if seen:
+                        results.append(Published(seen[0], seen[1], duplicate=True))
+                        continue
+                cursor = connection.execute(
+                    "INSERT INTO records (subject, record) VALUES (?, ?)",
+                    (entry.subject, entry.record),
+                )
+                assert cursor.lastrowid is not None
+                if entry.msg_id is not None:
+                    connection.execute(
+                        "INSERT OR REPLACE INTO msg_ids VALUES (?, ?, ?, ?)",
+                        (entry.msg_id, cursor.lastrowid, entry.subject, now),
+                    )
+                results.append(Published(cursor.lastrowid, entry.subject, duplicate=False))
+            return results
+
+        results = self._write(write)
+        fresh = [r.sort_key for r in results if not r.duplicate]
+        if fresh:
+            self._last_sort_key = max(self._last_sort_key, *fresh)
+        return results
+
+    @refuses_loop_thread
+    def read_after(self, after: int, limit: int) -> list[StoredRecord]:
+        """Up to ``limit`` records with ``sort_key > after``, ascending."""
+        with self._connection() as connection:
+            rows = connection.execute(
+                "SELECT sort_key, subject, record FROM records WHERE sort_key > ? "
+                "ORDER BY sort_key LIMIT ?",
+                (after, limit),
+            ).fetchall()
+        return [StoredRecord(*row) for row in rows]
