@@ -238,9 +238,11 @@ class Gate:
         self._admit(lease)
         return lease
 
-    def acquire_nowait(self, op: str, *, budget: float | None = None) -> Lease:
+    def acquire_nowait(
+        self, op: str, *, budget: float | None = None, arrival: float | None = None
+    ) -> Lease:
         """Admit at once or shed: never queues (a free slot or ``waiters_full``)."""
-        lease = self._arrive(op, trio.current_time(), budget, None)
+        lease = self._arrive(op, trio.current_time(), budget, arrival)
         try:
             self._limiter.acquire_on_behalf_of_nowait(lease)
         except trio.WouldBlock:

@@ -26,12 +26,16 @@ import trio
 
 from . import __version__, control, metrics
 from .admission import Gate, run_in_thread
+from .bus import Bus
+from .bus.committer import GroupCommitter
 from .config import DATA_FACE_NAMES, Bind, Config, cpu_quota
-from .faces import FaceContext, FaceServe
+from .faces import FaceContext, FaceServe, cmd_ingest
 from .faces import tier as tier_face
 from .health import FaceState, Health
 from .heartbeat import Heartbeat
 from .logs import event
+from .protocol.bus import BusKind, SubjectRule
+from .storage.buslog import BusLog
 from .storage.tier import TierStore
 
 log = logging.getLogger(__name__)
@@ -39,12 +43,13 @@ log = logging.getLogger(__name__)
 StartFn = Callable[..., Awaitable[None]]
 
 
-DATA_FACES: Mapping[str, FaceServe] = {"tier": tier_face.serve}
-"""The data faces this build implements. The buses come with their issues:
-cmd_ingest and cmd_claim (4), evt_ingest, evt_claim and evt_subscribe (5)."""
+DATA_FACES: Mapping[str, FaceServe] = {"tier": tier_face.serve, "cmd_ingest": cmd_ingest.serve}
+"""The data faces this build implements. Still to come: cmd_claim (issue 4), evt_ingest,
+evt_claim and evt_subscribe (issue 5)."""
 
-STORE_FILES = {"tier": "tier.sqlite3"}
-"""Each store's database file under the data dir; a store is open while a face needs it."""
+STORE_FACES = {"tier": {"tier"}, "commands": {"cmd_ingest", "cmd_claim"}}
+"""Which faces use each store: a store is open while an enabled face needs it. Its file
+is ``<data dir>/<name>.sqlite3``."""
 
 
 class StartupError(Exception):
@@ -66,6 +71,12 @@ def gate_for(face: str, config: Config) -> Gate:
     """The Gate of a data face. The tier face has its own settings; the bus faces use the
     same defaults until their own admission settings exist."""
     budget = config.default_budget_ms / 1000
+    if face in ("cmd_ingest", "evt_ingest"):
+        # Slots are publishes queued for or in a group commit (see bus/committer.py).
+        pending = config.ingest_max_pending
+        return Gate(
+            face, max_inflight=pending, max_waiters=pending, shed_after=1.0, default_budget=budget
+        )
     if face == "tier":
         return Gate(
             face,
@@ -123,7 +134,7 @@ class Writer:
         self._control_stop = trio.Event()
         # Store open/close: a limiter of its own, never trio's default one.
         self._maintenance = trio.CapacityLimiter(1)
-        self._stores: dict[str, TierStore] = {}
+        self._stores: dict[str, TierStore | Bus] = {}
 
     def request_drain(self) -> None:
         """Start the graceful drain (what SIGTERM does). Idempotent."""
@@ -156,6 +167,9 @@ class Writer:
                     )
                 await self._open_stores(wanted)
                 async with trio.open_nursery() as background:
+                    for store in self._stores.values():
+                        if isinstance(store, Bus):
+                            await background.start(store.committer.run)
                     async with trio.open_nursery() as data:
                         for face in wanted:
                             if face in self._faces:
@@ -194,20 +208,38 @@ class Writer:
         await self._start(data, face, bind, partial(self._supervise, ctx))
 
     async def _open_stores(self, faces: list[str]) -> None:
-        for name, filename in STORE_FILES.items():
-            if name in faces and name in self._faces:
-                path = self.config.data_dir / filename
-                store = await run_in_thread(
-                    partial(TierStore.open, path, synchronous=self.config.sync),
+        config = self.config
+        for name, users in STORE_FACES.items():
+            if not users & {face for face in faces if face in self._faces}:
+                continue
+            path = config.data_dir / f"{name}.sqlite3"
+            if name == "tier":
+                tier = await run_in_thread(
+                    partial(TierStore.open, path, synchronous=config.sync),
                     limiter=self._maintenance,
                 )
-                self._stores[name] = store
-                self.health.add_store(name, store)
+                self._stores[name] = tier
+                self.health.add_store(name, tier)
+                continue
+            bus_log = await run_in_thread(
+                partial(
+                    BusLog.open,
+                    path,
+                    name=name,
+                    synchronous=config.sync,
+                    dedup_window=config.dedup_window_ms / 1000,
+                ),
+                limiter=self._maintenance,
+            )
+            rule = SubjectRule(BusKind(name), config.shard, config.shard_count)
+            self._stores[name] = Bus(bus_log, GroupCommitter(bus_log, rule))
+            self.health.add_store(name, bus_log)
 
     async def _close_stores(self) -> None:
         with trio.CancelScope(shield=True):
             for store in self._stores.values():
-                await run_in_thread(store.close, limiter=self._maintenance)
+                closing = store.log if isinstance(store, Bus) else store
+                await run_in_thread(closing.close, limiter=self._maintenance)
 
     async def _supervise(
         self, ctx: FaceContext, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED

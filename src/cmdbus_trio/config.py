@@ -221,6 +221,12 @@ SETTINGS: tuple[Setting, ...] = (
         _int_range(1),
         "time budget of a data request that carries no deadline_ms",
     ),
+    Setting(
+        "ingest_max_pending",
+        "4096",
+        _int_range(1),
+        "publish requests per ingest face queued for or in a group commit; more: busy",
+    ),
     Setting("max_request_bytes", str(1 << 20), _int_range(64), "largest request frame body"),
     Setting("max_reply_bytes", str(16 << 20), _int_range(64), "largest reply frame body"),
     Setting("sync", "full", _choice("full", "normal"), "SQLite synchronous mode"),
@@ -307,6 +313,7 @@ class Config:
     tier_max_waiters: int
     tier_shed_after_ms: int
     default_budget_ms: int
+    ingest_max_pending: int
     max_request_bytes: int
     max_reply_bytes: int
     sync: str

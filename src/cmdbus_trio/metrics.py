@@ -84,8 +84,8 @@ SHED = Counter(
 CONNECTIONS = Counter(
     "cmdbus_connections_total",
     "Data-face connections by outcome: accepted when opened; closed, protocol_error, "
-    "write_error, too_large, idle_timeout or internal_error (a bug, logged with its "
-    "traceback) when they ended.",
+    "write_error, too_large, idle_timeout, unavailable (v1 only: a store that cannot "
+    "write) or internal_error (a bug, logged with its traceback) when they ended.",
     ["face", "outcome"],
     registry=REGISTRY,
 )
@@ -93,6 +93,13 @@ FACE_CRASHES = Counter(
     "cmdbus_face_crashes_total",
     "Times a face's server task died with an unexpected error (the traceback is logged).",
     ["face"],
+    registry=REGISTRY,
+)
+COMMIT_BATCH = Histogram(
+    "cmdbus_commit_batch_records",
+    "Records appended per group-commit transaction (one fsync each) of a bus log.",
+    ["store"],
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
     registry=REGISTRY,
 )
 LOOP_LAG = Histogram(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Awaitable
 from functools import partial
 from typing import Protocol
 
@@ -98,9 +99,12 @@ class FaceHandler(Protocol):
         """Answer one v1 frame. Raise :class:`CloseConnection` to close instead."""
         ...
 
-    async def v2(self, request: Request, arrival: float) -> bytes:
-        """Answer one v2 request with its reply body (``{"id": …, "ok": true, …}``).
-        Raise an exception that :func:`as_face_error` maps for an error answer."""
+    def v2(self, request: Request, arrival: float) -> Awaitable[bytes]:
+        """Start one v2 request; the awaitable gives its reply body
+        (``{"id": …, "ok": true, …}``). Called in the order the requests arrived, so
+        whatever this does before returning keeps that order (an ``async def`` does
+        nothing before it is awaited). Raise, here or from the awaitable, an exception
+        that :func:`as_face_error` maps, for an error answer."""
         ...
 
 
@@ -280,7 +284,13 @@ class _Connection:
                     return
                 slot = object()  # a hashable borrower token per request
                 await slots.acquire_on_behalf_of(slot)
-                inflight.start_soon(self._v2, request, arrival, slots, slot)
+                try:
+                    pending = self.handler.v2(request, arrival)
+                except Exception as exc:
+                    slots.release_on_behalf_of(slot)
+                    await self._send_v2_error(request.id, request.op, exc, arrival)
+                    continue
+                inflight.start_soon(self._v2, request, pending, arrival, slots, slot)
 
     async def _v1(self, frame: bytes, arrival: float) -> bool:
         try:
@@ -293,11 +303,16 @@ class _Connection:
         return sent
 
     async def _v2(
-        self, request: Request, arrival: float, slots: trio.CapacityLimiter, slot: object
+        self,
+        request: Request,
+        pending: Awaitable[bytes],
+        arrival: float,
+        slots: trio.CapacityLimiter,
+        slot: object,
     ) -> None:
         try:
             try:
-                body = await self.handler.v2(request, arrival)
+                body = await pending
             except Exception as exc:
                 await self._send_v2_error(request.id, request.op, exc, arrival)
                 return

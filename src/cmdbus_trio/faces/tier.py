@@ -18,6 +18,7 @@ from cmdbus_trio.protocol import (
     FieldError,
     RemoteProtocolError,
     Request,
+    UnsupportedOp,
     dumps,
     encode_frame,
     encode_ok,
@@ -46,7 +47,7 @@ class TierHandler:
         try:
             request = codec.decode_v1(frame)
         except FieldError as exc:
-            message = exc.op if isinstance(exc, codec.UnsupportedOp) else exc.hint
+            message = exc.op if isinstance(exc, UnsupportedOp) else exc.hint
             return V1Reply(
                 "unknown", self._v1_text(codec.v1_error(exc.code, message)), exc.code.value
             )

@@ -14,7 +14,7 @@ from ._envelope import (
     parse_request,
 )
 from ._errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError
-from ._fields import FieldError
+from ._fields import FieldError, UnsupportedOp
 from ._framing import CLOSED, HEADER_SIZE, NEED_DATA, FrameDecoder, Sentinel, encode_frame
 from ._json import dumps, loads
 
@@ -35,6 +35,7 @@ __all__ = [
     "Request",
     "RequestError",
     "Sentinel",
+    "UnsupportedOp",
     "detect_dialect",
     "dumps",
     "encode_error",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from typing import Any, Final, TypeGuard
 
 from ._errors import ErrorCode, RemoteProtocolError
@@ -18,6 +19,12 @@ class FieldError(RemoteProtocolError):
 
     def __init__(self, field: str, why: str, code: ErrorCode = ErrorCode.INVALID) -> None:
         super().__init__(f"{field}: {why}", code=code, fatal=False)
+
+
+class UnsupportedOp(FieldError):
+    def __init__(self, op: str, ops: Iterable[str]) -> None:
+        super().__init__("op", f"unknown op {op!r}; ops: {', '.join(ops)}", ErrorCode.UNSUPPORTED)
+        self.op = op
 
 
 def is_int(value: Any) -> TypeGuard[int]:

@@ -12,7 +12,15 @@ from typing import Any, Final
 import attrs
 
 from ._errors import ErrorCode
-from ._fields import FieldError, execution_id, is_int, payload_json, payload_text, transaction_id
+from ._fields import (
+    FieldError,
+    UnsupportedOp,
+    execution_id,
+    is_int,
+    payload_json,
+    payload_text,
+    transaction_id,
+)
 from ._json import dumps, dumps_str, loads
 
 TIERS: Final = ("eventlog", "projection", "catalog")
@@ -21,14 +29,6 @@ MAX_RECORDS_PER_REPLY: Final = 1000
 DEFAULT_SCAN_LIMIT: Final = 100
 MAX_BATCH: Final = 10_000
 V1_HEALTH_REPLY: Final = b"ok tier-service v1"
-
-
-class UnsupportedOp(FieldError):
-    def __init__(self, op: str) -> None:
-        super().__init__(
-            "op", f"unknown op {op!r}; ops: {', '.join(_FIELDS)}", ErrorCode.UNSUPPORTED
-        )
-        self.op = op
 
 
 @attrs.frozen
@@ -106,7 +106,7 @@ def decode_op(op: str, fields: Mapping[str, Any], *, strict: bool = True) -> Tie
     """The request for ``op`` from its fields (v2: the envelope's other members)."""
     known = _FIELDS.get(op)
     if known is None:
-        raise UnsupportedOp(op)
+        raise UnsupportedOp(op, _FIELDS)
     if strict and (unknown := sorted(set(fields) - known)):
         raise FieldError(unknown[0], "unknown field")
     tier = _tier(fields)

@@ -1,0 +1,17 @@
+"""Trio-side coordinators of the buses: the group committer (later: claims, lag)."""
+
+from __future__ import annotations
+
+import attrs
+
+from cmdbus_trio.storage.buslog import BusLog
+
+from .committer import GroupCommitter
+
+
+@attrs.frozen
+class Bus:
+    """One bus as the faces see it: its log and the committer that appends to it."""
+
+    log: BusLog
+    committer: GroupCommitter

@@ -1,0 +1,135 @@
+"""Group commit: concurrent publishes from every connection, one transaction per hop.
+
+A publish enqueues a :class:`Ticket` (in the order its connection sent it) and waits for
+it. The committer takes everything queued, up to ``max_batch`` records, into one worker
+thread call that checks each ticket's records, computes their subjects and appends the
+good tickets in one transaction (one fsync). A ticket with a bad record is refused whole
+and does not touch the others. Replies go out only after the commit.
+
+Admission is the ingest face's Gate: a publish holds a lease from before it is queued
+until its ticket is settled, so the Gate bounds the queue (full: ``busy``) and a drain,
+which waits for every lease, flushes it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Sequence
+
+import attrs
+import trio
+
+from cmdbus_trio import metrics
+from cmdbus_trio.admission import run_in_thread
+from cmdbus_trio.logs import event
+from cmdbus_trio.protocol import FieldError
+from cmdbus_trio.protocol.bus import PublishRecord, SubjectRule
+from cmdbus_trio.storage.buslog import BusEntry, BusLog, Published
+
+log = logging.getLogger(__name__)
+
+
+@attrs.define(eq=False)
+class Ticket:
+    """One publish request's records, and what became of them."""
+
+    records: Sequence[tuple[PublishRecord, str | None, str]]
+    """(record, msg_id, field name for errors), in order."""
+    settled: trio.Event = attrs.field(factory=trio.Event)
+    published: list[Published] | None = None
+    error: Exception | None = None
+
+    async def wait(self) -> list[Published]:
+        """The records' sort keys, once committed.
+
+        Cancellation: the ticket stays queued and is committed anyway (a publish that
+        was accepted is not taken back); only the wait stops.
+
+        Error handling: raises the ticket's error (a :class:`FieldError` naming the bad
+        record, or the store's ``StoreUnavailable``).
+        """
+        await self.settled.wait()
+        if self.error is not None:
+            raise self.error
+        assert self.published is not None
+        return self.published
+
+
+class GroupCommitter:
+    def __init__(self, bus: BusLog, rule: SubjectRule, *, max_batch: int = 1000) -> None:
+        self.bus = bus
+        self.rule = rule
+        self.max_batch = max_batch
+        self._queue: deque[Ticket] = deque()
+        self._queued_records = 0
+        self._wake = trio.Event()
+        self._limiter = trio.CapacityLimiter(1)  # one writer: batches go one after another
+
+    @property
+    def queued_records(self) -> int:
+        return self._queued_records
+
+    def enqueue(self, ticket: Ticket) -> None:
+        """Queue a ticket; never blocks (the caller's Gate lease bounds the queue)."""
+        self._queue.append(ticket)
+        self._queued_records += len(ticket.records)
+        self._wake.set()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Commit queued tickets until cancelled (in the background nursery)."""
+        task_status.started()
+        while True:
+            await self._wake.wait()
+            self._wake = trio.Event()
+            while self._queue:
+                batch = self._take()
+                # A batch that started is finished even if the writer is being stopped.
+                with trio.CancelScope(shield=True):
+                    await self._commit(batch)
+
+    def _take(self) -> list[Ticket]:
+        batch: list[Ticket] = []
+        size = 0
+        while self._queue and (not batch or size + len(self._queue[0].records) <= self.max_batch):
+            ticket = self._queue.popleft()
+            size += len(ticket.records)
+            batch.append(ticket)
+        self._queued_records -= size
+        return batch
+
+    async def _commit(self, batch: list[Ticket]) -> None:
+        try:
+            await run_in_thread(self._commit_in_thread, batch, limiter=self._limiter)
+        except Exception as exc:  # the store failed (e.g. poisoned): every ticket learns it
+            for ticket in batch:
+                if not ticket.settled.is_set():
+                    ticket.error = exc
+            if not isinstance(exc, FieldError):
+                event(log, logging.ERROR, "commit_failed", store=self.bus.name, exc_info=exc)
+        finally:
+            metrics.COMMIT_BATCH.labels(store=self.bus.name).observe(
+                sum(len(ticket.records) for ticket in batch)
+            )
+            for ticket in batch:
+                ticket.settled.set()
+
+    def _commit_in_thread(self, batch: list[Ticket]) -> None:
+        entries: list[BusEntry] = []
+        accepted: list[tuple[Ticket, int]] = []
+        for ticket in batch:
+            try:
+                mine = [
+                    BusEntry(self.rule.subject(record, field), record.stored(), msg_id)
+                    for record, msg_id, field in ticket.records
+                ]
+            except FieldError as exc:
+                ticket.error = exc  # refused whole; the other tickets go on
+                continue
+            accepted.append((ticket, len(entries)))
+            entries += mine
+        if not entries:
+            return
+        published = self.bus.publish(entries)
+        for ticket, start in accepted:
+            ticket.published = published[start : start + len(ticket.records)]

@@ -1,0 +1,101 @@
+"""The ingest faces: command ingest (:9100) and, with another subject rule, event ingest.
+
+v1: a frame is one record; the reply is 8 raw bytes, the big-endian sort key, with no
+length prefix, sent once the record is durable; a bad record closes the connection. v2:
+``publish`` and ``publish_batch``. Either way a publish is admitted by the face's Gate,
+queued for the group committer in the order its connection sent it, and answered after
+the commit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+
+import trio
+
+from cmdbus_trio.admission import Lease, Shed
+from cmdbus_trio.bus import Bus
+from cmdbus_trio.bus.committer import Ticket
+from cmdbus_trio.protocol import RemoteProtocolError, Request, encode_ok
+from cmdbus_trio.protocol import bus as codec
+from cmdbus_trio.storage import StoreUnavailable
+from cmdbus_trio.storage.buslog import Published
+
+from . import FaceContext
+from ._connection import CloseConnection, V1Reply
+from ._connection import serve as serve_connections
+
+
+class IngestHandler:
+    def __init__(self, ctx: FaceContext, bus: Bus) -> None:
+        self.gate = ctx.gate
+        self.committer = bus.committer
+
+    async def v1(self, frame: bytes, arrival: float) -> V1Reply:
+        try:
+            record = codec.decode_v1_record(frame)
+        except RemoteProtocolError:
+            raise CloseConnection("protocol_error") from None
+        lease = await self._admit_v1(arrival)
+        try:
+            published = await self._settle(Ticket([(record, None, "record")]), lease)
+        except RemoteProtocolError:  # a bad payload, or the wrong shard
+            raise CloseConnection("protocol_error") from None
+        except StoreUnavailable:
+            raise CloseConnection("unavailable") from None
+        return V1Reply("publish", published[0].sort_key.to_bytes(8, "big"))
+
+    async def _admit_v1(self, arrival: float) -> Lease:
+        # v1 has no way to say busy: a shed v1 publish is counted, then waits and retries,
+        # so a v1 client sees slower acks instead of errors.
+        while True:
+            try:
+                return await self.gate.acquire("publish", arrival=arrival)
+            except Shed as shed:
+                await trio.sleep(max(shed.retry_after_ms, 10) / 1000)
+
+    def v2(self, request: Request, arrival: float) -> Awaitable[bytes]:
+        op = codec.decode_op(request.op, request.fields)
+        budget = None if request.deadline_ms is None else request.deadline_ms / 1000
+        lease = self.gate.acquire_nowait(op.op, budget=budget, arrival=arrival)
+        if isinstance(op, codec.Publish):
+            ticket = Ticket([(op.record, op.msg_id, "record")])
+        else:
+            ticket = Ticket([(r, None, f"records[{i}]") for i, r in enumerate(op.records)])
+        return self._reply(request.id, op, self._settle(ticket, lease))
+
+    async def _settle(self, ticket: Ticket, lease: Lease) -> list[Published]:
+        """Queue the ticket now (in arrival order) and wait for its commit, holding the
+        lease until then: a drain waits for it, so nothing accepted is dropped."""
+        self.committer.enqueue(ticket)
+        with lease, trio.CancelScope(shield=True):
+            published = await ticket.wait()
+        return published
+
+    @staticmethod
+    async def _reply(
+        request_id: int,
+        op: codec.Publish | codec.PublishBatch,
+        settled: Awaitable[list[Published]],
+    ) -> bytes:
+        published = await settled
+        if isinstance(op, codec.Publish):
+            first = published[0]
+            return encode_ok(
+                request_id,
+                {
+                    "sort_key": first.sort_key,
+                    "subject": first.subject,
+                    "duplicate": first.duplicate,
+                },
+            )
+        return encode_ok(request_id, {"sort_keys": [p.sort_key for p in published]})
+
+
+async def serve(
+    ctx: FaceContext, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
+) -> None:
+    bus = ctx.stores["commands"]
+    if not isinstance(bus, Bus):
+        raise TypeError(f"the command ingest face needs the command bus, got {bus!r}")
+    await serve_connections(ctx, IngestHandler(ctx, bus), task_status=task_status)

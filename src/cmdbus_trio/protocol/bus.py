@@ -1,0 +1,124 @@
+"""The ingest faces' requests: records, ``publish`` and ``publish_batch`` (PROTOCOL.md,
+"Records and subjects" and "Ingest faces")."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Final
+
+import attrs
+
+from ._fields import (
+    FieldError,
+    UnsupportedOp,
+    execution_id,
+    payload_json,
+    payload_text,
+    transaction_id,
+)
+from ._json import dumps, loads
+from .subjects import SubjectError, command_subject, event_subject, pool_of, shard_of
+
+MAX_BATCH: Final = 10_000
+MAX_MSG_ID: Final = 256
+_RECORD_FIELDS: Final = frozenset({"execution_id", "payload", "transaction_id", "global_sequence"})
+
+
+class BusKind(enum.Enum):
+    COMMANDS = "commands"
+    EVENTS = "events"
+
+
+@attrs.frozen
+class PublishRecord:
+    execution_id: str | int
+    payload: str
+    transaction_id: str | None = None
+
+    def stored(self) -> str:
+        """The record as JSON text, as it is stored and later delivered."""
+        value: dict[str, Any] = {"execution_id": self.execution_id, "payload": self.payload}
+        if self.transaction_id is not None:
+            value["transaction_id"] = self.transaction_id
+        return dumps(value).decode()
+
+
+@attrs.frozen
+class Publish:
+    record: PublishRecord
+    msg_id: str | None = None
+    op = "publish"
+
+
+@attrs.frozen
+class PublishBatch:
+    records: tuple[PublishRecord, ...]
+    op = "publish_batch"
+
+
+def decode_record(value: Any, field: str = "record") -> PublishRecord:
+    """A record's fields, checked (the payload is only checked to be text here; it is
+    parsed in the commit thread). ``global_sequence`` is ignored; unknown members are
+    ``invalid``."""
+    if not isinstance(value, dict):
+        raise FieldError(field, "expected a JSON object")
+    if unknown := sorted(set(value) - _RECORD_FIELDS):
+        raise FieldError(f"{field}.{unknown[0]}", "unknown field")
+    tx = value.get("transaction_id")
+    return PublishRecord(
+        execution_id(value.get("execution_id"), f"{field}.execution_id"),
+        payload_text(value.get("payload"), f"{field}.payload"),
+        None if tx is None else transaction_id(tx, f"{field}.transaction_id"),
+    )
+
+
+def decode_v1_record(frame: bytes) -> PublishRecord:
+    """A v1 ingest frame: one record. Any error means the documented close."""
+    return decode_record(loads(frame))
+
+
+def decode_op(op: str, fields: dict[str, Any]) -> Publish | PublishBatch:
+    if op == "publish":
+        if unknown := sorted(set(fields) - {"record", "msg_id"}):
+            raise FieldError(unknown[0], "unknown field")
+        msg_id = fields.get("msg_id")
+        if msg_id is not None and (
+            not isinstance(msg_id, str) or not 1 <= len(msg_id) <= MAX_MSG_ID
+        ):
+            raise FieldError("msg_id", f"expected a string of 1 to {MAX_MSG_ID} characters")
+        return Publish(decode_record(fields.get("record")), msg_id)
+    if op == "publish_batch":
+        if unknown := sorted(set(fields) - {"records"}):
+            raise FieldError(unknown[0], "unknown field")
+        records = fields.get("records")
+        if not isinstance(records, list) or not 1 <= len(records) <= MAX_BATCH:
+            raise FieldError("records", f"expected a list of 1 to {MAX_BATCH} records")
+        return PublishBatch(tuple(decode_record(r, f"records[{i}]") for i, r in enumerate(records)))
+    raise UnsupportedOp(op, ("publish", "publish_batch"))
+
+
+@attrs.frozen
+class SubjectRule:
+    """How a bus names and shards its records."""
+
+    kind: BusKind
+    shard: int = 0
+    shard_count: int = 1
+
+    def subject(self, record: PublishRecord, field: str = "record") -> str:
+        """The record's subject; checks its payload and its shard. Runs in the commit
+        thread: it parses the whole payload."""
+        payload = payload_json(record.payload, f"{field}.payload")
+        shard = shard_of(record.execution_id, self.shard_count)
+        if shard != self.shard:
+            raise FieldError(
+                f"{field}.execution_id",
+                f"belongs to shard {shard}; this writer owns shard {self.shard} "
+                f"of {self.shard_count}",
+            )
+        try:
+            if self.kind is BusKind.COMMANDS:
+                return command_subject(pool_of(payload), shard)
+            return event_subject(payload)
+        except SubjectError as exc:
+            raise FieldError(field, exc.hint) from None
