@@ -124,6 +124,32 @@ STORE_STATE = Gauge(
     ["store", "state"],
     registry=REGISTRY,
 )
+REDELIVERIES = Counter(
+    "cmdbus_redeliveries",
+    "Deliveries of a record that had been delivered before (lease expired, nacked, or its "
+    "consumer's connection closed), by subject.",
+    ["subject"],
+    registry=REGISTRY,
+)
+DEAD = Counter(
+    "cmdbus_dead",
+    "Records parked as dead letters after CMDBUS_MAX_DELIVER deliveries without an ack, "
+    "by subject.",
+    ["subject"],
+    registry=REGISTRY,
+)
+FEED_SUBJECT_LAG = Gauge(
+    "ehdb_feed_subject_lag",
+    "Command backlog per subject (undelivered + delivered-unacked; dead letters excluded), "
+    "sampled every second, never computed at scrape time.",
+    ["subject"],
+    registry=REGISTRY,
+)
+FEED_TOTAL_LAG = Gauge(
+    "ehdb_feed_total_lag",
+    "Command backlog over all subjects (the sum of ehdb_feed_subject_lag), sampled.",
+    registry=REGISTRY,
+)
 READY = Gauge(
     "cmdbus_ready",
     "1 when /readyz answers 200, else 0.",

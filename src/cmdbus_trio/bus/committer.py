@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import trio
@@ -34,8 +34,12 @@ log = logging.getLogger(__name__)
 class Ticket:
     """One publish request's records, and what became of them."""
 
-    records: Sequence[tuple[PublishRecord, str | None, str]]
+    records: Sequence[tuple[PublishRecord, str | None, str]] = ()
     """(record, msg_id, field name for errors), in order."""
+    acks: Sequence[tuple[str, int]] = ()
+    """(consumer, sort_key): claim acks, durable once the ticket is settled."""
+    dead: Sequence[tuple[str, int, int]] = ()
+    """(consumer, sort_key, deliveries): records parked as dead letters."""
     settled: trio.Event = attrs.field(factory=trio.Event)
     published: list[Published] | None = None
     error: Exception | None = None
@@ -65,6 +69,9 @@ class GroupCommitter:
         self._queued_records = 0
         self._wake = trio.Event()
         self._limiter = trio.CapacityLimiter(1)  # one writer: batches go one after another
+        self.listeners: list[Callable[[list[Ticket]], None]] = []
+        """Called on the loop with each settled batch (the claim coordinators learn of new
+        records this way: an in-memory signal, no polling of the database)."""
 
     @property
     def queued_records(self) -> int:
@@ -73,7 +80,7 @@ class GroupCommitter:
     def enqueue(self, ticket: Ticket) -> None:
         """Queue a ticket; never blocks (the caller's Gate lease bounds the queue)."""
         self._queue.append(ticket)
-        self._queued_records += len(ticket.records)
+        self._queued_records += _size(ticket)
         self._wake.set()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -91,9 +98,9 @@ class GroupCommitter:
     def _take(self) -> list[Ticket]:
         batch: list[Ticket] = []
         size = 0
-        while self._queue and (not batch or size + len(self._queue[0].records) <= self.max_batch):
+        while self._queue and (not batch or size + _size(self._queue[0]) <= self.max_batch):
             ticket = self._queue.popleft()
-            size += len(ticket.records)
+            size += _size(ticket)
             batch.append(ticket)
         self._queued_records -= size
         return batch
@@ -111,12 +118,16 @@ class GroupCommitter:
             metrics.COMMIT_BATCH.labels(store=self.bus.name).observe(
                 sum(len(ticket.records) for ticket in batch)
             )
+            for listener in self.listeners:
+                listener(batch)
             for ticket in batch:
                 ticket.settled.set()
 
     def _commit_in_thread(self, batch: list[Ticket]) -> None:
         entries: list[BusEntry] = []
         accepted: list[tuple[Ticket, int]] = []
+        acks = [ack for ticket in batch for ack in ticket.acks]
+        dead = [parked for ticket in batch for parked in ticket.dead]
         for ticket in batch:
             try:
                 mine = [
@@ -128,8 +139,13 @@ class GroupCommitter:
                 continue
             accepted.append((ticket, len(entries)))
             entries += mine
-        if not entries:
+        if not (entries or acks or dead):
             return
-        published = self.bus.publish(entries)
+        published = self.bus.commit(entries, acks, dead)
         for ticket, start in accepted:
             ticket.published = published[start : start + len(ticket.records)]
+
+
+def _size(ticket: Ticket) -> int:
+    """A ticket's weight in a batch: its records, acks and dead letters (at least 1)."""
+    return max(1, len(ticket.records) + len(ticket.acks) + len(ticket.dead))

@@ -48,6 +48,14 @@ class StoredRecord:
     record: str
 
 
+@attrs.frozen
+class DeadRecord:
+    sort_key: int
+    subject: str
+    record: str
+    deliveries: int
+
+
 class BusLog(SqliteStore):
     def __init__(
         self,
@@ -79,6 +87,17 @@ class BusLog(SqliteStore):
                 published_at REAL NOT NULL
             ) WITHOUT ROWID;
             CREATE INDEX IF NOT EXISTS msg_ids_by_age ON msg_ids (published_at);
+            CREATE TABLE IF NOT EXISTS acks (
+                consumer TEXT NOT NULL,
+                sort_key INTEGER NOT NULL,
+                PRIMARY KEY (consumer, sort_key)
+            ) WITHOUT ROWID;
+            CREATE TABLE IF NOT EXISTS dead (
+                consumer TEXT NOT NULL,
+                sort_key INTEGER NOT NULL,
+                deliveries INTEGER NOT NULL,
+                PRIMARY KEY (consumer, sort_key)
+            ) WITHOUT ROWID;
             """
         )
         row = connection.execute(
@@ -94,8 +113,26 @@ class BusLog(SqliteStore):
     @refuses_loop_thread
     def publish(self, entries: Sequence[BusEntry]) -> list[Published]:
         """Append ``entries`` in one transaction, in order; all or nothing."""
+        return self.commit(entries)
+
+    @refuses_loop_thread
+    def commit(
+        self,
+        entries: Sequence[BusEntry] = (),
+        acks: Sequence[tuple[str, int]] = (),
+        dead: Sequence[tuple[str, int, int]] = (),
+    ) -> list[Published]:
+        """One transaction (one fsync): append ``entries``, record ``acks`` as
+        ``(consumer, sort_key)`` and dead letters as ``(consumer, sort_key, deliveries)``.
+        A consumer is a claim group ("commands" for the command bus)."""
 
         def write(connection: sqlite3.Connection) -> list[Published]:
+            if acks:
+                connection.executemany("INSERT OR IGNORE INTO acks VALUES (?, ?)", acks)
+            if dead:
+                connection.executemany("INSERT OR REPLACE INTO dead VALUES (?, ?, ?)", dead)
+            if not entries:
+                return []
             now = self._wall_clock()
             oldest = now - self.dedup_window
             connection.execute(
@@ -132,6 +169,40 @@ class BusLog(SqliteStore):
         if fresh:
             self._last_sort_key = max(self._last_sort_key, *fresh)
         return results
+
+    @refuses_loop_thread
+    def read(self, sort_key: int) -> StoredRecord | None:
+        with self._connection() as connection:
+            row = connection.execute(
+                "SELECT sort_key, subject, record FROM records WHERE sort_key = ?", (sort_key,)
+            ).fetchone()
+        return None if row is None else StoredRecord(*row)
+
+    @refuses_loop_thread
+    def unsettled(self, consumer: str, after: int, limit: int) -> list[tuple[int, str]]:
+        """``(sort_key, subject)`` of records after ``after`` that ``consumer`` has neither
+        acked nor parked as dead, ascending: what a claim coordinator reloads on start."""
+        with self._connection() as connection:
+            rows = connection.execute(
+                "SELECT sort_key, subject FROM records r WHERE sort_key > ? "
+                "AND NOT EXISTS (SELECT 1 FROM acks a WHERE a.consumer = ? "
+                "AND a.sort_key = r.sort_key) "
+                "AND NOT EXISTS (SELECT 1 FROM dead d WHERE d.consumer = ? "
+                "AND d.sort_key = r.sort_key) ORDER BY sort_key LIMIT ?",
+                (after, consumer, consumer, limit),
+            ).fetchall()
+        return [(int(key), str(subject)) for key, subject in rows]
+
+    @refuses_loop_thread
+    def dead_letters(self, consumer: str, limit: int) -> list[DeadRecord]:
+        with self._connection() as connection:
+            rows = connection.execute(
+                "SELECT r.sort_key, r.subject, r.record, d.deliveries FROM dead d "
+                "JOIN records r ON r.sort_key = d.sort_key WHERE d.consumer = ? "
+                "ORDER BY d.sort_key LIMIT ?",
+                (consumer, limit),
+            ).fetchall()
+        return [DeadRecord(*row) for row in rows]
 
     @refuses_loop_thread
     def read_after(self, after: int, limit: int) -> list[StoredRecord]:

@@ -1,0 +1,229 @@
+"""The claim coordinator: competing consumers with leases, for one consumer group.
+
+All in memory, on the loop; the store is only told what must survive a crash (acks and
+dead letters, group-committed by the face) and asked for record bodies. Memory follows
+the backlog (records not yet acked or dead), never the history.
+
+A record is *fresh* until first delivered, then *leased* to one owner (a connection)
+until it is acked, nacked, its lease expires (``ack_wait``) or its owner goes away; then
+it waits to be *redelivered*, which goes before fresh records. A record whose lease ends
+after ``max_deliver`` deliveries is parked as *dead* instead.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict, deque
+from collections.abc import Callable, Iterable
+
+import attrs
+import trio
+
+from cmdbus_trio import metrics
+from cmdbus_trio.protocol.subjects import matches
+
+
+@attrs.frozen
+class Delivery:
+    sort_key: int
+    subject: str
+    redelivered: bool
+    deliveries: int
+
+
+@attrs.define
+class _Lease:
+    owner: object
+    subject: str
+    deadline: float
+
+
+class Claims:
+    """One consumer group's view of a bus. ``on_dead`` is called with
+    ``(sort_key, subject, deliveries)`` for each record parked as dead, to make it durable."""
+
+    def __init__(
+        self,
+        group: str,
+        *,
+        ack_wait: float,
+        max_deliver: int = 0,
+        on_dead: Callable[[int, str, int], None] = lambda *_: None,
+    ) -> None:
+        self.group = group
+        self.ack_wait = ack_wait
+        self.max_deliver = max_deliver
+        self._on_dead = on_dead
+        self._fresh: dict[str, deque[int]] = defaultdict(deque)
+        self._again: dict[str, list[int]] = defaultdict(list)  # heaps: oldest first
+        self._leases: dict[int, _Lease] = {}
+        self._settling: dict[int, str] = {}  # acks being made durable: not redeliverable
+        self._deliveries: dict[int, int] = {}
+        self._delayed: list[tuple[float, int, str]] = []  # (ready_at, sort_key, subject)
+        self._expiries: list[tuple[float, int]] = []  # (deadline, sort_key)
+        self._backlog: dict[str, int] = defaultdict(int)
+        self._changed = trio.Event()  # set when a record becomes available
+        self._timers_changed = trio.Event()
+
+    # --- records arriving ----------------------------------------------------------------
+
+    def add(self, sort_key: int, subject: str) -> None:
+        """A new record (committed, or reloaded at start): fresh, in sort-key order."""
+        self._fresh[subject].append(sort_key)
+        self._backlog[subject] += 1
+        self._wake()
+
+    def add_many(self, records: Iterable[tuple[int, str]]) -> None:
+        for sort_key, subject in records:
+            self.add(sort_key, subject)
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    # --- delivering ----------------------------------------------------------------------
+
+    def take(self, filter_tokens: tuple[str, ...], owner: object) -> Delivery | None:
+        """Lease the next matching record to ``owner``: records to redeliver first (oldest
+        first), then fresh ones (oldest first). ``None`` when none matches."""
+        best: tuple[int, str, bool] | None = None
+        for subjects, again in ((self._again, True), (self._fresh, False)):
+            for subject, keys in subjects.items():
+                if keys and matches(filter_tokens, subject):
+                    head = keys[0]
+                    if best is None or head < best[0]:
+                        best = (head, subject, again)
+            if best is not None:
+                break  # redeliveries go first
+        if best is None:
+            return None
+        sort_key, subject, again = best
+        if again:
+            heapq.heappop(self._again[subject])
+        else:
+            self._fresh[subject].popleft()
+        deliveries = self._deliveries.get(sort_key, 0) + 1
+        self._deliveries[sort_key] = deliveries
+        deadline = trio.current_time() + self.ack_wait
+        self._leases[sort_key] = _Lease(owner, subject, deadline)
+        heapq.heappush(self._expiries, (deadline, sort_key))
+        self._timers_changed.set()
+        if again:
+            metrics.REDELIVERIES.labels(subject=subject).inc()
+        return Delivery(sort_key, subject, again, deliveries)
+
+    async def next(self, filter_tokens: tuple[str, ...], owner: object) -> Delivery:
+        """Wait for a matching record and lease it to ``owner``. Waiting costs no thread
+        and no polling: new and returned records wake the waiters.
+
+        Cancellation: nothing is leased when cancelled while waiting (callers bound the
+        wait with ``trio.move_on_after``).
+        """
+        while True:
+            delivery = self.take(filter_tokens, owner)
+            if delivery is not None:
+                return delivery
+            await self._changed.wait()
+
+    # --- settling --------------------------------------------------------------------------
+
+    def begin_ack(self, sort_key: int, owner: object) -> bool:
+        """Start an ack by the record's lease owner; the caller makes it durable, then
+        calls :meth:`finish_ack` (or :meth:`abort_ack` if that failed)."""
+        lease = self._leases.get(sort_key)
+        if lease is None or lease.owner is not owner:
+            return False
+        del self._leases[sort_key]
+        self._settling[sort_key] = lease.subject
+        return True
+
+    def finish_ack(self, sort_key: int) -> None:
+        subject = self._settling.pop(sort_key)
+        self._deliveries.pop(sort_key, None)
+        self._backlog[subject] -= 1
+
+    def abort_ack(self, sort_key: int) -> None:
+        self._redeliver(sort_key, self._settling.pop(sort_key))
+
+    def nack(self, sort_key: int, owner: object, delay: float = 0.0) -> bool:
+        lease = self._leases.get(sort_key)
+        if lease is None or lease.owner is not owner:
+            return False
+        del self._leases[sort_key]
+        if delay > 0:
+            heapq.heappush(self._delayed, (trio.current_time() + delay, sort_key, lease.subject))
+            self._timers_changed.set()
+        else:
+            self._end_delivery(sort_key, lease.subject)
+        return True
+
+    def extend(self, sort_key: int, owner: object) -> bool:
+        lease = self._leases.get(sort_key)
+        if lease is None or lease.owner is not owner:
+            return False
+        lease.deadline = trio.current_time() + self.ack_wait
+        heapq.heappush(self._expiries, (lease.deadline, sort_key))  # the old entry is skipped
+        self._timers_changed.set()
+        return True
+
+    def release(self, owner: object) -> int:
+        """Every lease of ``owner`` (a connection that closed) ends now."""
+        mine = [key for key, lease in self._leases.items() if lease.owner is owner]
+        for sort_key in mine:
+            self._end_delivery(sort_key, self._leases.pop(sort_key).subject)
+        return len(mine)
+
+    def _end_delivery(self, sort_key: int, subject: str) -> None:
+        """A delivery ended without an ack: redeliver, or park as dead after max_deliver."""
+        deliveries = self._deliveries.get(sort_key, 0)
+        if self.max_deliver and deliveries >= self.max_deliver:
+            self._deliveries.pop(sort_key, None)
+            self._backlog[subject] -= 1
+            metrics.DEAD.labels(subject=subject).inc()
+            self._on_dead(sort_key, subject, deliveries)
+            return
+        self._redeliver(sort_key, subject)
+
+    def _redeliver(self, sort_key: int, subject: str) -> None:
+        heapq.heappush(self._again[subject], sort_key)
+        self._wake()
+
+    # --- timers ----------------------------------------------------------------------------
+
+    async def run_timers(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Expire leases and release delayed nacks, on time (in the background nursery)."""
+        task_status.started()
+        while True:
+            self._timers_changed = trio.Event()
+            now = trio.current_time()
+            while self._expiries and self._expiries[0][0] <= now:
+                _, sort_key = heapq.heappop(self._expiries)
+                lease = self._leases.get(sort_key)
+                if lease is not None and lease.deadline <= now:  # else acked or extended
+                    del self._leases[sort_key]
+                    self._end_delivery(sort_key, lease.subject)
+            while self._delayed and self._delayed[0][0] <= now:
+                _, sort_key, subject = heapq.heappop(self._delayed)
+                self._end_delivery(sort_key, subject)
+            soonest = min(
+                (heap[0][0] for heap in (self._expiries, self._delayed) if heap), default=None
+            )
+            with trio.move_on_at(float("inf") if soonest is None else soonest):
+                await self._timers_changed.wait()
+
+    # --- what is owed ----------------------------------------------------------------------
+
+    def lag(self, filter_tokens: tuple[str, ...] | None = None) -> dict[str, int]:
+        """Backlog per subject: undelivered + leased-unacked (dead letters are not
+        backlog). Sorted by subject."""
+        return {
+            subject: count
+            for subject, count in sorted(self._backlog.items())
+            if filter_tokens is None or matches(filter_tokens, subject)
+        }
+
+    @property
+    def leased(self) -> int:
+        return len(self._leases)
