@@ -27,9 +27,10 @@ import trio
 from . import __version__, control, metrics
 from .admission import Gate, run_in_thread
 from .bus import Bus
-from .bus.committer import GroupCommitter
+from .bus.claims import Claims, feed_from_commits, sample_lag
+from .bus.committer import GroupCommitter, Ticket
 from .config import DATA_FACE_NAMES, Bind, Config, cpu_quota
-from .faces import FaceContext, FaceServe, cmd_ingest
+from .faces import FaceContext, FaceServe, cmd_claim, cmd_ingest
 from .faces import tier as tier_face
 from .health import FaceState, Health
 from .heartbeat import Heartbeat
@@ -43,9 +44,14 @@ log = logging.getLogger(__name__)
 StartFn = Callable[..., Awaitable[None]]
 
 
-DATA_FACES: Mapping[str, FaceServe] = {"tier": tier_face.serve, "cmd_ingest": cmd_ingest.serve}
-"""The data faces this build implements. Still to come: cmd_claim (issue 4), evt_ingest,
-evt_claim and evt_subscribe (issue 5)."""
+DATA_FACES: Mapping[str, FaceServe] = {
+    "tier": tier_face.serve,
+    "cmd_ingest": cmd_ingest.serve,
+    "cmd_claim": cmd_claim.serve,
+}
+"""The data faces this build implements. Still to come: evt_ingest, evt_claim and
+evt_subscribe (issue 5)."""
+RELOAD_PAGE = 10_000
 
 STORE_FACES = {"tier": {"tier"}, "commands": {"cmd_ingest", "cmd_claim"}}
 """Which faces use each store: a store is open while an enabled face needs it. Its file
@@ -170,6 +176,9 @@ class Writer:
                     for store in self._stores.values():
                         if isinstance(store, Bus):
                             await background.start(store.committer.run)
+                            if store.claims is not None:
+                                await background.start(store.claims.run_timers)
+                                await background.start(sample_lag, store.claims)
                     async with trio.open_nursery() as data:
                         for face in wanted:
                             if face in self._faces:
@@ -232,8 +241,26 @@ class Writer:
                 limiter=self._maintenance,
             )
             rule = SubjectRule(BusKind(name), config.shard, config.shard_count)
-            self._stores[name] = Bus(bus_log, GroupCommitter(bus_log, rule))
+            committer = GroupCommitter(bus_log, rule)
+            claims = Claims(
+                name,
+                ack_wait=config.ack_wait_ms / 1000,
+                max_deliver=config.max_deliver,
+                on_dead=partial(_park_dead, committer, name),
+            )
+            await self._reload(bus_log, claims)
+            committer.listeners.append(feed_from_commits(claims))
+            self._stores[name] = Bus(bus_log, committer, claims)
             self.health.add_store(name, bus_log)
+
+    async def _reload(self, bus_log: BusLog, claims: Claims) -> None:
+        """Give the coordinator every record its group has neither acked nor parked."""
+        after = 0
+        while page := await run_in_thread(
+            bus_log.unsettled, claims.group, after, RELOAD_PAGE, limiter=self._maintenance
+        ):
+            claims.add_many(page)
+            after = page[-1][0]
 
     async def _close_stores(self) -> None:
         with trio.CancelScope(shield=True):
@@ -310,6 +337,13 @@ class Writer:
             gate.close()
         self._draining.set()
         data.cancel_scope.deadline = trio.current_time() + budget
+
+
+def _park_dead(
+    committer: GroupCommitter, consumer: str, sort_key: int, _subject: str, deliveries: int
+) -> None:
+    """Make a dead letter durable (group-committed; a crash before that redelivers it)."""
+    committer.enqueue(Ticket(dead=[(consumer, sort_key, deliveries)]))
 
 
 def _limits(gate: Gate) -> dict[str, Any]:

@@ -6,12 +6,15 @@ import attrs
 
 from cmdbus_trio.storage.buslog import BusLog
 
+from .claims import Claims
 from .committer import GroupCommitter
 
 
 @attrs.frozen
 class Bus:
-    """One bus as the faces see it: its log and the committer that appends to it."""
+    """One bus as the faces see it: its log, the committer that appends to it, and the
+    claim coordinator of its consumers."""
 
     log: BusLog
     committer: GroupCommitter
+    claims: Claims | None = None

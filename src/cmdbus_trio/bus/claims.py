@@ -22,6 +22,8 @@ import trio
 from cmdbus_trio import metrics
 from cmdbus_trio.protocol.subjects import matches
 
+from .committer import Ticket
+
 
 @attrs.frozen
 class Delivery:
@@ -227,3 +229,32 @@ class Claims:
     @property
     def leased(self) -> int:
         return len(self._leases)
+
+
+async def sample_lag(
+    claims: Claims,
+    *,
+    period: float = 1.0,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Publish the command backlog per subject every ``period`` seconds, so a scrape
+    never computes it. Subjects are sorted; one that empties stays, at 0."""
+    task_status.started()
+    while True:
+        lag = claims.lag()
+        for subject, count in lag.items():
+            metrics.FEED_SUBJECT_LAG.labels(subject=subject).set(count)
+        metrics.FEED_TOTAL_LAG.set(sum(lag.values()))
+        await trio.sleep(period)
+
+
+def feed_from_commits(claims: Claims) -> Callable[[list[Ticket]], None]:
+    """A committer listener that hands every newly committed record to ``claims``."""
+
+    def feed(batch: list[Ticket]) -> None:
+        for ticket in batch:
+            for published in ticket.published or ():
+                if not published.duplicate:
+                    claims.add(published.sort_key, published.subject)
+
+    return feed

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Protocol
 
@@ -107,19 +107,24 @@ class FaceHandler(Protocol):
         that :func:`as_face_error` maps, for an error answer."""
         ...
 
+    def closed(self) -> None:
+        """The connection ended (whatever the reason): let go of what it held."""
+        ...
+
 
 async def serve(
     ctx: FaceContext,
-    handler: FaceHandler,
+    make_handler: Callable[[], FaceHandler],
     *,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Listen on ``ctx.bind`` and serve connections until ``ctx.draining``; then stop
-    accepting, let every connection finish its in-flight requests, and return."""
+    accepting, let every connection finish its in-flight requests, and return.
+    ``make_handler`` gives each connection its handler (stateless faces share one)."""
     listeners = await trio.open_tcp_listeners(ctx.bind.port, host=ctx.bind.host)
     async with trio.open_nursery() as connections:
         async with trio.open_nursery() as acceptor:
-            handle = partial(_Connection.run, ctx, handler)
+            handle = partial(_Connection.run, ctx, make_handler)
             await acceptor.start(
                 partial(trio.serve_listeners, handle, listeners, handler_nursery=connections)
             )
@@ -144,8 +149,10 @@ class _Connection:
         self.peer_gone = False
 
     @classmethod
-    async def run(cls, ctx: FaceContext, handler: FaceHandler, stream: trio.SocketStream) -> None:
-        connection = cls(ctx, handler, stream)
+    async def run(
+        cls, ctx: FaceContext, make_handler: Callable[[], FaceHandler], stream: trio.SocketStream
+    ) -> None:
+        connection = cls(ctx, make_handler(), stream)
         metrics.CONNECTIONS.labels(face=connection.face, outcome="accepted").inc()
         try:
             async with stream:
@@ -156,6 +163,7 @@ class _Connection:
             connection._end("internal_error")
             event(log, logging.ERROR, "connection_failed", face=connection.face, exc_info=exc)
         finally:
+            connection.handler.closed()
             metrics.CONNECTIONS.labels(face=connection.face, outcome=connection.outcome).inc()
 
     def _end(self, outcome: str) -> None:

@@ -45,6 +45,9 @@ class IngestHandler:
             raise CloseConnection("unavailable") from None
         return V1Reply("publish", published[0].sort_key.to_bytes(8, "big"))
 
+    def closed(self) -> None:
+        pass  # stateless: one handler serves every connection
+
     async def _admit_v1(self, arrival: float) -> Lease:
         # v1 has no way to say busy: a shed v1 publish is counted, then waits and retries,
         # so a v1 client sees slower acks instead of errors.
@@ -98,4 +101,5 @@ async def serve(
     bus = ctx.stores["commands"]
     if not isinstance(bus, Bus):
         raise TypeError(f"the command ingest face needs the command bus, got {bus!r}")
-    await serve_connections(ctx, IngestHandler(ctx, bus), task_status=task_status)
+    handler = IngestHandler(ctx, bus)
+    await serve_connections(ctx, lambda: handler, task_status=task_status)

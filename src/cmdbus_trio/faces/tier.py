@@ -67,6 +67,9 @@ class TierHandler:
             return V1Reply(request.op, self._v1_text(text), error.code.value)
         return V1Reply(request.op, encode_frame(body))
 
+    def closed(self) -> None:
+        pass  # stateless: one handler serves every connection
+
     def _v1_text(self, text: bytes) -> bytes:
         return encode_frame(text[: self.max_reply])
 
@@ -235,4 +238,5 @@ async def serve(
     store = ctx.stores["tier"]
     if not isinstance(store, TierStore):
         raise TypeError(f"the tier face needs a TierStore, got {store!r}")
-    await serve_connections(ctx, TierHandler(ctx, store), task_status=task_status)
+    handler = TierHandler(ctx, store)
+    await serve_connections(ctx, lambda: handler, task_status=task_status)
