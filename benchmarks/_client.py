@@ -73,3 +73,39 @@ def percentiles(samples: list[float]) -> dict[str, float]:
     ordered = sorted(samples)
     p99 = ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
     return {"p50": statistics.median(ordered) * 1000, "p99": p99 * 1000, "max": ordered[-1] * 1000}
+
+
+class BlockingClient:
+    """The same v2 client over a blocking socket, for load generators in threads."""
+
+    def __init__(self, address: str) -> None:
+        import socket
+
+        host, port = address.rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.decoder = FrameDecoder(max_bytes=(1 << 32) - 1)
+        self.next_id = 0
+        self.send_raw(encode_frame(b'{"hello": {"protocol": 2, "client": "bench"}}'))
+        self.receive()
+
+    def send_raw(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def request_frame(self, op: str, **fields: Any) -> bytes:
+        self.next_id += 1
+        return encode_frame(json.dumps({"id": self.next_id, "op": op, **fields}).encode())
+
+    def receive(self) -> dict[str, Any]:
+        while True:
+            frame = self.decoder.next_frame()
+            if isinstance(frame, bytes):
+                reply: dict[str, Any] = json.loads(frame)
+                return reply
+            if frame is CLOSED:
+                raise EOFError("server closed the connection")
+            self.decoder.receive_data(self.sock.recv(1 << 20))
+
+    def call(self, op: str, **fields: Any) -> dict[str, Any]:
+        self.send_raw(self.request_frame(op, **fields))
+        return self.receive()
