@@ -9,13 +9,15 @@ returns. It knows nothing of SQL: store work goes through ``ctx.gate`` leases.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Mapping
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import attrs
 import trio
 
 from cmdbus_trio.admission import Gate
 from cmdbus_trio.config import Bind, Config
+
+T = TypeVar("T")
 
 
 @attrs.frozen
@@ -26,7 +28,14 @@ class FaceContext:
     gate: Gate
     draining: trio.Event
     stores: Mapping[str, object] = attrs.field(factory=dict)
-    """The open stores by name (``tier``, later the buses'); a face takes the one it needs."""
+    """The open stores by name (``tier``, ``commands``, …); see :meth:`store`."""
+
+    def store(self, name: str, kind: type[T]) -> T:
+        """The open store ``name``, which must be a ``kind`` (a wiring bug otherwise)."""
+        store = self.stores.get(name)
+        if not isinstance(store, kind):
+            raise TypeError(f"the {self.name} face needs the {name} {kind.__name__}, got {store!r}")
+        return store
 
 
 class FaceServe(Protocol):

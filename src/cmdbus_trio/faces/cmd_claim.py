@@ -208,8 +208,8 @@ def _delivery(delivery: Delivery, stored: StoredRecord) -> dict[str, Any]:
 async def serve(
     ctx: FaceContext, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
 ) -> None:
-    bus = ctx.stores["commands"]
-    if not isinstance(bus, Bus) or bus.claims is None:
-        raise TypeError(f"the command claim face needs the command bus, got {bus!r}")
+    bus = ctx.store("commands", Bus)
     claims = bus.claims
+    if claims is None:
+        raise TypeError("the command claim face needs the command bus's claim coordinator")
     await serve_connections(ctx, lambda: ClaimHandler(ctx, bus, claims), task_status=task_status)

@@ -98,8 +98,5 @@ class IngestHandler:
 async def serve(
     ctx: FaceContext, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
 ) -> None:
-    bus = ctx.stores["commands"]
-    if not isinstance(bus, Bus):
-        raise TypeError(f"the command ingest face needs the command bus, got {bus!r}")
-    handler = IngestHandler(ctx, bus)
+    handler = IngestHandler(ctx, ctx.store("commands", Bus))
     await serve_connections(ctx, lambda: handler, task_status=task_status)

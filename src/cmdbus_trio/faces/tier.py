@@ -235,8 +235,5 @@ def _fragment(record: TierRecord) -> bytes:
 async def serve(
     ctx: FaceContext, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
 ) -> None:
-    store = ctx.stores["tier"]
-    if not isinstance(store, TierStore):
-        raise TypeError(f"the tier face needs a TierStore, got {store!r}")
-    handler = TierHandler(ctx, store)
+    handler = TierHandler(ctx, ctx.store("tier", TierStore))
     await serve_connections(ctx, lambda: handler, task_status=task_status)
