@@ -193,3 +193,27 @@ async def test_next_with_a_timeout_leases_nothing(
     claims.add(1, SHARED)
     assert claims.leased == 0
     assert claims.take(ALL, object()) == Delivery(1, SHARED, False, 1)
+
+
+async def test_close_wakes_waiting_consumers(
+    claims: Claims, autojump_clock: trio.testing.MockClock
+) -> None:
+    from cmdbus_trio.admission import GateClosed
+
+    outcomes: list[str] = []
+
+    async def consumer() -> None:
+        try:
+            await claims.next(ALL, object())
+        except GateClosed:
+            outcomes.append("closed")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(consumer)
+        nursery.start_soon(consumer)
+        await trio.testing.wait_all_tasks_blocked()
+        claims.close()
+    assert outcomes == ["closed", "closed"]
+    claims.add(1, SHARED)
+    with pytest.raises(GateClosed):
+        await claims.next(ALL, object())

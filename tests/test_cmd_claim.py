@@ -195,3 +195,23 @@ async def test_acks_survive_a_restart_and_unacked_records_return(tmp_path: Path)
             while (delivery := await next_delivery(client, timeout_ms=300)) is not None:
                 returned.append(delivery["sort_key"])
     assert returned == keys[3:]
+
+
+async def test_a_drain_wakes_waiting_consumers_instead_of_waiting_for_them(tmp_path: Path) -> None:
+    with serving(tmp_path, CMDBUS_SHUTDOWN_TIMEOUT_MS="15000", **BUS_ONLY) as (process, ports):
+        async with (
+            frame_client(ports["cmd_claim"]) as v2,
+            frame_client(ports["cmd_claim"], v2=False) as v1,
+        ):
+            await v2.send(b'{"id": 1, "op": "next", "filter": "commands.>"}')  # no timeout
+            await v1.send(b'{"Next": {"member": 1, "filter": "commands.>"}}')
+            await trio.sleep(0.3)
+            start = trio.current_time()
+            process.send_signal(signal.SIGTERM)
+            with trio.fail_after(10):
+                reply = await v2.receive_json()
+                assert await v1.receive() is None  # v1 has no error to say it with: closed
+            assert reply["error"]["code"] == "unavailable"
+            await trio.to_thread.run_sync(process.wait, 10)
+        assert process.returncode == 0
+        assert trio.current_time() - start < 5  # not the 15 s shutdown budget

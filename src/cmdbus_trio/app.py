@@ -335,6 +335,9 @@ class Writer:
         )
         for gate in self.health.gates.values():
             gate.close()
+        for store in self._stores.values():
+            if isinstance(store, Bus) and store.claims is not None:
+                store.claims.close()  # consumers waiting in `next` are answered now
         self._draining.set()
         data.cancel_scope.deadline = trio.current_time() + budget
 

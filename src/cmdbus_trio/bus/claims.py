@@ -20,6 +20,7 @@ import attrs
 import trio
 
 from cmdbus_trio import metrics
+from cmdbus_trio.admission import GateClosed
 from cmdbus_trio.protocol.subjects import matches
 
 from .committer import Ticket
@@ -66,6 +67,7 @@ class Claims:
         self._backlog: dict[str, int] = defaultdict(int)
         self._changed = trio.Event()  # set when a record becomes available
         self._timers_changed = trio.Event()
+        self._closed = False
 
     # --- records arriving ----------------------------------------------------------------
 
@@ -120,12 +122,22 @@ class Claims:
 
         Cancellation: nothing is leased when cancelled while waiting (callers bound the
         wait with ``trio.move_on_after``).
+
+        Error handling: raises :class:`GateClosed` once :meth:`close` was called (the
+        writer is draining): a waiting consumer must not hold up the drain.
         """
         while True:
+            if self._closed:
+                raise GateClosed(f"{self.group}: the writer is draining")
             delivery = self.take(filter_tokens, owner)
             if delivery is not None:
                 return delivery
             await self._changed.wait()
+
+    def close(self) -> None:
+        """Lease nothing more; waiting consumers get :class:`GateClosed` at once."""
+        self._closed = True
+        self._wake()
 
     # --- settling --------------------------------------------------------------------------
 

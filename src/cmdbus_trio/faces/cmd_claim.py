@@ -14,6 +14,7 @@ from typing import Any
 
 import trio
 
+from cmdbus_trio.admission import GateClosed
 from cmdbus_trio.bus import Bus
 from cmdbus_trio.bus.claims import Claims, Delivery
 from cmdbus_trio.bus.committer import Ticket
@@ -79,7 +80,10 @@ class ClaimHandler:
         except Exception as exc:  # not JSON
             raise CloseConnection("protocol_error") from exc
         if tag == "Next":
-            delivery, stored = await self._next(filter_tokens, arrival)
+            try:
+                delivery, stored = await self._next(filter_tokens, arrival)
+            except GateClosed:
+                raise CloseConnection("closed") from None  # draining: v1 can only close
             reply = {
                 "sort_key": delivery.sort_key,
                 "redelivered": delivery.redelivered,

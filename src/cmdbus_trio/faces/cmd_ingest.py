@@ -13,7 +13,7 @@ from collections.abc import Awaitable
 
 import trio
 
-from cmdbus_trio.admission import Lease, Shed
+from cmdbus_trio.admission import GateClosed, Lease, Shed
 from cmdbus_trio.bus import Bus
 from cmdbus_trio.bus.committer import Ticket
 from cmdbus_trio.protocol import RemoteProtocolError, Request, encode_ok
@@ -56,6 +56,8 @@ class IngestHandler:
                 return await self.gate.acquire("publish", arrival=arrival)
             except Shed as shed:
                 await trio.sleep(max(shed.retry_after_ms, 10) / 1000)
+            except GateClosed:
+                raise CloseConnection("closed") from None  # draining: v1 can only close
 
     def v2(self, request: Request, arrival: float) -> Awaitable[bytes]:
         op = codec.decode_op(request.op, request.fields)
