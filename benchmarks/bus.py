@@ -1,22 +1,25 @@
-"""Command bus throughput: cmdbus-trio against a local Redis (Streams), in the same run.
+"""Command bus throughput: cmdbus-trio against local Redis and NATS, in the same run.
 
-    python benchmarks/bus.py --peer redis          # about 2 minutes on 2 cores
-    python benchmarks/bus.py --peer redis --quick  # about 40 s
-    python benchmarks/bus.py --memory              # RSS of a writer holding a 1M backlog
+    python benchmarks/bus.py --peer redis --peer nats      # about 3 minutes on 2 cores
+    python benchmarks/bus.py --peer redis --quick          # about 40 s
+    python benchmarks/bus.py --memory                      # writer RSS with a 1M backlog
 
 Workloads (each --duration seconds): durable publish with 1 and 16 producers, one at a time
 (unpipelined) and 32 in flight (pipelined); claim+ack cycles with 1 and 16 consumers over a
-preloaded backlog, with ack latency. Durability is equal: cmdbus-trio with synchronous=FULL
-(fsync per commit), Redis with appendonly yes and appendfsync always. The load generators
-are separate processes (4 at most), each running its clients in threads on blocking
-sockets, with each system's usual Python client (our codec; redis-py).
+preloaded backlog, with ack latency. The load generators are separate processes (4 at
+most), with each system's usual Python client: our codec and redis-py on blocking sockets
+in threads; nats-py (asyncio only) in tasks.
 
-NATS JetStream (`--peer nats`) is not here yet: see docs/benchmarks.md.
+Durability: cmdbus-trio with synchronous=FULL (an fsync per group commit); Redis with
+appendonly yes and appendfsync always; NATS JetStream (work-queue stream, file storage,
+durable pull consumer, explicit acks) as Debian 12's nats-server 2.9 has it, which has no
+per-message fsync setting: its durability is weaker than the other two.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import shutil
@@ -35,6 +38,7 @@ from _client import BlockingClient, percentiles
 
 HERE = Path(__file__).resolve()
 PIPELINE = 32
+SUBJECT = "commands.shared.shard.0"
 WORKLOADS = [
     ("publish", 1, False),
     ("publish", 16, False),
@@ -44,22 +48,41 @@ WORKLOADS = [
 ]
 
 
+def body(n: int) -> dict[str, Any]:
+    return {"execution_id": n, "payload": json.dumps({"n": n, "pad": "x" * 200})}
+
+
+def subject_of(n: int) -> str:
+    """One record in five in the system pool: the backlog has more than one subject."""
+    return f"commands.{'system' if n % 5 == 0 else 'shared'}.shard.0"
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
 
 
+def wait_for_port(port: int) -> None:
+    for _ in range(400):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise SystemExit(f"nothing listens on {port}")
+
+
 # --- servers -------------------------------------------------------------------------------
 
 
-def start_cmdbus(workdir: Path) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
+def start_cmdbus(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
     ports_file = workdir / "ports.json"
     env = {**os.environ, "CMDBUS_PORTS_FILE": str(ports_file), "CMDBUS_LOG_LEVEL": "warning"}
-    env.update(
-        {f"CMDBUS_{f}_BIND": "" for f in ("TIER", "EVT_INGEST", "EVT_CLAIM", "EVT_SUBSCRIBE")}
-    )
-    env.update({f"CMDBUS_{f}_BIND": "127.0.0.1:0" for f in ("CONTROL", "CMD_INGEST", "CMD_CLAIM")})
+    for face in ("TIER", "EVT_INGEST", "EVT_CLAIM", "EVT_SUBSCRIBE"):
+        env[f"CMDBUS_{face}_BIND"] = ""
+    for face in ("CONTROL", "CMD_INGEST", "CMD_CLAIM"):
+        env[f"CMDBUS_{face}_BIND"] = "127.0.0.1:0"
     log = (workdir / "cmdbus.log").open("w")
     command = [sys.executable, "-m", "cmdbus_trio", "serve", "--data-dir", str(workdir / "data")]
     process = subprocess.Popen(command, env=env, stdout=log, stderr=log)
@@ -68,30 +91,65 @@ def start_cmdbus(workdir: Path) -> tuple[subprocess.Popen[bytes], dict[str, str]
         if process.poll() is not None or time.monotonic() > deadline:
             raise SystemExit(f"cmdbus-trio did not start: see {log.name}")
         time.sleep(0.05)
-    return process, json.loads(ports_file.read_text())
+    return process, ports_file.read_text()
 
 
 def start_redis(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
     if shutil.which("redis-server") is None:
         raise SystemExit("redis-server is not installed (Debian: apt-get install redis-server)")
     port = free_port()
-    data = workdir / "redis"
-    data.mkdir()
+    (workdir / "redis").mkdir()
     command = [
-        *("redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data)),
-        *("--appendonly", "yes", "--appendfsync", "always", "--save", ""),
+        *("redis-server", "--port", str(port), "--bind", "127.0.0.1"),
+        *("--dir", str(workdir / "redis"), "--save", ""),
+        *("--appendonly", "yes", "--appendfsync", "always"),
     ]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for_port(port)
     import redis
 
-    client = redis.Redis(port=port)
-    for _ in range(200):
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.05)
+    redis.Redis(port=port).xgroup_create("commands", "workers", id="0", mkstream=True)
     return process, f"127.0.0.1:{port}"
+
+
+def start_nats(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
+    if shutil.which("nats-server") is None:
+        raise SystemExit("nats-server is not installed (Debian: apt-get install nats-server)")
+    port = free_port()
+    command = [
+        "nats-server",
+        "-js",
+        "-a",
+        "127.0.0.1",
+        "-p",
+        str(port),
+        "-sd",
+        str(workdir / "nats"),
+    ]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for_port(port)
+
+    async def setup() -> None:
+        import nats
+        from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType
+
+        connection = await nats.connect(f"nats://127.0.0.1:{port}")
+        js = connection.jetstream()
+        await js.add_stream(
+            name="COMMANDS",
+            subjects=["commands.>"],
+            retention=RetentionPolicy.WORK_QUEUE,
+            storage=StorageType.FILE,
+        )
+        config = ConsumerConfig(durable_name="workers", ack_policy=AckPolicy.EXPLICIT)
+        await js.add_consumer("COMMANDS", config)
+        await connection.close()
+
+    asyncio.run(setup())
+    return process, f"127.0.0.1:{port}"
+
+
+STARTERS = {"cmdbus-trio": start_cmdbus, "redis": start_redis, "nats": start_nats}
 
 
 def stop(process: subprocess.Popen[bytes]) -> None:
@@ -107,21 +165,16 @@ def stop(process: subprocess.Popen[bytes]) -> None:
 
 
 class CmdbusClient:
-    def __init__(self, ports: dict[str, str]) -> None:
+    def __init__(self, address: str) -> None:
+        ports = json.loads(address)
         self.ingest = BlockingClient(ports["cmd_ingest"])
         self.claim = BlockingClient(ports["cmd_claim"])
 
-    def publish(self, n: int, pipelined: bool) -> int:
-        record = {"execution_id": n, "payload": json.dumps({"n": n, "pad": "x" * 200})}
-        if not pipelined:
-            assert self.ingest.call("publish", record=record)["ok"]
-            return 1
-        self.ingest.send_raw(
-            b"".join(self.ingest.request_frame("publish", record=record) for _ in range(PIPELINE))
-        )
-        for _ in range(PIPELINE):
+    def publish(self, n: int, count: int) -> None:
+        frames = [self.ingest.request_frame("publish", record=body(n)) for _ in range(count)]
+        self.ingest.send_raw(b"".join(frames))
+        for _ in range(count):
             assert self.ingest.receive()["ok"]
-        return PIPELINE
 
     def claim_ack(self) -> float | None:
         delivery = self.claim.call("next", filter="commands.>", timeout_ms=1000)["delivery"]
@@ -133,37 +186,29 @@ class CmdbusClient:
 
 
 class RedisClient:
-    STREAM, GROUP = "commands", "workers"
-
     def __init__(self, address: str) -> None:
         import redis
 
         self.redis = redis.Redis(port=int(address.rsplit(":", 1)[1]))
         self.name = f"c{os.getpid()}-{threading.get_ident()}"
 
-    def publish(self, n: int, pipelined: bool) -> int:
-        fields = {"execution_id": n, "payload": json.dumps({"n": n, "pad": "x" * 200})}
-        if not pipelined:
-            self.redis.xadd(self.STREAM, fields)
-            return 1
+    def publish(self, n: int, count: int) -> None:
         pipe = self.redis.pipeline(transaction=False)
-        for _ in range(PIPELINE):
-            pipe.xadd(self.STREAM, fields)
+        for _ in range(count):
+            pipe.xadd("commands", body(n))
         pipe.execute()
-        return PIPELINE
 
     def claim_ack(self) -> float | None:
-        got = self.redis.xreadgroup(self.GROUP, self.name, {self.STREAM: ">"}, count=1, block=1000)
+        got = self.redis.xreadgroup("workers", self.name, {"commands": ">"}, count=1, block=1000)
         if not got:
             return None
-        message_id = got[0][1][0][0]
         start = time.perf_counter()
-        self.redis.xack(self.STREAM, self.GROUP, message_id)
+        self.redis.xack("commands", "workers", got[0][1][0][0])
         return time.perf_counter() - start
 
 
-def worker(
-    target: str, address: str, mode: str, clients: int, pipelined: bool, duration: float
+def thread_worker(
+    target: str, address: str, mode: str, clients: int, count: int, duration: float
 ) -> dict[str, Any]:
     ops = [0] * clients
     latencies: list[float] = []
@@ -171,20 +216,17 @@ def worker(
     deadline = time.monotonic() + duration
 
     def run(index: int) -> None:
-        client: Any = (
-            CmdbusClient(json.loads(address)) if target == "cmdbus-trio" else RedisClient(address)
-        )
+        client: Any = CmdbusClient(address) if target == "cmdbus-trio" else RedisClient(address)
         n = index * 10_000_000
         while time.monotonic() < deadline:
             if mode == "publish":
-                ops[index] += client.publish(n, pipelined)
+                client.publish(n, count)
+                ops[index] += count
                 n += 1
-            else:
-                latency = client.claim_ack()
-                if latency is not None:
-                    ops[index] += 1
-                    with lock:
-                        latencies.append(latency)
+            elif (latency := client.claim_ack()) is not None:
+                ops[index] += 1
+                with lock:
+                    latencies.append(latency)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(clients)]
     for thread in threads:
@@ -194,28 +236,54 @@ def worker(
     return {"ops": sum(ops), "latencies": latencies}
 
 
+async def nats_worker(
+    address: str, mode: str, clients: int, count: int, duration: float
+) -> dict[str, Any]:
+    import nats
+
+    ops = [0] * clients
+    latencies: list[float] = []
+    deadline = time.monotonic() + duration
+
+    async def run(index: int) -> None:
+        connection = await nats.connect(f"nats://{address}")
+        js = connection.jetstream()
+        subscription = (
+            None if mode == "publish" else await js.pull_subscribe_bind("workers", "COMMANDS")
+        )
+        n = index * 10_000_000
+        while time.monotonic() < deadline:
+            if subscription is None:
+                data = json.dumps(body(n)).encode()
+                await asyncio.gather(*(js.publish(SUBJECT, data) for _ in range(count)))
+                ops[index] += count
+                n += 1
+                continue
+            try:
+                messages = await subscription.fetch(1, timeout=1)
+            except nats.errors.TimeoutError:
+                continue
+            start = time.perf_counter()
+            await messages[0].ack_sync()
+            latencies.append(time.perf_counter() - start)
+            ops[index] += 1
+        await connection.close()
+
+    await asyncio.gather(*(run(i) for i in range(clients)))
+    return {"ops": sum(ops), "latencies": latencies}
+
+
 def run_workload(
-    target: str, address: str, mode: str, clients: int, pipelined: bool, duration: float
+    target: str, address: str, mode: str, clients: int, count: int, duration: float
 ) -> dict[str, Any]:
     processes = min(clients, 4)
     shares = [
         clients // processes + (1 if i < clients % processes else 0) for i in range(processes)
     ]
+    command = [sys.executable, str(HERE), "--worker", target, address, mode]
     workers = [
         subprocess.Popen(
-            [
-                sys.executable,
-                str(HERE),
-                "--worker",
-                target,
-                address,
-                mode,
-                str(share),
-                str(int(pipelined)),
-                str(duration),
-            ],
-            stdout=subprocess.PIPE,
-            text=True,
+            [*command, str(share), str(count), str(duration)], stdout=subprocess.PIPE, text=True
         )
         for share in shares
     ]
@@ -224,15 +292,12 @@ def run_workload(
     return {"rate": sum(r["ops"] for r in results) / duration, "ack": percentiles(latencies)}
 
 
-def preload(target: str, address: str, count: int) -> None:
-    client: Any = (
-        CmdbusClient(json.loads(address)) if target == "cmdbus-trio" else RedisClient(address)
-    )
-    if target == "redis":
-        client.redis.xgroup_create(RedisClient.STREAM, RedisClient.GROUP, id="0", mkstream=True)
-    published = 0
-    while published < count:
-        published += client.publish(published, True)
+def preload(target: str, address: str, records: int) -> None:
+    """Publish about ``records`` records (pipelined, 4 producers) for the claim workloads."""
+    per_second = run_workload(target, address, "publish", 4, PIPELINE, 2.0)["rate"]
+    remaining = max(0.0, (records - per_second * 2.0) / max(per_second, 1.0))
+    if remaining:
+        run_workload(target, address, "publish", 4, PIPELINE, remaining)
 
 
 def measure_memory(backlog: int, workdir: Path) -> None:
@@ -240,21 +305,19 @@ def measure_memory(backlog: int, workdir: Path) -> None:
 
     log = BusLog.open(workdir / "data" / "commands.sqlite3", name="commands", synchronous="normal")
     for start in range(0, backlog, 50_000):
-        log.publish([
-            BusEntry(f"commands.{'system' if i % 5 == 0 else 'shared'}.shard.0",
-                     json.dumps({"execution_id": i, "payload": json.dumps({"n": i})}))
-            for i in range(start, min(backlog, start + 50_000))
-        ])  # fmt: skip
+        end = min(backlog, start + 50_000)
+        log.publish([BusEntry(subject_of(i), json.dumps(body(i))) for i in range(start, end)])
     log.close()
     started = time.monotonic()
-    process, ports = start_cmdbus(workdir)
+    process, address = start_cmdbus(workdir)
     took = time.monotonic() - started
     time.sleep(1.5)  # let the lag sampler run
     status = Path(f"/proc/{process.pid}/status").read_text().splitlines()
     rss_kib = int(next(line.split()[1] for line in status if line.startswith("VmRSS")))
     import urllib.request
 
-    with urllib.request.urlopen(f"http://{ports['control']}/metrics", timeout=30) as response:
+    control = json.loads(address)["control"]
+    with urllib.request.urlopen(f"http://{control}/metrics", timeout=30) as response:
         scrape = response.read().decode().splitlines()
     lag = next(line.split()[-1] for line in scrape if line.startswith("ehdb_feed_total_lag "))
     stop(process)
@@ -268,15 +331,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--peer", choices=["redis"], action="append", default=[])
+    parser.add_argument("--peer", choices=["redis", "nats"], action="append", default=[])
     parser.add_argument("--duration", type=float, default=10.0)
-    parser.add_argument(
-        "--backlog", type=int, default=40_000, help="records preloaded before the claim workloads"
-    )
+    parser.add_argument("--backlog", type=int, default=40_000, help="records preloaded for claims")
     parser.add_argument("--quick", action="store_true", help="3 s workloads, 10k backlog")
-    parser.add_argument(
-        "--memory", type=int, nargs="?", const=1_000_000, help="only measure RSS with this backlog"
-    )
+    parser.add_argument("--memory", type=int, nargs="?", const=1_000_000, help="only measure RSS")
     args = parser.parse_args()
     if args.quick:
         args.duration, args.backlog = 3.0, 10_000
@@ -285,56 +344,53 @@ def main() -> None:
     if args.memory:
         measure_memory(args.memory, workdir)
         return
-    targets: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
-    process, ports = start_cmdbus(workdir)
-    targets["cmdbus-trio"] = (process, json.dumps(ports))
-    if "redis" in args.peer:
-        targets["redis"] = start_redis(workdir)
-    results: dict[str, dict[str, Any]] = {name: {} for name in targets}
-    try:
-        for name, (_, address) in targets.items():
+    names = ["cmdbus-trio", *dict.fromkeys(args.peer)]
+    results: dict[str, dict[str, Any]] = {name: {} for name in names}
+    for name in names:  # one server at a time: they share the machine's 2 cores and disk
+        (workdir / name).mkdir()
+        process, address = STARTERS[name](workdir / name)
+        try:
             for mode, clients, pipelined in WORKLOADS:
                 if mode == "claim+ack" and clients == 1:
                     preload(name, address, args.backlog)
                 key = f"{mode} x{clients}" + (" pipelined" if pipelined else "")
+                count = PIPELINE if pipelined else 1
                 results[name][key] = run_workload(
-                    name, address, mode, clients, pipelined, args.duration
+                    name, address, mode, clients, count, args.duration
                 )
-    finally:
-        for process, _ in targets.values():
+        finally:
             stop(process)
-    names = list(targets)
     print(f"\n{args.duration:.0f} s per workload; ops/s (ack p50 / p99 ms for claim+ack)")
+    peers = names[1:]
     print(
-        f"{'workload':<28}"
-        + "".join(f"{n:>26}" for n in names)
-        + ("   cmdbus / redis" if "redis" in names else "")
+        f"{'workload':<26}"
+        + "".join(f"{n:>24}" for n in names)
+        + "".join(f"{'/ ' + p:>10}" for p in peers)
     )
     for key in results["cmdbus-trio"]:
         cells = []
         for name in names:
             r = results[name][key]
-            cell = f"{r['rate']:.0f}"
-            if key.startswith("claim"):
-                cell += f" ({r['ack']['p50']:.1f} / {r['ack']['p99']:.1f})"
-            cells.append(cell)
-        ratio = (
-            f"   {results['cmdbus-trio'][key]['rate'] / results['redis'][key]['rate']:.2f}x"
-            if "redis" in names
-            else ""
+            ack = (
+                f" ({r['ack']['p50']:.1f}/{r['ack']['p99']:.1f})" if key.startswith("claim") else ""
+            )
+            cells.append(f"{r['rate']:.0f}{ack}")
+        ours = results["cmdbus-trio"][key]["rate"]
+        ratios = [f"{ours / results[p][key]['rate']:.2f}x" for p in peers]
+        print(
+            f"{key:<26}" + "".join(f"{c:>24}" for c in cells) + "".join(f"{r:>10}" for r in ratios)
         )
-        print(f"{key:<28}" + "".join(f"{c:>26}" for c in cells) + ratio)
 
 
 if __name__ == "__main__":
     if len(sys.argv) == 8 and sys.argv[1] == "--worker":
-        _, _, target_name, target_address, mode_name, count, piped, seconds = sys.argv
-        print(
-            json.dumps(
-                worker(
-                    target_name, target_address, mode_name, int(count), piped == "1", float(seconds)
-                )
+        _, _, target, address, mode, clients, count, seconds = sys.argv
+        if target == "nats":
+            result = asyncio.run(
+                nats_worker(address, mode, int(clients), int(count), float(seconds))
             )
-        )
+        else:
+            result = thread_worker(target, address, mode, int(clients), int(count), float(seconds))
+        print(json.dumps(result))
     else:
         main()
