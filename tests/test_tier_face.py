@@ -481,3 +481,32 @@ async def test_v2_hello_and_an_oversized_frame_in_one_write_get_too_large(
             error = await client.receive_json()
             assert (error["id"], error["error"]["code"]) == (None, "too_large")
             assert await client.receive() is None
+
+
+async def test_a_client_that_never_reads_its_replies_is_cut_off(
+    small_server: dict[str, str],
+) -> None:
+    execution = new_execution()
+    async with frame_client(small_server["tier"]) as writer:
+        for _ in range(3):
+            await writer.request("append", execution_id=execution, payload=json.dumps("p" * 1000))
+    before = write_errors(small_server)
+    with trio.fail_after(30):
+        async with frame_client(small_server["tier"]) as hog:
+            request = json.dumps({"id": 1, "op": "read_execution", "execution_id": execution})
+            frame = len(request).to_bytes(4, "big") + request.encode()
+            try:
+                for _ in range(200):  # ~3 KB replies each; never read: the socket fills
+                    await hog.stream.send_all(frame * 50)
+            except trio.BrokenResourceError:
+                pass  # the server already gave up on us
+            while write_errors(small_server) == before:
+                await trio.sleep(0.1)
+            async with frame_client(small_server["tier"]) as other:  # everyone else is fine
+                assert (await other.request("health"))["ok"]
+
+
+def write_errors(ports: dict[str, str]) -> float:
+    name = 'cmdbus_connections_total{face="tier",outcome="write_error"} '
+    lines = [line for line in metrics_text(ports).splitlines() if line.startswith(name)]
+    return float(lines[0].split()[-1]) if lines else 0.0
