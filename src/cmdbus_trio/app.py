@@ -30,7 +30,7 @@ from .bus import Bus
 from .bus.claims import Claims, feed_from_commits, sample_lag
 from .bus.committer import GroupCommitter, Ticket
 from .config import DATA_FACE_NAMES, Bind, Config, cpu_quota
-from .faces import FaceContext, FaceServe, cmd_claim, cmd_ingest
+from .faces import FaceContext, FaceServe, cmd_claim, cmd_ingest, evt_ingest
 from .faces import tier as tier_face
 from .health import FaceState, Health
 from .heartbeat import Heartbeat
@@ -48,12 +48,17 @@ DATA_FACES: Mapping[str, FaceServe] = {
     "tier": tier_face.serve,
     "cmd_ingest": cmd_ingest.serve,
     "cmd_claim": cmd_claim.serve,
+    "evt_ingest": evt_ingest.serve,
 }
-"""The data faces this build implements. Still to come: evt_ingest, evt_claim and
-evt_subscribe (issue 5)."""
+"""The data faces this build implements. Still to come: evt_claim and evt_subscribe
+(issue 5)."""
 RELOAD_PAGE = 10_000
 
-STORE_FACES = {"tier": {"tier"}, "commands": {"cmd_ingest", "cmd_claim"}}
+STORE_FACES = {
+    "tier": {"tier"},
+    "commands": {"cmd_ingest", "cmd_claim"},
+    "events": {"evt_ingest", "evt_claim", "evt_subscribe"},
+}
 """Which faces use each store: a store is open while an enabled face needs it. Its file
 is ``<data dir>/<name>.sqlite3``."""
 
@@ -242,6 +247,10 @@ class Writer:
             )
             rule = SubjectRule(BusKind(name), config.shard, config.shard_count)
             committer = GroupCommitter(bus_log, rule)
+            self.health.add_store(name, bus_log)
+            if name == "events":  # its consumer groups come with the event claim face
+                self._stores[name] = Bus(bus_log, committer)
+                continue
             claims = Claims(
                 name,
                 ack_wait=config.ack_wait_ms / 1000,
@@ -251,7 +260,6 @@ class Writer:
             await self._reload(bus_log, claims)
             committer.listeners.append(feed_from_commits(claims))
             self._stores[name] = Bus(bus_log, committer, claims)
-            self.health.add_store(name, bus_log)
 
     async def _reload(self, bus_log: BusLog, claims: Claims) -> None:
         """Give the coordinator every record its group has neither acked nor parked."""
