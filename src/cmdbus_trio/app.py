@@ -29,8 +29,9 @@ from .admission import Gate, run_in_thread
 from .bus import Bus
 from .bus.claims import Claims, feed_from_commits, sample_lag
 from .bus.committer import GroupCommitter, Ticket
+from .bus.groups import ConsumerGroups
 from .config import DATA_FACE_NAMES, Bind, Config, cpu_quota
-from .faces import FaceContext, FaceServe, cmd_claim, cmd_ingest, evt_ingest
+from .faces import FaceContext, FaceServe, cmd_claim, cmd_ingest, evt_claim, evt_ingest
 from .faces import tier as tier_face
 from .health import FaceState, Health
 from .heartbeat import Heartbeat
@@ -49,9 +50,9 @@ DATA_FACES: Mapping[str, FaceServe] = {
     "cmd_ingest": cmd_ingest.serve,
     "cmd_claim": cmd_claim.serve,
     "evt_ingest": evt_ingest.serve,
+    "evt_claim": evt_claim.serve,
 }
-"""The data faces this build implements. Still to come: evt_claim and evt_subscribe
-(issue 5)."""
+"""The data faces this build implements. Still to come: evt_subscribe (issue 5)."""
 RELOAD_PAGE = 10_000
 
 STORE_FACES = {
@@ -184,6 +185,8 @@ class Writer:
                             if store.claims is not None:
                                 await background.start(store.claims.run_timers)
                                 await background.start(sample_lag, store.claims)
+                            if store.groups is not None:
+                                await background.start(store.groups.run)
                     async with trio.open_nursery() as data:
                         for face in wanted:
                             if face in self._faces:
@@ -248,8 +251,16 @@ class Writer:
             rule = SubjectRule(BusKind(name), config.shard, config.shard_count)
             committer = GroupCommitter(bus_log, rule)
             self.health.add_store(name, bus_log)
-            if name == "events":  # its consumer groups come with the event claim face
-                self._stores[name] = Bus(bus_log, committer)
+            if name == "events":
+                groups = ConsumerGroups(
+                    bus_log,
+                    committer,
+                    ack_wait=config.ack_wait_ms / 1000,
+                    max_deliver=config.max_deliver,
+                    limiter=self._maintenance,
+                )
+                await groups.open(config.evt_groups)
+                self._stores[name] = Bus(bus_log, committer, groups=groups)
                 continue
             claims = Claims(
                 name,
@@ -344,8 +355,11 @@ class Writer:
         for gate in self.health.gates.values():
             gate.close()
         for store in self._stores.values():
-            if isinstance(store, Bus) and store.claims is not None:
-                store.claims.close()  # consumers waiting in `next` are answered now
+            if isinstance(store, Bus):  # consumers waiting in `next` are answered now
+                if store.claims is not None:
+                    store.claims.close()
+                if store.groups is not None:
+                    store.groups.close()
         self._draining.set()
         data.cancel_scope.deadline = trio.current_time() + budget
 

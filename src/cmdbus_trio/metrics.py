@@ -150,6 +150,13 @@ FEED_TOTAL_LAG = Gauge(
     "Command backlog over all subjects (the sum of ehdb_feed_subject_lag), sampled.",
     registry=REGISTRY,
 )
+EVENTS_GROUP_LAG = Gauge(
+    "ehdb_events_group_lag",
+    "Event backlog per consumer group (undelivered + delivered-unacked; dead letters "
+    "excluded), sampled every second.",
+    ["group"],
+    registry=REGISTRY,
+)
 READY = Gauge(
     "cmdbus_ready",
     "1 when /readyz answers 200, else 0.",

@@ -8,6 +8,7 @@ from cmdbus_trio.storage.buslog import BusLog
 
 from .claims import Claims
 from .committer import GroupCommitter
+from .groups import ConsumerGroups
 
 
 @attrs.frozen
@@ -18,3 +19,6 @@ class Bus:
     log: BusLog
     committer: GroupCommitter
     claims: Claims | None = None
+    """The command bus's single consumer group."""
+    groups: ConsumerGroups | None = None
+    """The event bus's named consumer groups."""

@@ -1,212 +1,19 @@
-"""The command claim face (:9101): competing consumers with leases (PROTOCOL.md, "Claim
-faces").
-
-Each connection has its own handler: the leases it holds are released the moment it
-closes. ``next`` waits in memory (no thread, no polling) for a matching record, leases it,
-and reads its body from the store under a Gate lease. ``ack`` is durable before it is
-answered: it goes through the group committer like a publish.
-"""
+"""The command claim face (:9101): competing consumers of the command bus, one consumer
+group (the handler is shared with the event claim face: ``faces/_claim.py``)."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
 from typing import Any
 
 import trio
 
-from cmdbus_trio.admission import GateClosed
 from cmdbus_trio.bus import Bus
-from cmdbus_trio.bus.claims import Claims, Delivery
-from cmdbus_trio.bus.committer import Ticket
-from cmdbus_trio.protocol import (
-    FieldError,
-    Request,
-    UnsupportedOp,
-    dumps,
-    encode_frame,
-    encode_ok,
-    loads,
-)
-from cmdbus_trio.protocol._fields import is_int
-from cmdbus_trio.protocol.subjects import matches, parse_filter
-from cmdbus_trio.storage.buslog import StoredRecord
+from cmdbus_trio.bus.claims import Claims
+from cmdbus_trio.protocol import FieldError
 
 from . import FaceContext
-from ._connection import CloseConnection, V1Reply
+from ._claim import ClaimHandler
 from ._connection import serve as serve_connections
-
-OPS = ("next", "ack", "nack", "extend", "lag", "dead")
-_FIELDS: dict[str, frozenset[str]] = {
-    "next": frozenset({"filter", "group", "member", "timeout_ms"}),
-    "ack": frozenset({"sort_key", "group"}),
-    "nack": frozenset({"sort_key", "group", "delay_ms"}),
-    "extend": frozenset({"sort_key", "group"}),
-    "lag": frozenset({"filter", "group"}),
-    "dead": frozenset({"filter", "group", "limit"}),
-}
-MAX_DEAD_LIMIT = 1000
-
-
-class ClaimHandler:
-    def __init__(self, ctx: FaceContext, bus: Bus, claims: Claims) -> None:
-        self.gate = ctx.gate
-        self.bus = bus
-        self.claims = claims
-
-    def closed(self) -> None:
-        self.claims.release(self)  # this connection's leases redeliver at once
-
-    # --- v1 --------------------------------------------------------------------------------
-
-    async def v1(self, frame: bytes, arrival: float) -> V1Reply:
-        try:
-            value = loads(frame)
-            if not (isinstance(value, dict) and len(value) == 1):
-                raise FieldError("request", 'expected {"Next"|"Ack"|"Nack": {...}}')
-            ((tag, body),) = value.items()
-            if not isinstance(body, dict):
-                raise FieldError(tag, "expected an object")
-            if tag == "Next":
-                filter_tokens = parse_filter(body.get("filter"))
-                member = body.get("member")
-                if not (is_int(member) and 0 <= member < 1 << 32):
-                    raise FieldError("member", "expected an unsigned 32-bit integer")
-            elif tag in ("Ack", "Nack"):
-                sort_key = _sort_key(body)
-            else:
-                raise FieldError("request", f"unknown request {tag!r}")
-        except FieldError:
-            raise CloseConnection("protocol_error") from None
-        except Exception as exc:  # not JSON
-            raise CloseConnection("protocol_error") from exc
-        if tag == "Next":
-            try:
-                delivery, stored = await self._next(filter_tokens, arrival)
-            except GateClosed:
-                raise CloseConnection("closed") from None  # draining: v1 can only close
-            reply = {
-                "sort_key": delivery.sort_key,
-                "redelivered": delivery.redelivered,
-                "record": _record(stored),
-            }
-            return V1Reply("next", encode_frame(dumps(reply)))
-        if tag == "Ack":
-            await self._ack(sort_key)
-            return V1Reply("ack", encode_frame(b"1"))
-        self.claims.nack(sort_key, self, delay=self.claims.ack_wait)  # v1: after ack_wait
-        return V1Reply("nack", encode_frame(b"1"))
-
-    # --- v2 --------------------------------------------------------------------------------
-
-    def v2(self, request: Request, arrival: float) -> Awaitable[bytes]:
-        known = _FIELDS.get(request.op)
-        if known is None:
-            raise UnsupportedOp(request.op, OPS)
-        fields = request.fields
-        if unknown := sorted(set(fields) - known):
-            raise FieldError(unknown[0], "unknown field")
-        if fields.get("group") is not None:
-            raise FieldError("group", "the command bus has no consumer groups")
-        return self._v2(request.op, request.id, fields, arrival)
-
-    async def _v2(self, op: str, request_id: int, fields: dict[str, Any], arrival: float) -> bytes:
-        if op == "next":
-            filter_tokens = parse_filter(fields.get("filter"))
-            timeout_ms = fields.get("timeout_ms")
-            if timeout_ms is not None and not (is_int(timeout_ms) and timeout_ms >= 0):
-                raise FieldError("timeout_ms", "expected a non-negative integer")
-            result: Any = None
-            with trio.move_on_after(float("inf") if timeout_ms is None else timeout_ms / 1000):
-                delivery, stored = await self._next(filter_tokens, arrival)
-                result = _delivery(delivery, stored)
-            return encode_ok(request_id, {"delivery": result})
-        if op == "lag":
-            tokens = None if fields.get("filter") is None else parse_filter(fields["filter"])
-            subjects = self.claims.lag(tokens)
-            return encode_ok(request_id, {"subjects": subjects, "total": sum(subjects.values())})
-        if op == "dead":
-            return encode_ok(request_id, {"records": await self._dead(fields)})
-        sort_key = _sort_key(fields)
-        if op == "ack":
-            return encode_ok(request_id, {"acked": await self._ack(sort_key)})
-        if op == "nack":
-            delay_ms = fields.get("delay_ms", 0)
-            if not (is_int(delay_ms) and delay_ms >= 0):
-                raise FieldError("delay_ms", "expected a non-negative integer")
-            return encode_ok(
-                request_id, {"nacked": self.claims.nack(sort_key, self, delay_ms / 1000)}
-            )
-        extended = self.claims.extend(sort_key, self)
-        return encode_ok(
-            request_id, {"extended": extended, "lease_ms": round(self.claims.ack_wait * 1000)}
-        )
-
-    # --- shared ----------------------------------------------------------------------------
-
-    async def _next(
-        self, filter_tokens: tuple[str, ...], arrival: float
-    ) -> tuple[Delivery, StoredRecord]:
-        delivery = await self.claims.next(filter_tokens, self)
-        try:
-            with await self.gate.acquire("next", arrival=arrival) as lease:
-                stored = await lease.run_to_completion(self.bus.log.read, delivery.sort_key)
-        except BaseException:
-            self.claims.nack(delivery.sort_key, self)  # not delivered after all
-            raise
-        assert stored is not None  # records are never deleted
-        return delivery, stored
-
-    async def _ack(self, sort_key: int) -> bool:
-        if not self.claims.begin_ack(sort_key, self):
-            return False
-        ticket = Ticket(acks=[(self.claims.group, sort_key)])
-        self.bus.committer.enqueue(ticket)
-        with trio.CancelScope(shield=True):  # an ack that started finishes
-            try:
-                await ticket.wait()
-            except BaseException:
-                self.claims.abort_ack(sort_key)
-                raise
-        self.claims.finish_ack(sort_key)
-        return True
-
-    async def _dead(self, fields: dict[str, Any]) -> list[dict[str, Any]]:
-        tokens = None if fields.get("filter") is None else parse_filter(fields["filter"])
-        limit = fields.get("limit", 100)
-        if not is_int(limit):
-            raise FieldError("limit", "expected an integer")
-        limit = max(1, min(MAX_DEAD_LIMIT, limit))
-        with await self.gate.acquire("dead") as lease:
-            records = await lease.run_cancellable(
-                self.bus.log.dead_letters, self.claims.group, MAX_DEAD_LIMIT
-            )
-        chosen = [r for r in records if tokens is None or matches(tokens, r.subject)][:limit]
-        return [
-            {"sort_key": r.sort_key, "subject": r.subject, "redelivered": r.deliveries > 1,
-             "deliveries": r.deliveries, "record": loads(r.record.encode())}
-            for r in chosen
-        ]  # fmt: skip
-
-
-def _sort_key(fields: dict[str, Any]) -> int:
-    sort_key = fields.get("sort_key")
-    if not (is_int(sort_key) and sort_key >= 1):
-        raise FieldError("sort_key", "expected a positive integer")
-    return sort_key
-
-
-def _record(stored: StoredRecord) -> Any:
-    return loads(stored.record.encode())
-
-
-def _delivery(delivery: Delivery, stored: StoredRecord) -> dict[str, Any]:
-    return {
-        "sort_key": delivery.sort_key,
-        "subject": delivery.subject,
-        "redelivered": delivery.redelivered,
-        "deliveries": delivery.deliveries,
-        "record": _record(stored),
-    }
 
 
 async def serve(
@@ -216,4 +23,12 @@ async def serve(
     claims = bus.claims
     if claims is None:
         raise TypeError("the command claim face needs the command bus's claim coordinator")
-    await serve_connections(ctx, lambda: ClaimHandler(ctx, bus, claims), task_status=task_status)
+
+    async def resolve(group: Any, start: Any) -> Claims:
+        if group is not None:
+            raise FieldError("group", "the command bus has no consumer groups")
+        if start is not None:
+            raise FieldError("from", "the command bus has no consumer groups")
+        return claims
+
+    await serve_connections(ctx, lambda: ClaimHandler(ctx, bus, resolve), task_status=task_status)

@@ -92,6 +92,10 @@ class BusLog(SqliteStore):
                 sort_key INTEGER NOT NULL,
                 PRIMARY KEY (consumer, sort_key)
             ) WITHOUT ROWID;
+            CREATE TABLE IF NOT EXISTS groups (
+                name TEXT PRIMARY KEY,
+                start_after INTEGER NOT NULL
+            ) WITHOUT ROWID;
             CREATE TABLE IF NOT EXISTS dead (
                 consumer TEXT NOT NULL,
                 sort_key INTEGER NOT NULL,
@@ -169,6 +173,27 @@ class BusLog(SqliteStore):
         if fresh:
             self._last_sort_key = max(self._last_sort_key, *fresh)
         return results
+
+    @refuses_loop_thread
+    def groups(self) -> dict[str, int]:
+        """The consumer groups: name -> the sort key they start after (records up to it
+        are not theirs)."""
+        with self._connection() as connection:
+            rows = connection.execute("SELECT name, start_after FROM groups").fetchall()
+        return {str(name): int(start) for name, start in rows}
+
+    @refuses_loop_thread
+    def create_group(self, name: str, start_after: int) -> int:
+        """Create a group unless it exists; returns its start (the existing one if any)."""
+
+        def write(connection: sqlite3.Connection) -> int:
+            connection.execute("INSERT OR IGNORE INTO groups VALUES (?, ?)", (name, start_after))
+            row = connection.execute(
+                "SELECT start_after FROM groups WHERE name = ?", (name,)
+            ).fetchone()
+            return int(row[0])
+
+        return self._write(write)
 
     @refuses_loop_thread
     def read(self, sort_key: int) -> StoredRecord | None:

@@ -1,0 +1,141 @@
+"""The event claim face end to end: named consumer groups, `cmdbus-trio serve` as a
+subprocess."""
+
+from __future__ import annotations
+
+import json
+import signal
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from .helpers import FrameClient, frame_client, get, serving
+
+EVENTS_ONLY = {"CMDBUS_TIER_BIND": "", "CMDBUS_EVT_GROUPS": "alpha,beta"}
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[dict[str, str]]:
+    with serving(tmp_path, **EVENTS_ONLY) as (_, ports):
+        yield ports
+
+
+def event(n: int, event_type: str = "step.done") -> dict[str, Any]:
+    return {"execution_id": n, "payload": json.dumps({"event_type": event_type, "n": n})}
+
+
+async def publish(ports: dict[str, str], count: int, start: int = 0) -> list[int]:
+    async with frame_client(ports["evt_ingest"]) as client:
+        reply = await client.request(
+            "publish_batch", records=[event(start + i) for i in range(count)]
+        )
+    keys: list[int] = reply["sort_keys"]
+    return keys
+
+
+async def drain_group(client: FrameClient, group: str, **extra: Any) -> list[int]:
+    acked = []
+    while True:
+        reply = await client.request(
+            "next", filter="events.>", group=group, timeout_ms=200, **extra
+        )
+        extra = {}  # `from` only matters the first time
+        delivery = reply["delivery"]
+        if delivery is None:
+            return acked
+        assert (await client.request("ack", sort_key=delivery["sort_key"], group=group))["acked"]
+        acked.append(delivery["sort_key"])
+
+
+async def test_every_group_gets_every_record(server: dict[str, str]) -> None:
+    keys = await publish(server, 30)
+    async with frame_client(server["evt_claim"]) as client:
+        assert await drain_group(client, "alpha") == keys
+        assert await drain_group(client, "beta") == keys
+        lag = await client.request("lag", group="alpha")
+        assert lag["total"] == 0
+        assert (await client.request("lag", group="beta"))["subjects"] == {"events.step_done": 0}
+
+
+async def test_members_of_a_group_compete(server: dict[str, str]) -> None:
+    keys = set(await publish(server, 100))
+    acked: Counter[int] = Counter()
+
+    async def member() -> None:
+        async with frame_client(server["evt_claim"]) as client:
+            for key in await drain_group(client, "alpha"):
+                acked[key] += 1
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            for _ in range(4):
+                nursery.start_soon(member)
+    assert set(acked) == keys and set(acked.values()) == {1}
+
+
+async def test_groups_are_created_from_the_beginning_or_the_tail(server: dict[str, str]) -> None:
+    before = await publish(server, 3)
+    async with frame_client(server["evt_claim"]) as client:
+        unknown = await client.request("next", filter="events.>", group="gamma")
+        assert unknown["error"]["code"] == "invalid"
+        assert unknown["error"]["message"].startswith("group: unknown group 'gamma'")
+        bad_from = await client.request(
+            "next", filter="events.>", group="gamma", **{"from": "middle"}
+        )
+        assert bad_from["error"]["message"].startswith("from: expected beginning or tail")
+        bad_name = await client.request("next", filter="events.>", group="a b", **{"from": "tail"})
+        assert bad_name["error"]["message"].startswith("group: expected 1-128")
+        missing = await client.request("lag")
+        assert missing["error"]["message"].startswith("group: expected the name")
+        assert await drain_group(client, "gamma", **{"from": "beginning"}) == before
+        empty = await client.request(
+            "next", filter="events.>", group="delta", timeout_ms=0, **{"from": "tail"}
+        )
+        assert empty["delivery"] is None
+        after = await publish(server, 2, start=100)
+        assert await drain_group(client, "delta") == after
+
+
+async def test_v1_requests_carry_the_group(server: dict[str, str]) -> None:
+    (key,) = await publish(server, 1)
+    async with frame_client(server["evt_claim"], v2=False) as client:
+        await client.send(b'{"Next": {"member": 1, "filter": "events.>", "group": "beta"}}')
+        delivery = await client.receive_json()
+        assert delivery == {"sort_key": key, "redelivered": False, "record": event(0)}
+        assert await client.v1({"Ack": {"sort_key": key, "group": "beta"}}) == b"1"
+    async with frame_client(server["evt_claim"], v2=False) as no_group:
+        await no_group.send(b'{"Next": {"member": 1, "filter": "events.>"}}')
+        assert await no_group.receive() is None  # a v1 request without its group closes
+
+
+async def test_group_lag_metric(server: dict[str, str]) -> None:
+    await publish(server, 4)
+    async with frame_client(server["evt_claim"]) as client:
+        delivery = (await client.request("next", filter="events.>", group="alpha"))["delivery"]
+        await client.request("ack", sort_key=delivery["sort_key"], group="alpha")
+        await trio.sleep(1.5)  # the sampler runs every second
+        text = (await get(server["control"], "/metrics")).body.decode()
+    assert 'ehdb_events_group_lag{group="alpha"} 3.0' in text
+    assert 'ehdb_events_group_lag{group="beta"} 4.0' in text
+
+
+async def test_a_restart_keeps_groups_and_their_acks(tmp_path: Path) -> None:
+    with serving(tmp_path, **EVENTS_ONLY) as (process, ports):
+        keys = await publish(ports, 4)
+        async with frame_client(ports["evt_claim"]) as client:
+            for group in ("alpha", "made-here"):
+                first = await client.request(
+                    "next", filter="events.>", group=group, **{"from": "beginning"}
+                )
+                await client.request("ack", sort_key=first["delivery"]["sort_key"], group=group)
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+    with serving(tmp_path, **EVENTS_ONLY) as (_, ports):
+        async with frame_client(ports["evt_claim"]) as client:
+            assert await drain_group(client, "made-here") == keys[1:]  # no `from`: it exists
+            assert await drain_group(client, "alpha") == keys[1:]
+            assert await drain_group(client, "beta") == keys
