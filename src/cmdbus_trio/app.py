@@ -30,8 +30,17 @@ from .bus import Bus
 from .bus.claims import Claims, feed_from_commits, sample_lag
 from .bus.committer import GroupCommitter, Ticket
 from .bus.groups import ConsumerGroups
+from .bus.subscriptions import Hub
 from .config import DATA_FACE_NAMES, Bind, Config, cpu_quota
-from .faces import FaceContext, FaceServe, cmd_claim, cmd_ingest, evt_claim, evt_ingest
+from .faces import (
+    FaceContext,
+    FaceServe,
+    cmd_claim,
+    cmd_ingest,
+    evt_claim,
+    evt_ingest,
+    evt_subscribe,
+)
 from .faces import tier as tier_face
 from .health import FaceState, Health
 from .heartbeat import Heartbeat
@@ -51,8 +60,9 @@ DATA_FACES: Mapping[str, FaceServe] = {
     "cmd_claim": cmd_claim.serve,
     "evt_ingest": evt_ingest.serve,
     "evt_claim": evt_claim.serve,
+    "evt_subscribe": evt_subscribe.serve,
 }
-"""The data faces this build implements. Still to come: evt_subscribe (issue 5)."""
+"""The data faces this build implements: all of PROTOCOL.md's."""
 RELOAD_PAGE = 10_000
 
 STORE_FACES = {
@@ -260,7 +270,9 @@ class Writer:
                     limiter=self._maintenance,
                 )
                 await groups.open(config.evt_groups)
-                self._stores[name] = Bus(bus_log, committer, groups=groups)
+                hub = Hub(config.subscriber_buffer)
+                committer.listeners.append(hub.feed)
+                self._stores[name] = Bus(bus_log, committer, groups=groups, hub=hub)
                 continue
             claims = Claims(
                 name,
@@ -360,6 +372,8 @@ class Writer:
                     store.claims.close()
                 if store.groups is not None:
                     store.groups.close()
+                if store.hub is not None:
+                    store.hub.close()  # subscriptions end; their connections close
         self._draining.set()
         data.cancel_scope.deadline = trio.current_time() + budget
 

@@ -157,6 +157,17 @@ EVENTS_GROUP_LAG = Gauge(
     ["group"],
     registry=REGISTRY,
 )
+SUBSCRIBERS = Gauge(
+    "cmdbus_subscribers",
+    "Live subscriptions on the event subscribe face.",
+    registry=REGISTRY,
+)
+SUBSCRIBERS_DROPPED = Counter(
+    "cmdbus_subscribers_dropped",
+    "Subscribers cut off as slow consumers: more than CMDBUS_SUBSCRIBER_BUFFER records "
+    "behind the live stream.",
+    registry=REGISTRY,
+)
 READY = Gauge(
     "cmdbus_ready",
     "1 when /readyz answers 200, else 0.",

@@ -9,6 +9,7 @@ from cmdbus_trio.storage.buslog import BusLog
 from .claims import Claims
 from .committer import GroupCommitter
 from .groups import ConsumerGroups
+from .subscriptions import Hub
 
 
 @attrs.frozen
@@ -22,3 +23,5 @@ class Bus:
     """The command bus's single consumer group."""
     groups: ConsumerGroups | None = None
     """The event bus's named consumer groups."""
+    hub: Hub | None = None
+    """The event bus's live subscriptions."""

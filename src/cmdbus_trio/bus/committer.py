@@ -42,6 +42,8 @@ class Ticket:
     """(consumer, sort_key, deliveries): records parked as dead letters."""
     settled: trio.Event = attrs.field(factory=trio.Event)
     published: list[Published] | None = None
+    stored: list[str] = attrs.field(factory=list)
+    """The records as stored (JSON text), set in the commit thread, for the listeners."""
     error: Exception | None = None
 
     async def wait(self) -> list[Published]:
@@ -138,6 +140,7 @@ class GroupCommitter:
                 ticket.error = exc  # refused whole; the other tickets go on
                 continue
             accepted.append((ticket, len(entries)))
+            ticket.stored = [entry.record for entry in mine]
             entries += mine
         if not (entries or acks or dead):
             return

@@ -59,11 +59,17 @@ class FaceError(Exception):
 
 
 class CloseConnection(Exception):
-    """Close the connection without an answer (v1's documented response to bad input)."""
+    """Close the connection, after ``final`` if given (v1's documented response to bad
+    input; a v2 subscriber cut off as a slow consumer)."""
 
-    def __init__(self, outcome: str = "protocol_error") -> None:
+    def __init__(self, outcome: str = "protocol_error", final: bytes | None = None) -> None:
         super().__init__(outcome)
         self.outcome = outcome
+        self.final = final
+
+
+Sender = Callable[[bytes], Awaitable[bool]]
+"""Sends bytes on the connection, in order; False once the peer is gone."""
 
 
 def as_face_error(exc: Exception) -> FaceError | None:
@@ -113,13 +119,14 @@ class FaceHandler(Protocol):
 
 async def serve(
     ctx: FaceContext,
-    make_handler: Callable[[], FaceHandler],
+    make_handler: Callable[[Sender], FaceHandler],
     *,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Listen on ``ctx.bind`` and serve connections until ``ctx.draining``; then stop
     accepting, let every connection finish its in-flight requests, and return.
-    ``make_handler`` gives each connection its handler (stateless faces share one)."""
+    ``make_handler`` gives each connection its handler (stateless faces share one); it is
+    given the connection's sender, for faces that push frames (subscriptions)."""
     listeners = await trio.open_tcp_listeners(ctx.bind.port, host=ctx.bind.host)
     async with trio.open_nursery() as connections:
         async with trio.open_nursery() as acceptor:
@@ -136,10 +143,12 @@ async def serve(
 
 
 class _Connection:
-    def __init__(self, ctx: FaceContext, handler: FaceHandler, stream: trio.SocketStream) -> None:
+    handler: FaceHandler
+
+    def __init__(self, ctx: FaceContext, stream: trio.SocketStream) -> None:
         self.ctx = ctx
         self.face = ctx.name
-        self.handler = handler
+        self._scope = trio.CancelScope()
         self.stream = stream
         self.decoder = FrameDecoder(ctx.config.max_request_bytes)
         self.max_reply = ctx.config.max_reply_bytes
@@ -150,9 +159,13 @@ class _Connection:
 
     @classmethod
     async def run(
-        cls, ctx: FaceContext, make_handler: Callable[[], FaceHandler], stream: trio.SocketStream
+        cls,
+        ctx: FaceContext,
+        make_handler: Callable[[Sender], FaceHandler],
+        stream: trio.SocketStream,
     ) -> None:
-        connection = cls(ctx, make_handler(), stream)
+        connection = cls(ctx, stream)
+        connection.handler = make_handler(connection._send)
         metrics.CONNECTIONS.labels(face=connection.face, outcome="accepted").inc()
         try:
             async with stream:
@@ -172,6 +185,14 @@ class _Connection:
 
     async def _serve(self) -> None:
         send_frames, receive_frames = trio.open_memory_channel[Item](0)
+        with self._scope:
+            await self._serve_in(send_frames, receive_frames)
+
+    async def _serve_in(
+        self,
+        send_frames: trio.MemorySendChannel[Item],
+        receive_frames: trio.MemoryReceiveChannel[Item],
+    ) -> None:
         async with trio.open_nursery() as nursery:
             requests = trio.CancelScope()
             nursery.start_soon(self._read_frames, send_frames, requests)
@@ -321,6 +342,12 @@ class _Connection:
         try:
             try:
                 body = await pending
+            except CloseConnection as close:
+                if close.final is not None:
+                    await self._send(encode_frame(close.final))
+                self._end(close.outcome)
+                self._scope.cancel()
+                return
             except Exception as exc:
                 await self._send_v2_error(request.id, request.op, exc, arrival)
                 return

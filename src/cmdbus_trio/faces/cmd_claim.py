@@ -31,4 +31,6 @@ async def serve(
             raise FieldError("from", "the command bus has no consumer groups")
         return claims
 
-    await serve_connections(ctx, lambda: ClaimHandler(ctx, bus, resolve), task_status=task_status)
+    await serve_connections(
+        ctx, lambda _send: ClaimHandler(ctx, bus, resolve), task_status=task_status
+    )

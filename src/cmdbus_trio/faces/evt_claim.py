@@ -31,4 +31,6 @@ async def serve(
             raise FieldError("group", "expected the name of a consumer group")
         return await groups.get(group, start)
 
-    await serve_connections(ctx, lambda: ClaimHandler(ctx, bus, resolve), task_status=task_status)
+    await serve_connections(
+        ctx, lambda _send: ClaimHandler(ctx, bus, resolve), task_status=task_status
+    )

@@ -236,4 +236,4 @@ async def serve(
     ctx: FaceContext, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
 ) -> None:
     handler = TierHandler(ctx, ctx.store("tier", TierStore))
-    await serve_connections(ctx, lambda: handler, task_status=task_status)
+    await serve_connections(ctx, lambda _send: handler, task_status=task_status)

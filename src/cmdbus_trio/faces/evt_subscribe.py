@@ -1,0 +1,138 @@
+"""The event subscribe face (:9108): a push stream of records after a cursor, no acks.
+
+A subscription first catches up from the store, page by page under the face's Gate, until
+it is near the end; then it registers with the live :class:`Hub` and catches up the rest;
+then it streams live records, skipping any it already sent, so the boundary between
+catch-up and live has no gap and no duplicate. v1: ``{"shard": n, "cursor": c}`` → frames
+that are JSON arrays of ``{sort_key, subject, record}``. v2: ``subscribe {from, filter?}``
+→ frames ``{"id", "ok": true, "records": [...]}``. A subscriber that falls more than
+``CMDBUS_SUBSCRIBER_BUFFER`` records behind gets ``busy`` (slow consumer) and is closed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+
+import trio
+
+from cmdbus_trio.bus import Bus
+from cmdbus_trio.bus.subscriptions import Hub, fragment
+from cmdbus_trio.protocol import (
+    ErrorCode,
+    FieldError,
+    Request,
+    UnsupportedOp,
+    encode_error,
+    encode_frame,
+    loads,
+)
+from cmdbus_trio.protocol._fields import is_int
+from cmdbus_trio.protocol.subjects import matches, parse_filter
+
+from . import FaceContext
+from ._connection import CloseConnection, Sender, V1Reply
+from ._connection import serve as serve_connections
+
+CATCH_UP_PAGE = 500
+MOST_PER_FRAME = 1000
+FrameOf = Callable[[Sequence[bytes]], bytes]
+
+
+class SubscribeHandler:
+    def __init__(self, ctx: FaceContext, bus: Bus, hub: Hub, send: Sender) -> None:
+        self.ctx = ctx
+        self.gate = ctx.gate
+        self.bus = bus
+        self.hub = hub
+        self.send = send
+
+    def closed(self) -> None:
+        pass  # a subscription holds nothing once its connection is gone
+
+    async def v1(self, frame: bytes, arrival: float) -> V1Reply:
+        try:
+            value = loads(frame)
+            shard, cursor = value["shard"], value["cursor"]
+            if not (is_int(shard) and is_int(cursor) and cursor >= 0):
+                raise ValueError("shard and cursor must be integers")
+        except Exception:
+            raise CloseConnection("protocol_error") from None
+        if shard != self.ctx.config.shard:
+            raise CloseConnection("protocol_error")  # PROTOCOL.md: another shard closes
+        await self._stream(cursor, None, lambda fragments: b"[" + b",".join(fragments) + b"]")
+        raise CloseConnection("closed")  # slow consumer or drain: v1 can only close
+
+    def v2(self, request: Request, arrival: float) -> Awaitable[bytes]:
+        if request.op != "subscribe":
+            raise UnsupportedOp(request.op, ("subscribe",))
+        fields = request.fields
+        if unknown := sorted(set(fields) - {"from", "filter"}):
+            raise FieldError(unknown[0], "unknown field")
+        after = fields.get("from", 0)
+        if not (is_int(after) and after >= 0):
+            raise FieldError("from", "expected a non-negative integer (exclusive sort key)")
+        tokens = None if fields.get("filter") is None else parse_filter(fields["filter"])
+        return self._v2(request.id, after, tokens)
+
+    async def _v2(self, request_id: int, after: int, tokens: tuple[str, ...] | None) -> bytes:
+        head = f'{{"id":{request_id},"ok":true,"records":['.encode()
+        completed = await self._stream(after, tokens, lambda f: head + b",".join(f) + b"]}")
+        if completed:  # the writer is draining
+            raise CloseConnection(
+                "closed", encode_error(request_id, ErrorCode.UNAVAILABLE, "the writer is draining")
+            )
+        raise CloseConnection(
+            "closed",
+            encode_error(
+                request_id,
+                ErrorCode.BUSY,
+                f"slow consumer: more than {self.hub.capacity} records behind",
+                retry_after_ms=1000,
+            ),
+        )
+
+    async def _stream(self, after: int, tokens: tuple[str, ...] | None, frame_of: FrameOf) -> bool:
+        """Push records after ``after``; returns True when the stream ended by a drain,
+        False when the subscriber was cut off (or went away)."""
+        # Catch up without buffering live records (a long history would overflow the
+        # buffer), then register and catch up what was committed meanwhile: a record
+        # committed before the registration is in the store, one after it in the buffer,
+        # and one in both is skipped by its sort key.
+        last = await self._catch_up(after, tokens, frame_of)
+        with self.hub.subscribe(tokens) as live:
+            last = await self._catch_up(last, tokens, frame_of)
+            async for batch in live.batches(MOST_PER_FRAME):
+                fresh = [pushed for pushed in batch if pushed.sort_key > last]
+                if fresh:
+                    if not await self.send(encode_frame(frame_of([p.fragment for p in fresh]))):
+                        return False
+                    last = fresh[-1].sort_key
+            return not live.overflowed
+
+    async def _catch_up(self, after: int, tokens: tuple[str, ...] | None, frame_of: FrameOf) -> int:
+        """Push stored records after ``after`` until the end of the store; returns the last
+        sort key read."""
+        while True:
+            with await self.gate.acquire("subscribe") as lease:
+                page = await lease.run_cancellable(self.bus.log.read_after, after, CATCH_UP_PAGE)
+            chosen = [r for r in page if tokens is None or matches(tokens, r.subject)]
+            if chosen:
+                fragments = [fragment(r.sort_key, r.subject, r.record) for r in chosen]
+                if not await self.send(encode_frame(frame_of(fragments))):
+                    raise CloseConnection("write_error")
+            if page:
+                after = page[-1].sort_key
+            if len(page) < CATCH_UP_PAGE:
+                return after
+
+
+async def serve(
+    ctx: FaceContext, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
+) -> None:
+    bus = ctx.store("events", Bus)
+    hub = bus.hub
+    if hub is None:
+        raise TypeError("the event subscribe face needs the event bus's subscription hub")
+    await serve_connections(
+        ctx, lambda send: SubscribeHandler(ctx, bus, hub, send), task_status=task_status
+    )
