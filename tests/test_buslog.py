@@ -132,3 +132,18 @@ def test_publishes_from_many_threads(log: BusLog) -> None:
     for thread in threads:
         thread.join()
     assert sorted(keys) == list(range(1, 301))
+
+
+def test_positions_prune_acks_and_start_the_reload(log: BusLog) -> None:
+    log.publish([entry(i) for i in range(10)])
+    log.commit(acks=[("commands", key) for key in (1, 2, 3, 5)])
+    assert [key for key, _ in log.unsettled("commands", 0, 100)] == [4, 6, 7, 8, 9, 10]
+    log.commit(positions=[("commands", 4)])  # 1-3 settled: their acks are not needed
+    assert log.settled_below("commands") == 4
+    with log._connection() as connection:
+        acks = connection.execute("SELECT sort_key FROM acks ORDER BY sort_key").fetchall()
+    assert acks == [(5,)]
+    assert [key for key, _ in log.unsettled("commands", 0, 100)] == [4, 6, 7, 8, 9, 10]
+    log.commit(positions=[("commands", 2)])  # a position never goes back
+    assert log.settled_below("commands") == 4
+    assert log.settled_below("someone-else") == 0

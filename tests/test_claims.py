@@ -217,3 +217,30 @@ async def test_close_wakes_waiting_consumers(
     claims.add(1, SHARED)
     with pytest.raises(GateClosed):
         await claims.next(ALL, object())
+
+
+async def test_low_water_is_the_lowest_unsettled_sort_key(
+    claims: Claims, autojump_clock: trio.testing.MockClock
+) -> None:
+    assert claims.low_water() == 1  # nothing seen yet
+    claims.add_many([(1, SHARED), (2, SYSTEM), (3, SHARED)])
+    owner = object()
+    claims.take(ALL, owner)  # 1 leased
+    assert claims.low_water() == 1
+    claims.begin_ack(1, owner)
+    assert claims.low_water() == 1  # an ack not yet durable still holds it
+    claims.finish_ack(1)
+    assert claims.low_water() == 2
+    claims.take(ALL, owner)  # 2
+    claims.nack(2, owner, delay=5.0)
+    assert claims.low_water() == 2  # a delayed nack holds it
+    claims.take(ALL, owner)  # 3
+    claims.begin_ack(3, owner)
+    claims.finish_ack(3)
+    assert claims.low_water() == 2
+    await trio.sleep(6)
+    delivery = claims.take(ALL, owner)
+    assert delivery is not None and delivery.sort_key == 2
+    claims.begin_ack(2, owner)
+    claims.finish_ack(2)
+    assert claims.low_water() == 4  # all settled: one past the last seen

@@ -215,3 +215,27 @@ async def test_a_drain_wakes_waiting_consumers_instead_of_waiting_for_them(tmp_p
             await trio.to_thread.run_sync(process.wait, 10)
         assert process.returncode == 0
         assert trio.current_time() - start < 5  # not the 15 s shutdown budget
+
+
+async def test_settled_positions_prune_acks_and_restarts_stay_right(tmp_path: Path) -> None:
+    import sqlite3
+
+    with serving(tmp_path, **BUS_ONLY) as (process, ports):
+        keys = await publish(ports, [record(i) for i in range(20)])
+        async with frame_client(ports["cmd_claim"]) as client:
+            for _ in range(15):
+                delivery = await next_delivery(client)
+                assert (await client.request("ack", sort_key=delivery["sort_key"]))["acked"]
+        await trio.sleep(2.5)  # the sampler persists the low-water mark every second
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+    db = sqlite3.connect(tmp_path / "data" / "commands.sqlite3")
+    assert db.execute("SELECT settled_below FROM positions").fetchall() == [(keys[15],)]
+    assert db.execute("SELECT COUNT(*) FROM acks").fetchone() == (0,)
+    db.close()
+    with serving(tmp_path, **BUS_ONLY) as (_, ports):
+        async with frame_client(ports["cmd_claim"]) as client:
+            returned = []
+            while (delivery := await next_delivery(client, timeout_ms=300)) is not None:
+                returned.append(delivery["sort_key"])
+    assert returned == keys[15:]

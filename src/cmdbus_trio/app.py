@@ -194,7 +194,7 @@ class Writer:
                             await background.start(store.committer.run)
                             if store.claims is not None:
                                 await background.start(store.claims.run_timers)
-                                await background.start(sample_lag, store.claims)
+                                await background.start(sample_lag, store.claims, store.committer)
                             if store.groups is not None:
                                 await background.start(store.groups.run)
                     async with trio.open_nursery() as data:

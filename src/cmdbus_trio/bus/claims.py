@@ -23,7 +23,7 @@ from cmdbus_trio import metrics
 from cmdbus_trio.admission import GateClosed
 from cmdbus_trio.protocol.subjects import matches
 
-from .committer import Ticket
+from .committer import GroupCommitter, Ticket
 
 
 @attrs.frozen
@@ -68,6 +68,9 @@ class Claims:
         self._changed = trio.Event()  # set when a record becomes available
         self._timers_changed = trio.Event()
         self._closed = False
+        self._last_added = 0
+        self.persisted_low_water = 0
+        """The low-water mark last made durable (see :func:`persist_low_water`)."""
 
     # --- records arriving ----------------------------------------------------------------
 
@@ -75,6 +78,7 @@ class Claims:
         """A new record (committed, or reloaded at start): fresh, in sort-key order."""
         self._fresh[subject].append(sort_key)
         self._backlog[subject] += 1
+        self._last_added = max(self._last_added, sort_key)
         self._wake()
 
     def add_many(self, records: Iterable[tuple[int, str]]) -> None:
@@ -242,9 +246,21 @@ class Claims:
     def leased(self) -> int:
         return len(self._leases)
 
+    def low_water(self) -> int:
+        """The lowest sort key not yet settled (acked or dead) by this group: every record
+        below it is settled. Only known records count, so it never passes a record the
+        group has not seen."""
+        pending = [keys[0] for keys in self._fresh.values() if keys]
+        pending += [keys[0] for keys in self._again.values() if keys]
+        pending += self._leases.keys()
+        pending += self._settling.keys()
+        pending += [sort_key for _, sort_key, _ in self._delayed]
+        return min(pending, default=self._last_added + 1)
+
 
 async def sample_lag(
     claims: Claims,
+    committer: GroupCommitter,
     *,
     period: float = 1.0,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
@@ -257,7 +273,18 @@ async def sample_lag(
         for subject, count in lag.items():
             metrics.FEED_SUBJECT_LAG.labels(subject=subject).set(count)
         metrics.FEED_TOTAL_LAG.set(sum(lag.values()))
+        persist_low_water(claims, committer)
         await trio.sleep(period)
+
+
+def persist_low_water(claims: Claims, committer: GroupCommitter) -> None:
+    """Make the group's low-water mark durable when it moved (group-committed): a restart
+    then reloads from there instead of scanning the whole history, and the acks below it
+    are pruned from the store."""
+    mark = claims.low_water()
+    if mark > claims.persisted_low_water:
+        claims.persisted_low_water = mark
+        committer.enqueue(Ticket(positions=[(claims.group, mark)]))
 
 
 def feed_from_commits(claims: Claims) -> Callable[[list[Ticket]], None]:

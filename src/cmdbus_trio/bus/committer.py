@@ -40,6 +40,8 @@ class Ticket:
     """(consumer, sort_key): claim acks, durable once the ticket is settled."""
     dead: Sequence[tuple[str, int, int]] = ()
     """(consumer, sort_key, deliveries): records parked as dead letters."""
+    positions: Sequence[tuple[str, int]] = ()
+    """(consumer, settled_below): low-water marks of the claim groups."""
     settled: trio.Event = attrs.field(factory=trio.Event)
     published: list[Published] | None = None
     stored: list[str] = attrs.field(factory=list)
@@ -130,6 +132,7 @@ class GroupCommitter:
         accepted: list[tuple[Ticket, int]] = []
         acks = [ack for ticket in batch for ack in ticket.acks]
         dead = [parked for ticket in batch for parked in ticket.dead]
+        positions = [mark for ticket in batch for mark in ticket.positions]
         for ticket in batch:
             try:
                 mine = [
@@ -142,13 +145,13 @@ class GroupCommitter:
             accepted.append((ticket, len(entries)))
             ticket.stored = [entry.record for entry in mine]
             entries += mine
-        if not (entries or acks or dead):
+        if not (entries or acks or dead or positions):
             return
-        published = self.bus.commit(entries, acks, dead)
+        published = self.bus.commit(entries, acks, dead, positions)
         for ticket, start in accepted:
             ticket.published = published[start : start + len(ticket.records)]
 
 
 def _size(ticket: Ticket) -> int:
     """A ticket's weight in a batch: its records, acks and dead letters (at least 1)."""
-    return max(1, len(ticket.records) + len(ticket.acks) + len(ticket.dead))
+    return max(1, len(ticket.records) + len(ticket.acks) + len(ticket.dead) + len(ticket.positions))

@@ -20,7 +20,7 @@ from cmdbus_trio.admission import run_in_thread
 from cmdbus_trio.protocol import FieldError
 from cmdbus_trio.storage.buslog import BusLog
 
-from .claims import Claims
+from .claims import Claims, persist_low_water
 from .committer import GroupCommitter, Ticket
 
 GROUP_NAME: Final = re.compile(r"[A-Za-z0-9_-]{1,128}")
@@ -132,4 +132,5 @@ class ConsumerGroups:
         while True:
             for name, claims in sorted(self.claims.items()):
                 metrics.EVENTS_GROUP_LAG.labels(group=name).set(sum(claims.lag().values()))
+                persist_low_water(claims, self.committer)
             await trio.sleep(1.0)

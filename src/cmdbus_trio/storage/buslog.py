@@ -92,6 +92,10 @@ class BusLog(SqliteStore):
                 sort_key INTEGER NOT NULL,
                 PRIMARY KEY (consumer, sort_key)
             ) WITHOUT ROWID;
+            CREATE TABLE IF NOT EXISTS positions (
+                consumer TEXT PRIMARY KEY,
+                settled_below INTEGER NOT NULL
+            ) WITHOUT ROWID;
             CREATE TABLE IF NOT EXISTS groups (
                 name TEXT PRIMARY KEY,
                 start_after INTEGER NOT NULL
@@ -125,14 +129,27 @@ class BusLog(SqliteStore):
         entries: Sequence[BusEntry] = (),
         acks: Sequence[tuple[str, int]] = (),
         dead: Sequence[tuple[str, int, int]] = (),
+        positions: Sequence[tuple[str, int]] = (),
     ) -> list[Published]:
         """One transaction (one fsync): append ``entries``, record ``acks`` as
-        ``(consumer, sort_key)`` and dead letters as ``(consumer, sort_key, deliveries)``.
+        ``(consumer, sort_key)``, dead letters as ``(consumer, sort_key, deliveries)``, and
+        ``positions`` as ``(consumer, settled_below)``: every record below it is acked or
+        dead for that consumer, so its acks there are no longer needed and are pruned.
         A consumer is a claim group ("commands" for the command bus)."""
 
         def write(connection: sqlite3.Connection) -> list[Published]:
             if acks:
                 connection.executemany("INSERT OR IGNORE INTO acks VALUES (?, ?)", acks)
+            for consumer, settled_below in positions:
+                connection.execute(
+                    "INSERT INTO positions VALUES (?, ?) ON CONFLICT (consumer) DO UPDATE "
+                    "SET settled_below = MAX(settled_below, excluded.settled_below)",
+                    (consumer, settled_below),
+                )
+                connection.execute(
+                    "DELETE FROM acks WHERE consumer = ? AND sort_key < ?",
+                    (consumer, settled_below),
+                )
             if dead:
                 connection.executemany("INSERT OR REPLACE INTO dead VALUES (?, ?, ?)", dead)
             if not entries:
@@ -204,9 +221,21 @@ class BusLog(SqliteStore):
         return None if row is None else StoredRecord(*row)
 
     @refuses_loop_thread
+    def settled_below(self, consumer: str) -> int:
+        """Every record below this sort key is acked or dead for ``consumer`` (0: none
+        recorded). Reloading starts here, so restarts do not scan the whole history."""
+        with self._connection() as connection:
+            row = connection.execute(
+                "SELECT settled_below FROM positions WHERE consumer = ?", (consumer,)
+            ).fetchone()
+        return int(row[0]) if row else 0
+
+    @refuses_loop_thread
     def unsettled(self, consumer: str, after: int, limit: int) -> list[tuple[int, str]]:
         """``(sort_key, subject)`` of records after ``after`` that ``consumer`` has neither
-        acked nor parked as dead, ascending: what a claim coordinator reloads on start."""
+        acked nor parked as dead, ascending: what a claim coordinator reloads on start.
+        Starts at the consumer's settled position when that is further on."""
+        after = max(after, self.settled_below(consumer) - 1)
         with self._connection() as connection:
             rows = connection.execute(
                 "SELECT sort_key, subject FROM records r WHERE sort_key > ? "
