@@ -15,7 +15,7 @@ import attrs
 import trio
 
 from cmdbus_trio import metrics
-from cmdbus_trio.protocol._json import dumps_str
+from cmdbus_trio.protocol import dumps_str
 from cmdbus_trio.protocol.subjects import matches
 
 from .committer import Ticket

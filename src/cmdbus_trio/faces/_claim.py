@@ -26,9 +26,9 @@ from cmdbus_trio.protocol import (
     dumps,
     encode_frame,
     encode_ok,
+    is_int,
     loads,
 )
-from cmdbus_trio.protocol._fields import is_int
 from cmdbus_trio.protocol.subjects import matches, parse_filter
 from cmdbus_trio.storage.buslog import StoredRecord
 

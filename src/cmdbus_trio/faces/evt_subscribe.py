@@ -24,9 +24,9 @@ from cmdbus_trio.protocol import (
     UnsupportedOp,
     encode_error,
     encode_frame,
+    is_int,
     loads,
 )
-from cmdbus_trio.protocol._fields import is_int
 from cmdbus_trio.protocol.subjects import matches, parse_filter
 
 from . import FaceContext

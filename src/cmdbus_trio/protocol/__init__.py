@@ -14,9 +14,9 @@ from ._envelope import (
     parse_request,
 )
 from ._errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError
-from ._fields import FieldError, UnsupportedOp
+from ._fields import FieldError, UnsupportedOp, is_int
 from ._framing import CLOSED, HEADER_SIZE, NEED_DATA, FrameDecoder, Sentinel, encode_frame
-from ._json import dumps, loads
+from ._json import dumps, dumps_str, loads
 
 __all__ = [
     "CLOSED",
@@ -38,10 +38,12 @@ __all__ = [
     "UnsupportedOp",
     "detect_dialect",
     "dumps",
+    "dumps_str",
     "encode_error",
     "encode_frame",
     "encode_hello_reply",
     "encode_ok",
+    "is_int",
     "loads",
     "parse_request",
 ]
