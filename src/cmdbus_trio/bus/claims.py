@@ -76,14 +76,19 @@ class Claims:
 
     def add(self, sort_key: int, subject: str) -> None:
         """A new record (committed, or reloaded at start): fresh, in sort-key order."""
-        self._fresh[subject].append(sort_key)
-        self._backlog[subject] += 1
-        self._last_added = max(self._last_added, sort_key)
-        self._wake()
+        self.add_many([(sort_key, subject)])
 
     def add_many(self, records: Iterable[tuple[int, str]]) -> None:
+        """New records in sort-key order; waiting consumers are woken once for them all
+        (a reload of a million records must not make a million wake-ups)."""
+        added = False
         for sort_key, subject in records:
-            self.add(sort_key, subject)
+            self._fresh[subject].append(sort_key)
+            self._backlog[subject] += 1
+            self._last_added = max(self._last_added, sort_key)
+            added = True
+        if added:
+            self._wake()
 
     def _wake(self) -> None:
         self._changed.set()
@@ -291,9 +296,11 @@ def feed_from_commits(claims: Claims) -> Callable[[list[Ticket]], None]:
     """A committer listener that hands every newly committed record to ``claims``."""
 
     def feed(batch: list[Ticket]) -> None:
-        for ticket in batch:
-            for published in ticket.published or ():
-                if not published.duplicate:
-                    claims.add(published.sort_key, published.subject)
+        claims.add_many(
+            (published.sort_key, published.subject)
+            for ticket in batch
+            for published in ticket.published or ()
+            if not published.duplicate
+        )
 
     return feed
