@@ -27,8 +27,8 @@ import trio
 from . import __version__, control, metrics
 from .admission import Gate, run_in_thread
 from .bus import Bus
-from .bus.claims import Claims, feed_from_commits, sample_lag
-from .bus.committer import GroupCommitter, Ticket
+from .bus.claims import open_claims, sample_lag
+from .bus.committer import GroupCommitter
 from .bus.groups import ConsumerGroups
 from .bus.subscriptions import Hub
 from .config import DATA_FACE_NAMES, Bind, Config, cpu_quota
@@ -63,7 +63,6 @@ DATA_FACES: Mapping[str, FaceServe] = {
     "evt_subscribe": evt_subscribe.serve,
 }
 """The data faces this build implements: all of PROTOCOL.md's."""
-RELOAD_PAGE = 10_000
 
 STORE_FACES = {
     "tier": {"tier"},
@@ -274,24 +273,16 @@ class Writer:
                 committer.listeners.append(hub.feed)
                 self._stores[name] = Bus(bus_log, committer, groups=groups, hub=hub)
                 continue
-            claims = Claims(
+            claims = await open_claims(
+                bus_log,
+                committer,
                 name,
+                start_after=0,
                 ack_wait=config.ack_wait_ms / 1000,
                 max_deliver=config.max_deliver,
-                on_dead=partial(_park_dead, committer, name),
+                limiter=self._maintenance,
             )
-            await self._reload(bus_log, claims)
-            committer.listeners.append(feed_from_commits(claims))
             self._stores[name] = Bus(bus_log, committer, claims)
-
-    async def _reload(self, bus_log: BusLog, claims: Claims) -> None:
-        """Give the coordinator every record its group has neither acked nor parked."""
-        after = 0
-        while page := await run_in_thread(
-            bus_log.unsettled, claims.group, after, RELOAD_PAGE, limiter=self._maintenance
-        ):
-            claims.add_many(page)
-            after = page[-1][0]
 
     async def _close_stores(self) -> None:
         with trio.CancelScope(shield=True):
@@ -376,13 +367,6 @@ class Writer:
                     store.hub.close()  # subscriptions end; their connections close
         self._draining.set()
         data.cancel_scope.deadline = trio.current_time() + budget
-
-
-def _park_dead(
-    committer: GroupCommitter, consumer: str, sort_key: int, _subject: str, deliveries: int
-) -> None:
-    """Make a dead letter durable (group-committed; a crash before that redelivers it)."""
-    committer.enqueue(Ticket(dead=[(consumer, sort_key, deliveries)]))
 
 
 def _limits(gate: Gate) -> dict[str, Any]:

@@ -20,8 +20,9 @@ import attrs
 import trio
 
 from cmdbus_trio import metrics
-from cmdbus_trio.admission import GateClosed
+from cmdbus_trio.admission import GateClosed, run_in_thread
 from cmdbus_trio.protocol.subjects import matches
+from cmdbus_trio.storage.buslog import BusLog
 
 from .committer import GroupCommitter, Ticket
 
@@ -290,6 +291,35 @@ def persist_low_water(claims: Claims, committer: GroupCommitter) -> None:
     if mark > claims.persisted_low_water:
         claims.persisted_low_water = mark
         committer.enqueue(Ticket(positions=[(claims.group, mark)]))
+
+
+RELOAD_PAGE = 10_000
+
+
+async def open_claims(
+    log: BusLog,
+    committer: GroupCommitter,
+    group: str,
+    *,
+    start_after: int,
+    ack_wait: float,
+    max_deliver: int,
+    limiter: trio.CapacityLimiter,
+) -> Claims:
+    """A group's coordinator, reloaded with every record after ``start_after`` that the
+    group has neither acked nor parked, fed each newly committed record, and making its
+    dead letters durable through ``committer``."""
+
+    def park(sort_key: int, _subject: str, deliveries: int) -> None:
+        committer.enqueue(Ticket(dead=[(group, sort_key, deliveries)]))
+
+    claims = Claims(group, ack_wait=ack_wait, max_deliver=max_deliver, on_dead=park)
+    after = start_after
+    while page := await run_in_thread(log.unsettled, group, after, RELOAD_PAGE, limiter=limiter):
+        claims.add_many(page)
+        after = page[-1][0]
+    committer.listeners.append(feed_from_commits(claims))
+    return claims
 
 
 def feed_from_commits(claims: Claims) -> Callable[[list[Ticket]], None]:

@@ -10,7 +10,6 @@ records published after its creation).
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from typing import Final
 
 import trio
@@ -20,11 +19,10 @@ from cmdbus_trio.admission import run_in_thread
 from cmdbus_trio.protocol import FieldError
 from cmdbus_trio.storage.buslog import BusLog
 
-from .claims import Claims, persist_low_water
-from .committer import GroupCommitter, Ticket
+from .claims import Claims, open_claims, persist_low_water
+from .committer import GroupCommitter
 
 GROUP_NAME: Final = re.compile(r"[A-Za-z0-9_-]{1,128}")
-RELOAD_PAGE: Final = 10_000
 
 
 class ConsumerGroups:
@@ -45,7 +43,6 @@ class ConsumerGroups:
         self.claims: dict[str, Claims] = {}
         self._creating = trio.Lock()
         self._nursery: trio.Nursery | None = None
-        committer.listeners.append(self._feed)
 
     async def open(self, defaults: tuple[str, ...]) -> None:
         """Load the persisted groups and create the configured ones that are missing."""
@@ -94,31 +91,18 @@ class ConsumerGroups:
         return self.claims[name]
 
     async def _load(self, name: str, start_after: int) -> None:
-        claims = Claims(
-            name, ack_wait=self.ack_wait, max_deliver=self.max_deliver, on_dead=self._park(name)
+        claims = await open_claims(
+            self.log,
+            self.committer,
+            name,
+            start_after=start_after,
+            ack_wait=self.ack_wait,
+            max_deliver=self.max_deliver,
+            limiter=self._limiter,
         )
-        after = start_after
-        while page := await run_in_thread(
-            self.log.unsettled, name, after, RELOAD_PAGE, limiter=self._limiter
-        ):
-            claims.add_many(page)
-            after = page[-1][0]
         self.claims[name] = claims
         if self._nursery is not None:
             self._nursery.start_soon(claims.run_timers)
-
-    def _park(self, group: str) -> Callable[[int, str, int], None]:
-        def park(sort_key: int, _subject: str, deliveries: int) -> None:
-            self.committer.enqueue(Ticket(dead=[(group, sort_key, deliveries)]))
-
-        return park
-
-    def _feed(self, batch: list[Ticket]) -> None:
-        for ticket in batch:
-            for published in ticket.published or ():
-                if not published.duplicate:
-                    for claims in self.claims.values():
-                        claims.add(published.sort_key, published.subject)
 
     def release(self, owner: object) -> None:
         for claims in self.claims.values():
