@@ -185,21 +185,14 @@ class _Connection:
 
     async def _serve(self) -> None:
         send_frames, receive_frames = trio.open_memory_channel[Item](0)
-        with self._scope:
-            await self._serve_in(send_frames, receive_frames)
-
-    async def _serve_in(
-        self,
-        send_frames: trio.MemorySendChannel[Item],
-        receive_frames: trio.MemoryReceiveChannel[Item],
-    ) -> None:
-        async with trio.open_nursery() as nursery:
-            requests = trio.CancelScope()
-            nursery.start_soon(self._read_frames, send_frames, requests)
-            with requests:
-                async with receive_frames:
-                    await self._dispatch(receive_frames)
-            nursery.cancel_scope.cancel()
+        with self._scope:  # cancelled to end the connection from a handler
+            async with trio.open_nursery() as nursery:
+                requests = trio.CancelScope()
+                nursery.start_soon(self._read_frames, send_frames, requests)
+                with requests:
+                    async with receive_frames:
+                        await self._dispatch(receive_frames)
+                nursery.cancel_scope.cancel()
 
     # --- reading -----------------------------------------------------------------------
 
@@ -246,6 +239,10 @@ class _Connection:
 
     # --- dispatching ---------------------------------------------------------------------
 
+    async def _answer_unreadable(self, exc: RemoteProtocolError) -> None:
+        """The error for a frame whose request could not be read: ``id`` is null."""
+        await self._send(encode_frame(encode_error(None, exc.code, exc.hint)))
+
     def _stream_error(self, exc: RemoteProtocolError) -> None:
         self._end("too_large" if exc.code is ErrorCode.TOO_LARGE else "protocol_error")
 
@@ -261,7 +258,7 @@ class _Connection:
             hello = detect_dialect(first)
         except RemoteProtocolError as exc:
             self._end("protocol_error")
-            await self._send(encode_frame(encode_error(None, exc.code, exc.hint)))
+            await self._answer_unreadable(exc)
             return
         if hello is None:
             await self._serve_v1(first, arrival, frames)
@@ -300,7 +297,7 @@ class _Connection:
                 if isinstance(frame, RemoteProtocolError):
                     self._stream_error(frame)
                     if frame.code is ErrorCode.TOO_LARGE:
-                        await self._send(encode_frame(encode_error(None, frame.code, frame.hint)))
+                        await self._answer_unreadable(frame)
                     return  # requests in flight are still answered
                 try:
                     request = parse_request(frame)
@@ -309,7 +306,7 @@ class _Connection:
                     continue
                 except RemoteProtocolError as exc:  # unparseable: answer, then close
                     self._end("protocol_error")
-                    await self._send(encode_frame(encode_error(None, exc.code, exc.hint)))
+                    await self._answer_unreadable(exc)
                     return
                 slot = object()  # a hashable borrower token per request
                 await slots.acquire_on_behalf_of(slot)
