@@ -9,6 +9,7 @@ cap (v2: fewer records and ``next_after``; v1: the documented text error).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import trio
@@ -29,6 +30,8 @@ from cmdbus_trio.storage.tier import NewRecord, TierRecord, TierStore, VersionCo
 from . import FaceContext
 from ._connection import FaceError, V1Reply, as_face_error
 from ._connection import serve as serve_connections
+
+Pages = Iterator[list[TierRecord]]
 
 __all__ = ["TierHandler", "serve"]
 
@@ -150,7 +153,9 @@ class TierHandler:
             return self._read_v1(head, pages, request.limit, with_returned)
         return self._read_v2(head, pages, request.limit, with_returned)
 
-    def _read_v2(self, head: dict[str, Any], pages: Any, limit: int, with_returned: bool) -> bytes:
+    def _read_v2(
+        self, head: dict[str, Any], pages: Pages, limit: int, with_returned: bool
+    ) -> bytes:
         # Sizes are checked against the largest head and tail this reply can have; that
         # overhead is the same for every record, so it is computed once.
         worst_head = head | ({"returned": limit} if with_returned else {})
@@ -159,32 +164,31 @@ class TierHandler:
         size = 0  # the fragments and the commas between them
         last: int | None = None
         more = False
-        for page in _pages(pages):
-            for record in page:
-                if len(fragments) == limit:
-                    more = True
-                    break
-                fragment = _fragment(record)
-                grown = size + len(fragment) + (1 if fragments else 0)
-                if overhead + grown > self.max_reply:
-                    if not fragments:
-                        raise FaceError(
-                            ErrorCode.TOO_LARGE,
-                            f"record {record.global_sequence} alone needs a reply of "
-                            f"{overhead + grown} bytes, over the {self.max_reply}-byte cap",
-                        )
-                    more = True
-                    break
-                fragments.append(fragment)
-                size = grown
-                last = record.global_sequence
-            if more:
+        for record in _records(pages):
+            if len(fragments) == limit:
+                more = True
                 break
+            fragment = _fragment(record)
+            grown = size + len(fragment) + (1 if fragments else 0)
+            if overhead + grown > self.max_reply:
+                if not fragments:
+                    raise FaceError(
+                        ErrorCode.TOO_LARGE,
+                        f"record {record.global_sequence} alone needs a reply of "
+                        f"{overhead + grown} bytes, over the {self.max_reply}-byte cap",
+                    )
+                more = True
+                break
+            fragments.append(fragment)
+            size = grown
+            last = record.global_sequence
         if with_returned:
             head["returned"] = len(fragments)
         return codec.with_records(head, fragments, {"next_after": last if more else None})
 
-    def _read_v1(self, head: dict[str, Any], pages: Any, limit: int, with_returned: bool) -> bytes:
+    def _read_v1(
+        self, head: dict[str, Any], pages: Pages, limit: int, with_returned: bool
+    ) -> bytes:
         # v1 has no paging: up to `limit` records, or the documented error with the size
         # the reply would have had (counted without keeping what does not fit).
         fragments: list[bytes] = []
@@ -192,19 +196,16 @@ class TierHandler:
         count = 0
         last = None
         more = False
-        for page in _pages(pages):
-            for record in page:
-                if count == limit:
-                    more = True
-                    break
-                fragment = _fragment(record)
-                sizes += len(fragment)
-                count += 1
-                last = record.global_sequence
-                if sizes <= self.max_reply:  # past the cap the reply is refused anyway
-                    fragments.append(fragment)
-            if more:
+        for record in _records(pages):
+            if count == limit:
+                more = True
                 break
+            fragment = _fragment(record)
+            sizes += len(fragment)
+            count += 1
+            last = record.global_sequence
+            if sizes <= self.max_reply:  # past the cap the reply is refused anyway
+                fragments.append(fragment)
         if with_returned:
             head["returned"] = count
         tail = {} if with_returned else {"next_after": last if more else None}
@@ -214,12 +215,12 @@ class TierHandler:
         return codec.with_records(head, fragments, tail)
 
 
-def _pages(pages: Any) -> Any:
-    """The store's pages, with a cancellation check before each: an expired budget or a
-    vanished client stops the thread within one page."""
+def _records(pages: Pages) -> Iterator[TierRecord]:
+    """The store's records, with a cancellation check before each page: an expired budget
+    or a vanished client stops the thread within one page."""
     for page in pages:
         trio.from_thread.check_cancelled()
-        yield page
+        yield from page
 
 
 def _fragment(record: TierRecord) -> bytes:
