@@ -103,11 +103,6 @@ class Lease:
         self._released = False
         self._running = False
 
-    @property
-    def remaining(self) -> float:
-        """Seconds left in this request's budget (may be negative)."""
-        return self.deadline - trio.current_time()
-
     async def run_cancellable(self, fn: Callable[[*Ts], T], *args: *Ts) -> T:
         """Run read work in a thread, stopping it when the budget runs out.
 

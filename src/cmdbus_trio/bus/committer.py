@@ -70,21 +70,15 @@ class GroupCommitter:
         self.rule = rule
         self.max_batch = max_batch
         self._queue: deque[Ticket] = deque()
-        self._queued_records = 0
         self._wake = trio.Event()
         self._limiter = trio.CapacityLimiter(1)  # one writer: batches go one after another
         self.listeners: list[Callable[[list[Ticket]], None]] = []
         """Called on the loop with each settled batch (the claim coordinators learn of new
         records this way: an in-memory signal, no polling of the database)."""
 
-    @property
-    def queued_records(self) -> int:
-        return self._queued_records
-
     def enqueue(self, ticket: Ticket) -> None:
         """Queue a ticket; never blocks (the caller's Gate lease bounds the queue)."""
         self._queue.append(ticket)
-        self._queued_records += _size(ticket)
         self._wake.set()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -106,7 +100,6 @@ class GroupCommitter:
             ticket = self._queue.popleft()
             size += _size(ticket)
             batch.append(ticket)
-        self._queued_records -= size
         return batch
 
     async def _commit(self, batch: list[Ticket]) -> None:
@@ -153,5 +146,6 @@ class GroupCommitter:
 
 
 def _size(ticket: Ticket) -> int:
-    """A ticket's weight in a batch: its records, acks and dead letters (at least 1)."""
+    """A ticket's weight in a batch: its records, acks, dead letters and positions (at
+    least 1)."""
     return max(1, len(ticket.records) + len(ticket.acks) + len(ticket.dead) + len(ticket.positions))

@@ -3,7 +3,6 @@
 from ._envelope import (
     PROTOCOL_VERSION,
     SUPPORTED_VERSIONS,
-    Dialect,
     Hello,
     Request,
     RequestError,
@@ -24,7 +23,6 @@ __all__ = [
     "NEED_DATA",
     "PROTOCOL_VERSION",
     "SUPPORTED_VERSIONS",
-    "Dialect",
     "ErrorCode",
     "FieldError",
     "FrameDecoder",

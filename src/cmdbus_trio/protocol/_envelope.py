@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import enum
 from typing import Any, Final, TypeGuard
 
 import attrs
@@ -13,11 +12,6 @@ from ._json import dumps, loads
 PROTOCOL_VERSION: Final = 2
 SUPPORTED_VERSIONS: Final = (2,)
 MAX_REQUEST_ID: Final = (1 << 63) - 1
-
-
-class Dialect(enum.Enum):
-    V1 = 1
-    V2 = 2
 
 
 @attrs.frozen
