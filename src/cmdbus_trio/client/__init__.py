@@ -1,0 +1,65 @@
+"""Python clients of the data faces.
+
+- :mod:`cmdbus_trio.client.trio`: trio clients, pipelined (many tasks share one).
+- :mod:`cmdbus_trio.client.blocking`: the same over plain sockets; never imports trio.
+
+Both speak v2 through one sans-io core, raise the exceptions below (one per error code),
+return the attrs results below, and take an opt-in :class:`RetryPolicy`. This package's
+``__init__`` imports neither transport, so importing the blocking one stays trio-free.
+"""
+
+from ._calls import (
+    Appended,
+    BatchAppended,
+    Call,
+    Delivery,
+    Lag,
+    Page,
+    Published,
+    Record,
+    Subscribed,
+    TierRecord,
+)
+from ._errors import (
+    Busy,
+    ClientError,
+    Conflict,
+    ConnectionLost,
+    DeadlineExceeded,
+    InternalError,
+    Invalid,
+    ServerError,
+    TooLarge,
+    Unavailable,
+    Unsupported,
+)
+from ._retry import RetryBudget, RetryPolicy, RetryStatistics
+from ._shards import ShardMap
+
+__all__ = [
+    "Appended",
+    "BatchAppended",
+    "Busy",
+    "Call",
+    "ClientError",
+    "Conflict",
+    "ConnectionLost",
+    "DeadlineExceeded",
+    "Delivery",
+    "InternalError",
+    "Invalid",
+    "Lag",
+    "Page",
+    "Published",
+    "Record",
+    "RetryBudget",
+    "RetryPolicy",
+    "RetryStatistics",
+    "ServerError",
+    "ShardMap",
+    "Subscribed",
+    "TierRecord",
+    "TooLarge",
+    "Unavailable",
+    "Unsupported",
+]

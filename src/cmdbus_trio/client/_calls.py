@@ -1,0 +1,293 @@
+"""Every v2 op as a :class:`Call`: the request fields and how to read the reply into a
+typed result. Both transports run these; nothing here does I/O."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, Generic, TypeVar
+
+import attrs
+
+T = TypeVar("T")
+Record = dict[str, Any]
+"""A published record: ``{"execution_id": str | int, "payload": "<JSON text>",
+"transaction_id"?: str}``."""
+
+
+@attrs.frozen
+class Call(Generic[T]):
+    op: str
+    fields: dict[str, Any]
+    parse: Callable[[dict[str, Any]], T]
+    idempotent: bool
+    """Safe to send again when it is unknown whether the first attempt was carried out."""
+    wait: float | None = None
+    """Seconds the server may legitimately hold the reply (``next``'s ``timeout_ms``)."""
+
+
+# --- results ------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Published:
+    sort_key: int
+    subject: str
+    duplicate: bool
+
+
+@attrs.frozen
+class Delivery:
+    sort_key: int
+    subject: str
+    redelivered: bool
+    deliveries: int
+    record: Record
+
+
+@attrs.frozen
+class Lag:
+    subjects: dict[str, int]
+    total: int
+
+
+@attrs.frozen
+class Appended:
+    global_sequence: int
+    log_record_count: int
+    deduplicated: bool
+
+
+@attrs.frozen
+class BatchAppended:
+    appended: int
+    """Records actually stored (deduplicated ones are not)."""
+    requested: int
+    results: tuple[Appended, ...]
+
+
+@attrs.frozen
+class TierRecord:
+    global_sequence: int
+    execution_id: str
+    transaction_id: str
+    byte_len: int
+    payload: str
+
+
+@attrs.frozen
+class Page:
+    """One page of ``read_execution`` or ``scan``; ask again with ``after=next_after``
+    until it is ``None``."""
+
+    records: tuple[TierRecord, ...]
+    next_after: int | None
+    exists: bool | None = None
+    """``read_execution`` only."""
+    record_count: int | None = None
+    """``read_execution`` only: the execution's records in the tier."""
+
+
+@attrs.frozen
+class Subscribed:
+    sort_key: int
+    subject: str
+    record: Record
+
+
+# --- readers --------------------------------------------------------------------------------
+
+
+def _published(reply: dict[str, Any]) -> Published:
+    return Published(reply["sort_key"], reply["subject"], reply["duplicate"])
+
+
+def delivery(value: dict[str, Any]) -> Delivery:
+    return Delivery(
+        value["sort_key"],
+        value["subject"],
+        value["redelivered"],
+        value["deliveries"],
+        value["record"],
+    )
+
+
+def _appended(reply: dict[str, Any]) -> Appended:
+    return Appended(reply["global_sequence"], reply["log_record_count"], reply["deduplicated"])
+
+
+def _page(reply: dict[str, Any]) -> Page:
+    return Page(
+        tuple(TierRecord(**record) for record in reply["records"]),
+        reply["next_after"],
+        reply.get("exists"),
+        reply.get("record_count"),
+    )
+
+
+def subscribed(reply: dict[str, Any]) -> list[Subscribed]:
+    return [Subscribed(r["sort_key"], r["subject"], r["record"]) for r in reply["records"]]
+
+
+def _options(**fields: Any) -> dict[str, Any]:
+    return {name: value for name, value in fields.items() if value is not None}
+
+
+# --- ingest faces ---------------------------------------------------------------------------
+
+
+def publish(record: Record, msg_id: str | None = None) -> Call[Published]:
+    return Call(
+        "publish", _options(record=record, msg_id=msg_id), _published, idempotent=msg_id is not None
+    )
+
+
+def publish_batch(records: Iterable[Record]) -> Call[list[int]]:
+    return Call(
+        "publish_batch",
+        {"records": list(records)},
+        lambda reply: list(reply["sort_keys"]),
+        idempotent=False,
+    )
+
+
+# --- claim faces ------------------------------------------------------------------------
+
+
+def next_delivery(
+    filter: str,
+    *,
+    wait: float | None = None,
+    group: str | None = None,
+    start: str | None = None,
+) -> Call[Delivery | None]:
+    """``wait``: seconds to wait for a record (``None``: until one comes)."""
+    fields = _options(
+        filter=filter,
+        group=group,
+        timeout_ms=None if wait is None else max(0, round(wait * 1000)),
+        **{"from": start},
+    )
+    return Call(
+        "next",
+        fields,
+        lambda reply: None if reply["delivery"] is None else delivery(reply["delivery"]),
+        idempotent=False,
+        wait=float("inf") if wait is None else wait,
+    )
+
+
+def ack(sort_key: int, group: str | None = None) -> Call[bool]:
+    return Call(
+        "ack", _options(sort_key=sort_key, group=group), lambda r: bool(r["acked"]), idempotent=True
+    )
+
+
+def nack(sort_key: int, group: str | None = None, delay: float | None = None) -> Call[bool]:
+    delay_ms = None if delay is None else max(0, round(delay * 1000))
+    return Call(
+        "nack",
+        _options(sort_key=sort_key, group=group, delay_ms=delay_ms),
+        lambda r: bool(r["nacked"]),
+        idempotent=True,
+    )
+
+
+def extend(sort_key: int, group: str | None = None) -> Call[bool]:
+    return Call(
+        "extend",
+        _options(sort_key=sort_key, group=group),
+        lambda r: bool(r["extended"]),
+        idempotent=True,
+    )
+
+
+def lag(filter: str | None = None, group: str | None = None) -> Call[Lag]:
+    return Call(
+        "lag",
+        _options(filter=filter, group=group),
+        lambda r: Lag(dict(r["subjects"]), r["total"]),
+        idempotent=True,
+    )
+
+
+def dead(
+    filter: str | None = None, group: str | None = None, limit: int | None = None
+) -> Call[list[Delivery]]:
+    return Call(
+        "dead",
+        _options(filter=filter, group=group, limit=limit),
+        lambda r: [delivery(d) for d in r["records"]],
+        idempotent=True,
+    )
+
+
+# --- tier face ----------------------------------------------------------------------------
+
+
+def append(
+    execution_id: str | int,
+    payload: str,
+    *,
+    tier: str | None = None,
+    transaction_id: str | None = None,
+    expected_version: int | None = None,
+) -> Call[Appended]:
+    fields = _options(
+        execution_id=execution_id,
+        payload=payload,
+        tier=tier,
+        transaction_id=transaction_id,
+        expected_version=expected_version,
+    )
+    # With expected_version a second attempt of a stored append gets `conflict`, not a
+    # duplicate: safe to retry.
+    return Call("append", fields, _appended, idempotent=expected_version is not None)
+
+
+def append_batch(
+    execution_id: str | int,
+    payloads: Iterable[str],
+    *,
+    tier: str | None = None,
+    transaction_id: str | None = None,
+) -> Call[BatchAppended]:
+    def parse(reply: dict[str, Any]) -> BatchAppended:
+        results = tuple(_appended(item["body"]) for item in reply["results"])
+        return BatchAppended(reply["appended"], reply["requested"], results)
+
+    fields = _options(
+        execution_id=execution_id, payloads=list(payloads), tier=tier, transaction_id=transaction_id
+    )
+    return Call("append_batch", fields, parse, idempotent=False)
+
+
+def read_execution(
+    execution_id: str | int,
+    *,
+    tier: str | None = None,
+    after: int | None = None,
+    limit: int | None = None,
+) -> Call[Page]:
+    fields = _options(execution_id=execution_id, tier=tier, after=after, limit=limit)
+    return Call("read_execution", fields, _page, idempotent=True)
+
+
+def scan(
+    *, tier: str | None = None, after: int | None = None, limit: int | None = None
+) -> Call[Page]:
+    return Call("scan", _options(tier=tier, after=after, limit=limit), _page, idempotent=True)
+
+
+def tier_health() -> Call[dict[str, Any]]:
+    return Call("health", {}, dict, idempotent=True)
+
+
+def subscribe(start: int = 0, filter: str | None = None) -> Call[list[Subscribed]]:
+    """Each frame of the stream reads into a list of records."""
+    return Call(
+        "subscribe",
+        _options(filter=filter, **{"from": start}),
+        subscribed,
+        idempotent=False,
+        wait=float("inf"),
+    )

@@ -1,0 +1,139 @@
+"""The client side of a v2 connection as a pure state machine, like h11's: feed it bytes
+with :meth:`ClientProtocol.receive_data`, pull :meth:`ClientProtocol.next_event`, and
+send what :meth:`ClientProtocol.hello_frame` and :meth:`ClientProtocol.request` return.
+No I/O and no trio here, so the blocking client shares it."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Final
+
+import attrs
+
+from cmdbus_trio import __version__
+from cmdbus_trio.protocol import (
+    CLOSED,
+    NEED_DATA,
+    FrameDecoder,
+    RemoteProtocolError,
+    Sentinel,
+    dumps,
+    encode_frame,
+    loads,
+)
+
+from ._errors import ConnectionLost, ServerError, error_from_reply
+
+DEFAULT_MAX_REPLY_BYTES: Final = 64 << 20
+LOCAL_GRACE: Final = 0.1
+"""Seconds a caller waits past its own deadline, so the server's ``deadline`` answer
+(which says what happened) normally arrives before the local timeout (which cannot)."""
+
+
+@attrs.frozen
+class ServerHello:
+    server: str
+    face: str
+    max_request_bytes: int
+    max_reply_bytes: int
+
+
+@attrs.frozen
+class Reply:
+    """A reply frame. ``id`` is ``None`` for an error about a frame the server could not
+    read: it concerns the connection, which the server then closes."""
+
+    id: int | None
+    result: dict[str, Any] | None
+    error: ServerError | None
+
+
+Event = ServerHello | Reply | Sentinel
+
+
+class ClientProtocol:
+    """One v2 connection, client side.
+
+    Error handling: a frame that breaks the protocol (not JSON, no ``id``, over
+    ``max_reply_bytes``, a hello refused) raises :class:`ConnectionLost` or the mapped
+    :class:`ServerError` from :meth:`next_event`; close the connection then.
+    """
+
+    def __init__(
+        self, *, client: str = f"cmdbus-trio-client/{__version__}", max_reply_bytes: int = 0
+    ) -> None:
+        self.client = client
+        self._decoder = FrameDecoder(max_reply_bytes or DEFAULT_MAX_REPLY_BYTES)
+        self._next_id = 0
+        self.hello: ServerHello | None = None
+
+    def hello_frame(self) -> bytes:
+        return encode_frame(dumps({"hello": {"protocol": 2, "client": self.client}}))
+
+    def request(
+        self, op: str, fields: dict[str, Any], *, deadline: float | None = None
+    ) -> tuple[int, bytes]:
+        """The id and frame of a new request; ``deadline`` is the seconds the caller still
+        has (sent as ``deadline_ms``). Raises :class:`ValueError` when the server said
+        the frame would be over its request cap."""
+        self._next_id += 1
+        envelope: dict[str, Any] = {"id": self._next_id, "op": op, **fields}
+        if deadline is not None and math.isfinite(deadline):
+            envelope["deadline_ms"] = max(0, math.floor(deadline * 1000))
+        body = dumps(envelope)
+        cap = self.hello.max_request_bytes if self.hello is not None else len(body)
+        if len(body) > cap:
+            raise ValueError(
+                f"{op}: request of {len(body)} bytes exceeds the server's {cap}-byte cap"
+            )
+        return self._next_id, encode_frame(body)
+
+    def receive_data(self, data: bytes) -> None:
+        """Bytes from the socket; ``b""`` means the server closed it."""
+        self._decoder.receive_data(data)
+
+    def next_event(self) -> Event:
+        try:
+            frame = self._decoder.next_frame()
+        except RemoteProtocolError as exc:
+            raise ConnectionLost(f"reply stream broken: {exc.hint}") from None
+        if frame is NEED_DATA or frame is CLOSED:
+            return frame
+        assert isinstance(frame, bytes)
+        try:
+            value = loads(frame)
+        except RemoteProtocolError:
+            raise ConnectionLost("the server sent a frame that is not JSON") from None
+        if not isinstance(value, dict):
+            raise ConnectionLost("the server sent a frame that is not a JSON object")
+        if self.hello is None:
+            return self._hello(value)
+        request_id = value.get("id")
+        if value.get("ok") is True and isinstance(request_id, int):
+            return Reply(request_id, value, None)
+        if value.get("ok") is False and (request_id is None or isinstance(request_id, int)):
+            return Reply(request_id, None, error_from_reply(value.get("error")))
+        raise ConnectionLost(f"the server sent a frame that is not a reply: {frame[:200]!r}")
+
+    def _hello(self, value: dict[str, Any]) -> ServerHello:
+        if value.get("ok") is False:
+            raise error_from_reply(value.get("error"))
+        try:
+            limits = value["limits"]
+            self.hello = ServerHello(
+                str(value["server"]),
+                str(value["face"]),
+                int(limits["max_request_bytes"]),
+                int(limits["max_reply_bytes"]),
+            )
+        except (KeyError, TypeError, ValueError):
+            raise ConnectionLost(f"not a cmdbus-trio v2 hello reply: {value!r}") from None
+        return self.hello
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` too) → (host, port); raises :class:`ValueError`."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"address {address!r}: expected HOST:PORT")
+    return host.strip("[]"), int(port)

@@ -1,0 +1,418 @@
+"""The blocking client: the same faces and results as :mod:`cmdbus_trio.client.trio` over
+a plain socket, for threads and scripts. It never imports trio.
+
+    with TierClient.connect("127.0.0.1:9110") as tier:
+        appended = tier.append(7, '{"event_type": "step.done"}', timeout=2.0)
+
+One call at a time per client (a lock serializes threads); :meth:`Connection.call_many`
+pipelines several requests in one round trip.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Self, TypeVar
+
+from cmdbus_trio.protocol import NEED_DATA
+
+from . import _calls as calls
+from ._calls import (
+    Appended,
+    BatchAppended,
+    Call,
+    Delivery,
+    Lag,
+    Page,
+    Published,
+    Record,
+    Subscribed,
+    TierRecord,
+)
+from ._core import LOCAL_GRACE, ClientProtocol, Reply, ServerHello, split_address
+from ._errors import ClientError, ConnectionLost, DeadlineExceeded, ServerError
+from ._retry import RetryPolicy
+from ._shards import ShardMap
+
+T = TypeVar("T")
+RECEIVE_CHUNK = 1 << 16
+
+
+class Connection:
+    """A v2 connection to one data face, reconnected on the next call after it broke.
+
+    Error handling: the server's error answers raise the :mod:`~cmdbus_trio.client`
+    exception of their code; a lost connection raises :class:`ConnectionLost`; no reply
+    within ``timeout`` raises :class:`DeadlineExceeded` (a reply that comes later is
+    dropped).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        retry: RetryPolicy | None = None,
+        client: str | None = None,
+        connect_timeout: float = 10.0,
+    ) -> None:
+        split_address(address)
+        self.address = address
+        self.retry = retry
+        self._client_name = client
+        self._connect_timeout = connect_timeout
+        self._sock: socket.socket | None = None
+        self._protocol = ClientProtocol()
+        self._lock = threading.RLock()
+        self._closed = False
+
+    @classmethod
+    def connect(cls, address: str, **options: Any) -> Self:
+        connection = cls(address, **options)
+        connection._connected()
+        return connection
+
+    @property
+    def server(self) -> ServerHello | None:
+        return self._protocol.hello
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._closed = True
+        self._drop()
+
+    def call(self, call: Call[T], *, timeout: float | None = None) -> T:
+        """Run ``call``; ``timeout`` (seconds) is sent as its ``deadline_ms`` and bounds
+        the wait for the reply and any retries."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self.retry is not None:
+            self.retry.budget.record_request()
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                outcome = self._exchange([call], deadline)[0]
+                if isinstance(outcome, ClientError):
+                    raise outcome
+                return call.parse(outcome)
+            except ClientError as error:
+                if self.retry is None or not self.retry.should_retry(call, error, attempt):
+                    raise
+                pause = self.retry.delay(error, attempt)
+                if deadline is not None and time.monotonic() + pause >= deadline:
+                    raise
+                time.sleep(pause)
+
+    def call_many(
+        self, batch: Sequence[Call[Any]], *, timeout: float | None = None
+    ) -> list[Any | ServerError]:
+        """Send every call at once and wait for all replies: each result, or the
+        :class:`ServerError` that call got. No retries."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        outcomes = self._exchange(batch, deadline)
+        return [
+            outcome if isinstance(outcome, ClientError) else call.parse(outcome)
+            for call, outcome in zip(batch, outcomes, strict=True)
+        ]
+
+    def _exchange(
+        self, batch: Sequence[Call[Any]], deadline: float | None
+    ) -> list[dict[str, Any] | ServerError]:
+        with self._lock:
+            sock = self._connected()
+            frames, ids = [], []
+            for call in batch:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise DeadlineExceeded(f"{call.op}: the time budget ran out before sending")
+                request_id, frame = self._protocol.request(
+                    call.op, call.fields, deadline=None if call.wait else remaining
+                )
+                frames.append(frame)
+                ids.append(request_id)
+            try:
+                sock.sendall(b"".join(frames))
+            except OSError as exc:
+                self._drop()
+                raise ConnectionLost(f"sending to {self.address} failed: {exc!r}") from None
+            wait = max((call.wait or 0.0) for call in batch)
+            local = None if deadline is None else deadline + LOCAL_GRACE + wait
+            replies: dict[int, dict[str, Any] | ServerError] = {}
+            while len(replies) < len(ids):
+                reply = self._next_reply(local, batch[0].op)
+                if reply.id in ids and reply.id not in replies:
+                    replies[reply.id] = reply.error if reply.error else reply.result or {}
+            return [replies[request_id] for request_id in ids]
+
+    def _next_reply(self, local_deadline: float | None, op: str) -> Reply:
+        """The next reply frame; raises on a connection-level error, EOF or timeout."""
+        sock = self._sock
+        while True:
+            if sock is None:
+                raise ConnectionLost(f"connection to {self.address} lost")
+            try:
+                event = self._protocol.next_event()
+            except ClientError:
+                self._drop()
+                raise
+            if isinstance(event, Reply) and event.id is not None:
+                return event
+            if isinstance(event, Reply):
+                self._drop()
+                assert event.error is not None
+                raise event.error  # about the connection: the server closes it
+            if event is not NEED_DATA:
+                self._drop()
+                raise ConnectionLost(f"{self.address} closed the connection")
+            if local_deadline is not None:
+                remaining = local_deadline - time.monotonic()
+                if remaining <= 0:
+                    raise DeadlineExceeded(f"{op}: no reply in time")
+                sock.settimeout(remaining)
+            else:
+                sock.settimeout(None)
+            try:
+                data = sock.recv(RECEIVE_CHUNK)
+            except TimeoutError:
+                raise DeadlineExceeded(f"{op}: no reply in time") from None
+            except OSError as exc:
+                self._drop()
+                raise ConnectionLost(f"receiving from {self.address} failed: {exc!r}") from None
+            self._protocol.receive_data(data)
+
+    def _connected(self) -> socket.socket:
+        if self._closed:
+            raise ConnectionLost("the client was closed")
+        if self._sock is not None:
+            return self._sock
+        host, port = split_address(self.address)
+        protocol = (
+            ClientProtocol(client=self._client_name) if self._client_name else ClientProtocol()
+        )
+        try:
+            sock = socket.create_connection((host, port), timeout=self._connect_timeout)
+        except OSError as exc:
+            raise ConnectionLost(f"cannot connect to {self.address}: {exc!r}") from None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock, self._protocol = sock, protocol
+        try:
+            sock.sendall(protocol.hello_frame())
+            while (event := protocol.next_event()) is NEED_DATA:
+                protocol.receive_data(sock.recv(RECEIVE_CHUNK))
+        except (OSError, ClientError) as exc:
+            self._drop()
+            if isinstance(exc, ServerError):
+                raise
+            raise ConnectionLost(f"hello with {self.address} failed: {exc!r}") from None
+        if not isinstance(event, ServerHello):
+            self._drop()
+            raise ConnectionLost(f"{self.address} closed the connection during the hello")
+        return sock
+
+    def _drop(self) -> None:
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+
+    def _stream_replies(self, call: Call[T]) -> Iterator[T]:
+        with self._lock:
+            sock = self._connected()
+            request_id, frame = self._protocol.request(call.op, call.fields)
+            try:
+                sock.sendall(frame)
+            except OSError as exc:
+                self._drop()
+                raise ConnectionLost(f"sending to {self.address} failed: {exc!r}") from None
+            while True:
+                reply = self._next_reply(None, call.op)
+                if reply.id != request_id:
+                    continue
+                if reply.error is not None:
+                    raise reply.error
+                yield call.parse(reply.result or {})
+
+
+class IngestClient(Connection):
+    """The command (:9100) or event (:9103) ingest face."""
+
+    def publish(
+        self, record: Record, *, msg_id: str | None = None, timeout: float | None = None
+    ) -> Published:
+        return self.call(calls.publish(record, msg_id), timeout=timeout)
+
+    def publish_batch(
+        self, records: Iterable[Record], *, timeout: float | None = None
+    ) -> list[int]:
+        return self.call(calls.publish_batch(records), timeout=timeout)
+
+
+class ClaimClient(Connection):
+    """The command (:9101) or event (:9104) claim face. Leases belong to the connection:
+    closing it releases them at once."""
+
+    def next(
+        self,
+        filter: str,
+        *,
+        wait: float | None = None,
+        group: str | None = None,
+        start: str | None = None,
+        timeout: float | None = None,
+    ) -> Delivery | None:
+        """The next record for ``filter``, or ``None`` after ``wait`` seconds without one."""
+        call = calls.next_delivery(filter, wait=wait, group=group, start=start)
+        return self.call(call, timeout=timeout)
+
+    def ack(self, sort_key: int, *, group: str | None = None, timeout: float | None = None) -> bool:
+        return self.call(calls.ack(sort_key, group), timeout=timeout)
+
+    def nack(
+        self,
+        sort_key: int,
+        *,
+        group: str | None = None,
+        delay: float | None = None,
+        timeout: float | None = None,
+    ) -> bool:
+        return self.call(calls.nack(sort_key, group, delay), timeout=timeout)
+
+    def extend(
+        self, sort_key: int, *, group: str | None = None, timeout: float | None = None
+    ) -> bool:
+        return self.call(calls.extend(sort_key, group), timeout=timeout)
+
+    def lag(
+        self, filter: str | None = None, *, group: str | None = None, timeout: float | None = None
+    ) -> Lag:
+        return self.call(calls.lag(filter, group), timeout=timeout)
+
+    def dead(
+        self,
+        filter: str | None = None,
+        *,
+        group: str | None = None,
+        limit: int | None = None,
+        timeout: float | None = None,
+    ) -> list[Delivery]:
+        return self.call(calls.dead(filter, group, limit), timeout=timeout)
+
+
+class TierClient(Connection):
+    """The tier face (:9110)."""
+
+    def append(
+        self,
+        execution_id: str | int,
+        payload: str,
+        *,
+        tier: str | None = None,
+        transaction_id: str | None = None,
+        expected_version: int | None = None,
+        timeout: float | None = None,
+    ) -> Appended:
+        call = calls.append(
+            execution_id,
+            payload,
+            tier=tier,
+            transaction_id=transaction_id,
+            expected_version=expected_version,
+        )
+        return self.call(call, timeout=timeout)
+
+    def append_batch(
+        self,
+        execution_id: str | int,
+        payloads: Iterable[str],
+        *,
+        tier: str | None = None,
+        transaction_id: str | None = None,
+        timeout: float | None = None,
+    ) -> BatchAppended:
+        call = calls.append_batch(execution_id, payloads, tier=tier, transaction_id=transaction_id)
+        return self.call(call, timeout=timeout)
+
+    def read_execution(
+        self,
+        execution_id: str | int,
+        *,
+        tier: str | None = None,
+        after: int | None = None,
+        limit: int | None = None,
+        timeout: float | None = None,
+    ) -> Page:
+        call = calls.read_execution(execution_id, tier=tier, after=after, limit=limit)
+        return self.call(call, timeout=timeout)
+
+    def scan(
+        self,
+        *,
+        tier: str | None = None,
+        after: int | None = None,
+        limit: int | None = None,
+        timeout: float | None = None,
+    ) -> Page:
+        return self.call(calls.scan(tier=tier, after=after, limit=limit), timeout=timeout)
+
+    def health(self, *, timeout: float | None = None) -> dict[str, Any]:
+        return self.call(calls.tier_health(), timeout=timeout)
+
+    def read_all(
+        self, execution_id: str | int, *, tier: str | None = None, timeout: float | None = None
+    ) -> Iterator[TierRecord]:
+        """Every record of the execution, page after page (``timeout`` per page)."""
+        after: int | None = None
+        while True:
+            page = self.read_execution(execution_id, tier=tier, after=after, timeout=timeout)
+            yield from page.records
+            if page.next_after is None:
+                return
+            after = page.next_after
+
+
+class SubscribeClient(Connection):
+    """The event subscribe face (:9108). A subscription holds its connection."""
+
+    def subscribe(self, start: int = 0, *, filter: str | None = None) -> Iterator[list[Subscribed]]:
+        """Batches of records with sort key > ``start``: history first, then live."""
+        return self._stream_replies(calls.subscribe(start, filter))
+
+
+class Router:
+    """Publishes each record to the writer that owns its shard; connections open on
+    first use and reconnect after a writer restarts."""
+
+    def __init__(self, shards: ShardMap, **options: Any) -> None:
+        self.shards = shards
+        self.writers = [IngestClient(address, **options) for address in shards.addresses]
+
+    def publish(
+        self, record: Record, *, msg_id: str | None = None, timeout: float | None = None
+    ) -> Published:
+        writer = self.writers[self.shards.shard_for(record["execution_id"])]
+        return writer.publish(record, msg_id=msg_id, timeout=timeout)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for writer in self.writers:
+            writer.close()
+
+
+__all__ = [
+    "ClaimClient",
+    "Connection",
+    "IngestClient",
+    "Router",
+    "SubscribeClient",
+    "TierClient",
+]

@@ -1,0 +1,464 @@
+"""The trio client: one class per face over a pipelined v2 connection.
+
+    async with await TierClient.connect("127.0.0.1:9110") as tier:
+        appended = await tier.append(7, '{"event_type": "step.done"}', timeout=2.0)
+
+Any number of tasks may call one client at once: requests are pipelined with ids and
+replies are matched to callers as they come, in any order. Whichever caller is waiting
+reads the socket for everyone, so a client needs no background task and no nursery.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import AsyncIterator, Iterable
+from typing import Any, Self, TypeVar
+
+import attrs
+import trio
+
+from cmdbus_trio.protocol import NEED_DATA
+
+from . import _calls as calls
+from ._calls import (
+    Appended,
+    BatchAppended,
+    Call,
+    Delivery,
+    Lag,
+    Page,
+    Published,
+    Record,
+    Subscribed,
+    TierRecord,
+)
+from ._core import LOCAL_GRACE, ClientProtocol, Reply, ServerHello, split_address
+from ._errors import ClientError, ConnectionLost, DeadlineExceeded, ServerError
+from ._retry import RetryPolicy
+from ._shards import ShardMap
+
+T = TypeVar("T")
+RECEIVE_CHUNK = 1 << 16
+
+
+@attrs.define
+class _Slot:
+    """Where replies to one request id land: one for a call, many for a subscription
+    (at most one received chunk's worth, since the reading waits for the consumer)."""
+
+    event: trio.Event = attrs.field(factory=trio.Event)
+    replies: deque[Reply] = attrs.field(factory=deque)
+    error: ClientError | None = None
+
+    @property
+    def done(self) -> bool:
+        return bool(self.replies) or self.error is not None
+
+
+class Connection:
+    """A v2 connection to one data face, reconnected on the next call after it broke.
+
+    Cancellation: a call cancelled while waiting forgets its request; a reply that comes
+    later is dropped. A call cancelled while sending breaks the connection (part of a
+    frame may be on the wire); the next call reconnects.
+
+    Error handling: the server's error answers raise the :mod:`~cmdbus_trio.client`
+    exception of their code; a lost connection raises :class:`ConnectionLost` for every
+    call waiting on it; no reply within ``timeout`` raises :class:`DeadlineExceeded`.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        retry: RetryPolicy | None = None,
+        client: str | None = None,
+        connect_timeout: float = 10.0,
+    ) -> None:
+        split_address(address)
+        self.address = address
+        self.retry = retry
+        self._client_name = client
+        self._connect_timeout = connect_timeout
+        self._stream: trio.SocketStream | None = None
+        self._protocol = ClientProtocol()
+        self._pending: dict[int, _Slot] = {}
+        self._reading = False
+        self._send_lock = trio.StrictFIFOLock()
+        self._connect_lock = trio.Lock()
+        self._closed = False
+
+    @classmethod
+    async def connect(cls, address: str, **options: Any) -> Self:
+        """A connected client (the hello exchanged); raises :class:`ConnectionLost`."""
+        connection = cls(address, **options)
+        await connection._connected()
+        return connection
+
+    @property
+    def server(self) -> ServerHello | None:
+        return self._protocol.hello
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        self._closed = True
+        self._break(ConnectionLost("the client was closed"))
+
+    async def call(self, call: Call[T], *, timeout: float | None = None) -> T:
+        """Run ``call``; ``timeout`` (seconds) is sent as its ``deadline_ms`` and bounds
+        the wait for the reply and any retries."""
+        deadline = math.inf if timeout is None else trio.current_time() + timeout
+        if self.retry is not None:
+            self.retry.budget.record_request()
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return call.parse(await self._attempt(call, deadline))
+            except ClientError as error:
+                if self.retry is None or not self.retry.should_retry(call, error, attempt):
+                    raise
+                pause = self.retry.delay(error, attempt)
+                if trio.current_time() + pause >= deadline:
+                    raise
+                await trio.sleep(pause)
+
+    async def _attempt(self, call: Call[Any], deadline: float) -> dict[str, Any]:
+        stream = await self._connected()
+        remaining = deadline - trio.current_time()
+        if remaining <= 0:
+            raise DeadlineExceeded(f"{call.op}: the time budget ran out before sending")
+        request_id, frame = self._protocol.request(
+            call.op, call.fields, deadline=None if call.wait else remaining
+        )
+        slot = self._pending[request_id] = _Slot()
+        try:
+            await self._send(stream, frame)
+            local = remaining + LOCAL_GRACE + (call.wait or 0.0)
+            with trio.move_on_after(local):
+                return await self._wait(slot)
+            raise DeadlineExceeded(f"{call.op}: no reply within {local:.3f} s")
+        finally:
+            if self._pending.get(request_id) is slot:  # ids restart when we reconnect
+                del self._pending[request_id]
+
+    async def _connected(self) -> trio.SocketStream:
+        async with self._connect_lock:
+            if self._closed:
+                raise ConnectionLost("the client was closed")
+            if self._stream is not None:
+                return self._stream
+            host, port = split_address(self.address)
+            protocol = (
+                ClientProtocol(client=self._client_name) if self._client_name else ClientProtocol()
+            )
+            try:
+                with trio.fail_after(self._connect_timeout):
+                    stream = await trio.open_tcp_stream(host, port)
+                    try:
+                        await stream.send_all(protocol.hello_frame())
+                        while (event := protocol.next_event()) is NEED_DATA:
+                            protocol.receive_data(await stream.receive_some(RECEIVE_CHUNK))
+                    except BaseException:
+                        await trio.aclose_forcefully(stream)
+                        raise
+            except (OSError, trio.BrokenResourceError, trio.TooSlowError) as exc:
+                raise ConnectionLost(f"cannot connect to {self.address}: {exc!r}") from None
+            if not isinstance(event, ServerHello):
+                await trio.aclose_forcefully(stream)
+                raise ConnectionLost(f"{self.address} closed the connection during the hello")
+            self._stream, self._protocol = stream, protocol
+            return stream
+
+    async def _send(self, stream: trio.SocketStream, frame: bytes) -> None:
+        async with self._send_lock:
+            try:
+                await stream.send_all(frame)
+            except BaseException as exc:
+                lost = ConnectionLost(f"sending to {self.address} failed: {exc!r}")
+                self._break(lost)
+                if isinstance(exc, trio.BrokenResourceError | trio.ClosedResourceError | OSError):
+                    raise lost from None
+                raise
+
+    async def _wait(self, slot: _Slot) -> dict[str, Any]:
+        """Wait for ``slot``'s reply, reading the socket for every caller meanwhile if no
+        other caller is reading it."""
+        while not slot.done:
+            if self._reading:
+                await slot.event.wait()
+                if not slot.done:  # woken to take over the reading
+                    slot.event = trio.Event()
+                continue
+            self._reading = True
+            try:
+                while not slot.done:
+                    await self._receive()
+            finally:
+                self._reading = False
+                for other in self._pending.values():
+                    if not other.done:
+                        other.event.set()  # hand the reading over
+                        break
+        if slot.replies:
+            reply = slot.replies.popleft()
+            if reply.error is not None:
+                raise reply.error
+            assert reply.result is not None
+            return reply.result
+        assert slot.error is not None
+        raise slot.error
+
+    async def _receive(self) -> None:
+        stream = self._stream
+        if stream is None:
+            return  # broken meanwhile: every slot has its error
+        cause: Exception | None = None
+        try:
+            data = await stream.receive_some(RECEIVE_CHUNK)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            data, cause = b"", exc
+        try:
+            self._protocol.receive_data(data)
+            while (event := self._protocol.next_event()) is not NEED_DATA:
+                if isinstance(event, Reply) and event.id is not None:
+                    self._settle(event)
+                elif isinstance(event, Reply):
+                    assert event.error is not None
+                    raise event.error  # about the connection: the server closes it
+                else:
+                    raise ConnectionLost(f"{self.address} closed the connection ({cause or 'EOF'})")
+        except ClientError as error:
+            self._break(error)
+
+    def _settle(self, reply: Reply) -> None:
+        slot = self._pending.get(reply.id) if reply.id is not None else None
+        if slot is None:
+            return  # its caller gave up (cancelled or timed out)
+        slot.replies.append(reply)
+        slot.event.set()
+
+    def _break(self, error: ClientError) -> None:
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.socket.close()  # no await: callers may be cancelled already
+        for slot in self._pending.values():
+            if not slot.done:
+                slot.error = error
+                slot.event.set()
+
+    async def _stream_replies(self, call: Call[T]) -> AsyncIterator[T]:
+        """Send ``call`` and yield every reply frame to it (a subscription)."""
+        stream = await self._connected()
+        request_id, frame = self._protocol.request(call.op, call.fields)
+        await self._send(stream, frame)
+        slot = self._pending[request_id] = _Slot()
+        try:
+            while True:
+                result = await self._wait(slot)
+                if not slot.done:
+                    slot.event = trio.Event()
+                yield call.parse(result)
+        finally:
+            if self._pending.get(request_id) is slot:
+                del self._pending[request_id]
+
+
+class IngestClient(Connection):
+    """The command (:9100) or event (:9103) ingest face."""
+
+    async def publish(
+        self, record: Record, *, msg_id: str | None = None, timeout: float | None = None
+    ) -> Published:
+        return await self.call(calls.publish(record, msg_id), timeout=timeout)
+
+    async def publish_batch(
+        self, records: Iterable[Record], *, timeout: float | None = None
+    ) -> list[int]:
+        return await self.call(calls.publish_batch(records), timeout=timeout)
+
+
+class ClaimClient(Connection):
+    """The command (:9101) or event (:9104) claim face. Leases belong to the connection:
+    closing it releases them at once."""
+
+    async def next(
+        self,
+        filter: str,
+        *,
+        wait: float | None = None,
+        group: str | None = None,
+        start: str | None = None,
+        timeout: float | None = None,
+    ) -> Delivery | None:
+        """The next record for ``filter``, or ``None`` after ``wait`` seconds without one.
+        On the event face ``group`` is required; ``start`` (``beginning`` or ``tail``)
+        creates the group when it is new."""
+        call = calls.next_delivery(filter, wait=wait, group=group, start=start)
+        return await self.call(call, timeout=timeout)
+
+    async def ack(
+        self, sort_key: int, *, group: str | None = None, timeout: float | None = None
+    ) -> bool:
+        return await self.call(calls.ack(sort_key, group), timeout=timeout)
+
+    async def nack(
+        self,
+        sort_key: int,
+        *,
+        group: str | None = None,
+        delay: float | None = None,
+        timeout: float | None = None,
+    ) -> bool:
+        return await self.call(calls.nack(sort_key, group, delay), timeout=timeout)
+
+    async def extend(
+        self, sort_key: int, *, group: str | None = None, timeout: float | None = None
+    ) -> bool:
+        return await self.call(calls.extend(sort_key, group), timeout=timeout)
+
+    async def lag(
+        self, filter: str | None = None, *, group: str | None = None, timeout: float | None = None
+    ) -> Lag:
+        return await self.call(calls.lag(filter, group), timeout=timeout)
+
+    async def dead(
+        self,
+        filter: str | None = None,
+        *,
+        group: str | None = None,
+        limit: int | None = None,
+        timeout: float | None = None,
+    ) -> list[Delivery]:
+        return await self.call(calls.dead(filter, group, limit), timeout=timeout)
+
+
+class TierClient(Connection):
+    """The tier face (:9110)."""
+
+    async def append(
+        self,
+        execution_id: str | int,
+        payload: str,
+        *,
+        tier: str | None = None,
+        transaction_id: str | None = None,
+        expected_version: int | None = None,
+        timeout: float | None = None,
+    ) -> Appended:
+        call = calls.append(
+            execution_id,
+            payload,
+            tier=tier,
+            transaction_id=transaction_id,
+            expected_version=expected_version,
+        )
+        return await self.call(call, timeout=timeout)
+
+    async def append_batch(
+        self,
+        execution_id: str | int,
+        payloads: Iterable[str],
+        *,
+        tier: str | None = None,
+        transaction_id: str | None = None,
+        timeout: float | None = None,
+    ) -> BatchAppended:
+        call = calls.append_batch(execution_id, payloads, tier=tier, transaction_id=transaction_id)
+        return await self.call(call, timeout=timeout)
+
+    async def read_execution(
+        self,
+        execution_id: str | int,
+        *,
+        tier: str | None = None,
+        after: int | None = None,
+        limit: int | None = None,
+        timeout: float | None = None,
+    ) -> Page:
+        call = calls.read_execution(execution_id, tier=tier, after=after, limit=limit)
+        return await self.call(call, timeout=timeout)
+
+    async def scan(
+        self,
+        *,
+        tier: str | None = None,
+        after: int | None = None,
+        limit: int | None = None,
+        timeout: float | None = None,
+    ) -> Page:
+        return await self.call(calls.scan(tier=tier, after=after, limit=limit), timeout=timeout)
+
+    async def health(self, *, timeout: float | None = None) -> dict[str, Any]:
+        return await self.call(calls.tier_health(), timeout=timeout)
+
+    async def read_all(
+        self, execution_id: str | int, *, tier: str | None = None, timeout: float | None = None
+    ) -> AsyncIterator[TierRecord]:
+        """Every record of the execution, page after page (``timeout`` per page)."""
+        after: int | None = None
+        while True:
+            page = await self.read_execution(execution_id, tier=tier, after=after, timeout=timeout)
+            for record in page.records:
+                yield record
+            if page.next_after is None:
+                return
+            after = page.next_after
+
+
+class SubscribeClient(Connection):
+    """The event subscribe face (:9108). A subscription holds its connection."""
+
+    async def subscribe(
+        self, start: int = 0, *, filter: str | None = None
+    ) -> AsyncIterator[list[Subscribed]]:
+        """Batches of records with sort key > ``start``: history first, then live.
+        Raises :class:`Busy` when the server cut this subscriber off as too slow."""
+        async for batch in self._stream_replies(calls.subscribe(start, filter)):
+            yield batch
+
+
+class Router:
+    """Publishes each record to the writer that owns its shard.
+
+        router = Router(ShardMap.parse("0@10.0.0.1:9100,1@10.0.0.2:9100"))
+
+    Connections open on first use and reconnect after a writer restarts.
+    """
+
+    def __init__(self, shards: ShardMap, **options: Any) -> None:
+        self.shards = shards
+        self.writers = [IngestClient(address, **options) for address in shards.addresses]
+
+    async def publish(
+        self, record: Record, *, msg_id: str | None = None, timeout: float | None = None
+    ) -> Published:
+        writer = self.writers[self.shards.shard_for(record["execution_id"])]
+        return await writer.publish(record, msg_id=msg_id, timeout=timeout)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        for writer in self.writers:
+            await writer.aclose()
+
+
+__all__ = [
+    "ClaimClient",
+    "Connection",
+    "IngestClient",
+    "Router",
+    "ServerError",
+    "SubscribeClient",
+    "TierClient",
+]
