@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -207,7 +208,7 @@ def cli(*args: str) -> list[str]:
 
 @contextmanager
 def serving(
-    tmp_path: Path, *args: str, **env: str
+    tmp_path: Path, *args: str, file_size_limit: int | None = None, **env: str
 ) -> Iterator[tuple[subprocess.Popen[str], dict[str, str]]]:
     """Run ``cmdbus-trio serve`` with every face on port 0; yields the process and its
     ports file. Its log goes to :func:`server_log` (a file: a pipe nobody reads while the
@@ -221,6 +222,7 @@ def serving(
             stdout=subprocess.DEVNULL,
             stderr=log,
             text=True,
+            preexec_fn=None if file_size_limit is None else partial(_limit_files, file_size_limit),
         )
     try:
         deadline = time.monotonic() + 30
@@ -233,6 +235,14 @@ def serving(
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def _limit_files(size: int) -> None:
+    """In the child: the kernel refuses writes past ``size`` bytes (EFBIG), as a full disk
+    would; Python ignores SIGXFSZ, so the write fails instead of killing the process."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
 
 
 def server_log(tmp_path: Path) -> str:

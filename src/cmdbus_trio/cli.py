@@ -9,7 +9,11 @@ from collections.abc import Sequence
 import trio
 
 from . import __version__, app, logs
+from .commands import bench, client, diagnose
+from .commands._output import leaves
 from .config import SETTINGS, ConfigError, load
+
+_COMMANDS = {"client": client.run, "bench": bench.run, "diagnose": diagnose.run}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -32,6 +36,9 @@ def _parser() -> argparse.ArgumentParser:
             metavar="VALUE",
             help=f"{setting.help} [env {setting.env}, default {setting.default or 'unset'!r}]",
         )
+    client.add_parser(commands)
+    bench.add_parser(commands)
+    diagnose.add_parser(commands)
     return parser
 
 
@@ -39,6 +46,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "serve":
         return _serve(vars(args))
+    if args.command in _COMMANDS:
+        return _COMMANDS[args.command](args)
     raise AssertionError(args.command)  # argparse allows only the commands above
 
 
@@ -64,15 +73,7 @@ def _serve(flags: dict[str, str | None]) -> int:
         startup_errors, _ = group.split(app.StartupError)
         if startup_errors is None:
             raise
-        for error in _leaves(startup_errors):
+        for error in leaves(startup_errors):
             print(f"cmdbus-trio: {error}", file=sys.stderr)
         return 1
     return 0
-
-
-def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
-    return [
-        leaf
-        for exc in group.exceptions
-        for leaf in (_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
-    ]

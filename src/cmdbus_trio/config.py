@@ -29,7 +29,7 @@ FACE_NAMES = (
 )
 DATA_FACE_NAMES = FACE_NAMES[1:]
 
-_DEFAULT_PORTS = {
+DEFAULT_PORTS = {
     "control": 9090,
     "cmd_ingest": 9100,
     "cmd_claim": 9101,
@@ -181,7 +181,7 @@ class Setting:
 def _face_setting(face: str) -> Setting:
     return Setting(
         f"{face}_bind",
-        f"127.0.0.1:{_DEFAULT_PORTS[face]}",
+        f"127.0.0.1:{DEFAULT_PORTS[face]}",
         _parse_bind,
         f"address of the {face} face, HOST:PORT; empty disables it; port 0 picks a free port",
     )

@@ -22,7 +22,7 @@ from cmdbus_trio.protocol import (
     loads,
 )
 
-from ._errors import ConnectionLost, ServerError, error_from_reply
+from ._errors import ConnectionLost, ServerError, TooLarge, error_from_reply
 
 DEFAULT_MAX_REPLY_BYTES: Final = 64 << 20
 LOCAL_GRACE: Final = 0.1
@@ -74,8 +74,8 @@ class ClientProtocol:
         self, op: str, fields: dict[str, Any], *, deadline: float | None = None
     ) -> tuple[int, bytes]:
         """The id and frame of a new request; ``deadline`` is the seconds the caller still
-        has (sent as ``deadline_ms``). Raises :class:`ValueError` when the server said
-        the frame would be over its request cap."""
+        has (sent as ``deadline_ms``). Raises :class:`TooLarge`, without sending, when the
+        frame would be over the request cap the server announced."""
         self._next_id += 1
         envelope: dict[str, Any] = {"id": self._next_id, "op": op, **fields}
         if deadline is not None and math.isfinite(deadline):
@@ -83,7 +83,7 @@ class ClientProtocol:
         body = dumps(envelope)
         cap = self.hello.max_request_bytes if self.hello is not None else len(body)
         if len(body) > cap:
-            raise ValueError(
+            raise TooLarge(
                 f"{op}: request of {len(body)} bytes exceeds the server's {cap}-byte cap"
             )
         return self._next_id, encode_frame(body)

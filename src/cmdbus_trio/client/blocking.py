@@ -10,6 +10,7 @@ pipelines several requests in one round trip.
 
 from __future__ import annotations
 
+import math
 import socket
 import threading
 import time
@@ -143,6 +144,8 @@ class Connection:
                 raise ConnectionLost(f"sending to {self.address} failed: {exc!r}") from None
             wait = max((call.wait or 0.0) for call in batch)
             local = None if deadline is None else deadline + LOCAL_GRACE + wait
+            if local is not None and not math.isfinite(local):
+                local = None  # a `next` that waits until a record comes
             replies: dict[int, dict[str, Any] | ServerError] = {}
             while len(replies) < len(ids):
                 reply = self._next_reply(local, batch[0].op)

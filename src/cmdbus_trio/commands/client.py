@@ -1,0 +1,250 @@
+"""``cmdbus-trio client …``: one request or a loop of them from the shell, over the
+blocking client (CLI.md). Output is JSON lines, or a table with ``--human``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+from cmdbus_trio.client import ClientError, ShardMap, blocking
+from cmdbus_trio.config import DEFAULT_PORTS
+from cmdbus_trio.protocol.subjects import as_i64
+
+from ._output import Output, fail
+
+CALL_TIMEOUT = 30.0
+"""Seconds each request may take (sent as its deadline_ms); ``claim`` waits on top."""
+
+
+def _default(face: str) -> str:
+    return f"127.0.0.1:{DEFAULT_PORTS[face]}"
+
+
+def add_parser(commands: Any) -> None:
+    client = commands.add_parser(
+        "client", help="talk to a running writer", description="Talk to a running writer."
+    )
+    ops = client.add_subparsers(dest="client_command", required=True, metavar="OP")
+
+    def op(name: str, help: str) -> argparse.ArgumentParser:
+        parser: argparse.ArgumentParser = ops.add_parser(name, help=help, description=help)
+        parser.add_argument("--human", action="store_true", help="print a table, not JSON lines")
+        return parser
+
+    publish = op("publish", "publish records (from the flags, or JSON lines on stdin)")
+    publish.add_argument("--addr", help="ingest face (default 127.0.0.1:9100, events :9103)")
+    publish.add_argument("--writers", help="route by shard: 0@HOST:PORT,1@HOST:PORT,…")
+    publish.add_argument("--events", action="store_true", help="the event bus, not commands")
+    publish.add_argument("--execution-id", help="one record with this id (else read stdin)")
+    publish.add_argument("--payload", help="the record's payload, JSON text")
+    publish.add_argument("--msg-id", help="dedup key (one record only)")
+
+    claim = op("claim", "claim records: next, print, ack, until --max or --timeout")
+    claim.add_argument("--addr", help="claim face (default :9101, or :9104 with --group)")
+    claim.add_argument("--filter", required=True, help="subject filter, e.g. commands.>")
+    claim.add_argument("--group", help="an event consumer group (event claim face)")
+    claim.add_argument("--from", dest="start", choices=["beginning", "tail"], help="new group")
+    claim.add_argument("--max", type=int, help="stop after this many deliveries")
+    claim.add_argument("--timeout", type=float, help="stop after this many seconds with nothing")
+    claim.add_argument("--no-ack", action="store_true", help="print only; leases end at exit")
+
+    tier = ops.add_parser("tier", help="the tier service", description="The tier service.")
+    tier_ops = tier.add_subparsers(dest="tier_command", required=True, metavar="OP")
+    for name, help in (
+        ("append", "append one payload"),
+        ("read", "every record of an execution (all pages)"),
+        ("scan", "records of every execution, by sequence"),
+    ):
+        parser: argparse.ArgumentParser = tier_ops.add_parser(name, help=help, description=help)
+        parser.add_argument("--human", action="store_true", help="print a table, not JSON lines")
+        parser.add_argument("--addr", default=_default("tier"), help="tier face (:9110)")
+        parser.add_argument("--tier", help="eventlog (default), projection or catalog")
+        if name == "scan":
+            parser.add_argument("--after", type=int, help="start after this sequence")
+            parser.add_argument("--limit", type=int, help="print at most this many records")
+        else:
+            parser.add_argument("--execution-id", required=True)
+        if name == "append":
+            parser.add_argument("--payload", required=True, help="JSON text")
+
+    for name, help in (("lag", "backlog per subject"), ("dead", "dead-lettered records")):
+        parser = op(name, help)
+        parser.add_argument("--addr", help="claim face (default :9101, or :9104 with --group)")
+        parser.add_argument("--filter", help="subject filter")
+        parser.add_argument("--group", help="an event consumer group")
+
+    health = op("health", "the writer's /healthz (exit 1 when degraded)")
+    health.add_argument("--url", default=f"http://{_default('control')}", help="control face")
+
+
+def run(args: argparse.Namespace) -> int:
+    command = args.client_command
+    if command == "tier":
+        command = f"tier {args.tier_command}"
+    output = Output(human=args.human)
+    try:
+        return _RUNNERS[command](args, output)
+    except ClientError as exc:
+        return fail(f"client {command}", str(exc))
+    except ValueError as exc:
+        return fail(f"client {command}", str(exc))
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        output.close()
+
+
+def _claim_address(args: argparse.Namespace) -> str:
+    return args.addr or _default("evt_claim" if args.group else "cmd_claim")
+
+
+def _execution_id(text: str) -> str | int:
+    """An id that reads as a 64-bit integer is sent as one (NoETL's ids are integers)."""
+    number = as_i64(text)
+    return text if number is None else number
+
+
+def _records(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    if args.execution_id is not None:
+        if args.payload is None:
+            raise ValueError("--payload is required with --execution-id")
+        yield {"execution_id": _execution_id(args.execution_id), "payload": args.payload}
+        return
+    if args.payload is not None or args.msg_id is not None:
+        raise ValueError("--payload and --msg-id need --execution-id")
+    for number, line in enumerate(sys.stdin, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"stdin line {number}: not JSON: {exc.msg}") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"stdin line {number}: expected a JSON object")
+        yield record
+
+
+def _publish(args: argparse.Namespace, output: Output) -> int:
+    face = "evt_ingest" if args.events else "cmd_ingest"
+    if args.writers and args.addr:
+        raise ValueError("give --addr or --writers, not both")
+    publisher: blocking.Router | blocking.IngestClient = (
+        blocking.Router(ShardMap.parse(args.writers))
+        if args.writers
+        else blocking.IngestClient(args.addr or _default(face))
+    )
+    with publisher:
+        for record in _records(args):
+            published = publisher.publish(record, msg_id=args.msg_id, timeout=CALL_TIMEOUT)
+            output.row({"sort_key": published.sort_key, "subject": published.subject})
+    return 0
+
+
+def _claim(args: argparse.Namespace, output: Output) -> int:
+    if args.max is not None and args.max < 1:
+        raise ValueError(f"--max must be at least 1, got {args.max}")
+    if args.timeout is not None and args.timeout < 0:
+        raise ValueError(f"--timeout must be >= 0, got {args.timeout}")
+    claimed = 0
+    with blocking.ClaimClient.connect(_claim_address(args)) as claim:
+        while args.max is None or claimed < args.max:
+            delivery = claim.next(
+                args.filter,
+                wait=args.timeout,
+                group=args.group,
+                start=args.start,
+                timeout=CALL_TIMEOUT,
+            )
+            if delivery is None:
+                break
+            output.row(delivery)
+            claimed += 1
+            if not args.no_ack:
+                claim.ack(delivery.sort_key, group=args.group, timeout=CALL_TIMEOUT)
+    return 0
+
+
+def _tier_append(args: argparse.Namespace, output: Output) -> int:
+    with blocking.TierClient.connect(args.addr) as tier:
+        output.row(
+            tier.append(args.execution_id, args.payload, tier=args.tier, timeout=CALL_TIMEOUT)
+        )
+    return 0
+
+
+def _tier_read(args: argparse.Namespace, output: Output) -> int:
+    with blocking.TierClient.connect(args.addr) as tier:
+        for record in tier.read_all(args.execution_id, tier=args.tier, timeout=CALL_TIMEOUT):
+            output.row(record)
+    return 0
+
+
+def _tier_scan(args: argparse.Namespace, output: Output) -> int:
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be at least 1, got {args.limit}")
+    remaining = args.limit
+    after = args.after
+    with blocking.TierClient.connect(args.addr) as tier:
+        while remaining is None or remaining > 0:
+            size = 1000 if remaining is None else min(1000, remaining)
+            page = tier.scan(tier=args.tier, after=after, limit=size, timeout=CALL_TIMEOUT)
+            for record in page.records:
+                output.row(record)
+            if remaining is not None:
+                remaining -= len(page.records)
+            if page.next_after is None:
+                break
+            after = page.next_after
+    return 0
+
+
+def _lag(args: argparse.Namespace, output: Output) -> int:
+    with blocking.ClaimClient.connect(_claim_address(args)) as claim:
+        output.row(claim.lag(args.filter, group=args.group, timeout=CALL_TIMEOUT))
+    return 0
+
+
+def _dead(args: argparse.Namespace, output: Output) -> int:
+    with blocking.ClaimClient.connect(_claim_address(args)) as claim:
+        for delivery in claim.dead(args.filter, group=args.group, limit=1000, timeout=CALL_TIMEOUT):
+            output.row(delivery)
+    return 0
+
+
+def fetch(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    """GET ``url``: the status and body; raises :class:`OSError` when there is no answer."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return int(response.status), bytes(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def _health(args: argparse.Namespace, output: Output) -> int:
+    url = args.url.rstrip("/") + "/healthz"
+    try:
+        status, body = fetch(url)
+    except OSError as exc:
+        raise ValueError(f"{url}: no answer: {exc}") from None
+    if status != 200:
+        raise ValueError(f"{url}: HTTP {status}")
+    document = json.loads(body)
+    output.row(document)
+    return 0 if document.get("status") == "ok" else 1
+
+
+_RUNNERS = {
+    "publish": _publish,
+    "claim": _claim,
+    "tier append": _tier_append,
+    "tier read": _tier_read,
+    "tier scan": _tier_scan,
+    "lag": _lag,
+    "dead": _dead,
+    "health": _health,
+}

@@ -1,0 +1,332 @@
+"""``cmdbus-trio diagnose [URL]``: one look at a writer's control face, and a verdict.
+
+It reads ``/healthz`` and ``/metrics``, waits ``--interval`` seconds, reads both again,
+and says which of these holds, worst first, each with the evidence lines that show it:
+
+- **unreachable**: nothing answers at the URL;
+- **stalled**: the event loop is blocked. ``/healthz`` does not answer in time, or says
+  the heartbeat was late; requests are *not* being shed, they are not being looked at;
+- **poisoned** / **contended**: a store refuses writes / waits for its write lock;
+- **saturated**: the loop is fine but a face sheds requests or queues them long: it
+  has more work than its Gate admits (which face, which op, shed rate, queue wait);
+- **backlog growing**: a subject's lag rose between the scrapes (which subject, pool);
+- **healthy**: none of the above.
+
+"Saturated" and "stalled" look alike from outside (slow or failed requests) and need
+opposite fixes: more capacity or fewer clients, against finding what blocks the loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import time
+import urllib.error
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+import attrs
+from prometheus_client.parser import text_string_to_metric_families
+
+from ._output import Output, fail
+from .client import fetch
+
+QUEUE_WAIT_SATURATED = 0.1
+"""Seconds: a p99 queue wait above this, with requests waiting, counts as saturated."""
+Labels = frozenset[tuple[str, str]]
+
+
+@attrs.frozen
+class Finding:
+    verdict: str
+    summary: str
+    evidence: tuple[str, ...] = ()
+
+
+SEVERITY = ["unreachable", "stalled", "poisoned", "saturated", "contended", "backlog growing"]
+
+
+class Scrape:
+    """One /metrics text, as ``name → {labels: value}``."""
+
+    def __init__(self, text: str) -> None:
+        self.samples: dict[str, dict[Labels, float]] = defaultdict(dict)
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                self.samples[sample.name][frozenset(sample.labels.items())] = sample.value
+
+    def series(self, name: str) -> dict[Labels, float]:
+        return self.samples.get(name, {})
+
+
+def _label(labels: Labels, name: str) -> str:
+    return dict(labels).get(name, "")
+
+
+def _show(name: str, labels: Labels) -> str:
+    inner = ",".join(f'{k}="{v}"' for k, v in sorted(labels))
+    return f"{name}{{{inner}}}" if inner else name
+
+
+def _delta(before: Scrape, after: Scrape, name: str) -> dict[Labels, float]:
+    old = before.series(name)
+    return {labels: value - old.get(labels, 0.0) for labels, value in after.series(name).items()}
+
+
+def _quantile(buckets: dict[float, float], q: float) -> float | None:
+    """The q-quantile of cumulative bucket counts, interpolated as Prometheus does."""
+    bounds = sorted(buckets)
+    total = buckets[bounds[-1]] if bounds else 0.0
+    if total <= 0:
+        return None
+    rank, previous_bound, previous_count = q * total, 0.0, 0.0
+    for bound in bounds:
+        count = buckets[bound]
+        if count >= rank:
+            if bound == float("inf"):
+                return previous_bound
+            share = (rank - previous_count) / max(count - previous_count, 1e-12)
+            return previous_bound + (bound - previous_bound) * share
+        previous_bound, previous_count = bound, count
+    return previous_bound
+
+
+def _histogram_deltas(
+    before: Scrape, after: Scrape, name: str, keys: Iterable[str]
+) -> dict[tuple[str, ...], dict[float, float]]:
+    """Bucket count increases of a histogram, grouped by the labels ``keys``."""
+    grouped: dict[tuple[str, ...], dict[float, float]] = defaultdict(lambda: defaultdict(float))
+    for labels, increase in _delta(before, after, f"{name}_bucket").items():
+        key = tuple(_label(labels, k) for k in keys)
+        grouped[key][float(_label(labels, "le"))] += increase
+    return grouped
+
+
+def assess(
+    health: tuple[dict[str, Any] | None, dict[str, Any] | None],
+    before: Scrape,
+    after: Scrape,
+    interval: float,
+) -> list[Finding]:
+    """Every finding from two health documents and two scrapes ``interval`` s apart,
+    worst first; ``[healthy]`` when there is none."""
+    findings = [
+        *_stalled(health, before, after),
+        *_stores(health[1] or health[0] or {}),
+        *_saturated(before, after, interval),
+        *_backlog(before, after, interval),
+    ]
+    if not findings:
+        loop = (health[1] or {}).get("loop", {})
+        findings.append(
+            Finding(
+                "healthy",
+                "no shedding, no stall, stores ok, no growing backlog",
+                (
+                    f"loop lag last {loop.get('last_lag_ms')} ms, /healthz turn "
+                    f"{loop.get('turn_ms')} ms",
+                ),
+            )
+        )
+    return sorted(
+        findings, key=lambda f: SEVERITY.index(f.verdict) if f.verdict in SEVERITY else 99
+    )
+
+
+def _stalled(
+    health: tuple[dict[str, Any] | None, dict[str, Any] | None], before: Scrape, after: Scrape
+) -> list[Finding]:
+    """The writer's own judgment (its liveness threshold), with the heartbeat histogram
+    as supporting evidence."""
+    evidence = []
+    for document in health:
+        loop = (document or {}).get("loop", {})
+        if loop.get("stalled"):
+            evidence.append(f"/healthz loop.reason: {loop.get('reason')}")
+            evidence.append(f"/healthz loop.worst_recent_lag_ms: {loop.get('worst_recent_lag_ms')}")
+    if not evidence:
+        return []
+    for buckets in _histogram_deltas(before, after, "cmdbus_loop_lag_seconds", ()).values():
+        total = buckets.get(float("inf"), 0.0)
+        if late := total - buckets.get(1.0, total):
+            evidence.append(f"cmdbus_loop_lag_seconds: {late:.0f} heartbeats over 1 s late")
+    return [
+        Finding(
+            "stalled",
+            "the event loop is blocked: requests wait unseen, none are shed",
+            tuple(dict.fromkeys(evidence)),
+        )
+    ]
+
+
+def _stores(document: dict[str, Any]) -> list[Finding]:
+    findings = []
+    for name, store in sorted(document.get("stores", {}).items()):
+        state = store.get("state")
+        if state == "poisoned":
+            findings.append(
+                Finding(
+                    "poisoned",
+                    f"store {name} is poisoned: writes are refused until a restart",
+                    (
+                        f"/healthz stores.{name}.poisoned_reason: {store.get('poisoned_reason')}",
+                        f'cmdbus_store_state{{store="{name}",state="poisoned"}} 1',
+                    ),
+                )
+            )
+        elif state == "contended":
+            findings.append(
+                Finding(
+                    "contended",
+                    f"store {name} is contended: writers wait for its lock",
+                    (f'cmdbus_store_state{{store="{name}",state="contended"}} 1',),
+                )
+            )
+    return findings
+
+
+def _saturated(before: Scrape, after: Scrape, interval: float) -> list[Finding]:
+    sheds = {k: v for k, v in _delta(before, after, "cmdbus_shed_total").items() if v > 0}
+    waits = _histogram_deltas(before, after, "cmdbus_queue_wait_seconds", ("face", "op"))
+    faces: dict[str, list[str]] = defaultdict(list)
+    summaries: dict[str, list[str]] = defaultdict(list)
+    for labels, count in sorted(sheds.items(), key=lambda item: -item[1]):
+        face, op, reason = (_label(labels, k) for k in ("face", "op", "reason"))
+        faces[face].append(f"{_show('cmdbus_shed_total', labels)} +{count:.0f} in {interval:.1f} s")
+        summaries[face].append(f"{op} shed {count / interval:.1f}/s ({reason})")
+    for (face, op), buckets in sorted(waits.items()):
+        p99 = _quantile(buckets, 0.99)
+        if p99 is None:
+            continue
+        line = f'cmdbus_queue_wait_seconds{{face="{face}",op="{op}"}} p99 {p99 * 1000:.1f} ms'
+        if face in faces:
+            faces[face].append(line)
+        elif p99 > QUEUE_WAIT_SATURATED:
+            faces[face].append(line)
+            summaries[face].append(f"{op} queue wait p99 {p99 * 1000:.0f} ms")
+    findings = []
+    for face in sorted(faces):
+        gauges = [
+            f'{metric}{{face="{face}"}} {value:.0f}'
+            for metric in ("cmdbus_inflight", "cmdbus_capacity", "cmdbus_waiters")
+            for labels, value in after.series(metric).items()
+            if _label(labels, "face") == face
+        ]
+        findings.append(
+            Finding(
+                "saturated",
+                f"face {face}: " + "; ".join(summaries[face]) + " (the loop itself is fine)",
+                tuple(faces[face] + gauges),
+            )
+        )
+    return findings
+
+
+def _backlog(before: Scrape, after: Scrape, interval: float) -> list[Finding]:
+    findings = []
+    for metric, key in (("ehdb_feed_subject_lag", "subject"), ("ehdb_events_group_lag", "group")):
+        old = before.series(metric)
+        for labels, value in sorted(after.series(metric).items(), key=lambda i: sorted(i[0])):
+            grew = value - old.get(labels, 0.0)
+            if grew <= 0:
+                continue
+            name = _label(labels, key)
+            tokens = name.split(".")
+            where = (
+                f"subject {name} (pool {tokens[1]})"
+                if key == "subject" and len(tokens) > 1
+                else f"{key} {name}"
+            )
+            findings.append(
+                Finding(
+                    "backlog growing",
+                    f"{where}: +{grew / interval:.1f}/s, now {value:.0f}: consumers do not keep up",
+                    (
+                        f"{_show(metric, labels)} {old.get(labels, 0.0):.0f} -> {value:.0f} "
+                        f"in {interval:.1f} s",
+                    ),
+                )
+            )
+    return findings
+
+
+def _healthz(url: str, timeout: float) -> tuple[dict[str, Any] | None, str | None]:
+    """The /healthz document, or why there is none (``"timeout"`` or ``"refused: …"``)."""
+    try:
+        status, body = fetch(f"{url}/healthz", timeout)
+    except TimeoutError:
+        return None, "timeout"
+    except urllib.error.URLError as exc:
+        if isinstance(exc.reason, TimeoutError | socket.timeout):
+            return None, "timeout"
+        return None, f"refused: {exc.reason}"
+    except OSError as exc:
+        return None, f"refused: {exc}"
+    if status != 200:
+        return None, f"refused: HTTP {status}"
+    document: dict[str, Any] = json.loads(body)
+    return document, None
+
+
+def diagnose(url: str, *, interval: float, timeout: float) -> list[Finding]:
+    url = url.rstrip("/")
+    first, problem = _healthz(url, timeout)
+    if problem == "timeout":
+        return [
+            Finding(
+                "stalled",
+                "the writer accepts connections but /healthz did not answer: the event loop "
+                "is blocked (or the process is frozen)",
+                (f"GET {url}/healthz: no answer within {timeout:.1f} s",),
+            )
+        ]
+    if problem is not None:
+        return [
+            Finding("unreachable", f"nothing answers at {url}", (f"GET {url}/healthz: {problem}",))
+        ]
+    try:
+        before = Scrape(fetch(f"{url}/metrics", timeout)[1].decode())
+        time.sleep(interval)
+        second, _ = _healthz(url, timeout)
+        after = Scrape(fetch(f"{url}/metrics", timeout)[1].decode())
+    except OSError as exc:
+        return [
+            Finding(
+                "stalled",
+                "the control face stopped answering during the look: the loop is blocked",
+                (f"GET {url}/metrics: {exc}",),
+            )
+        ]
+    return assess((first, second), before, after, interval)
+
+
+def add_parser(commands: Any) -> None:
+    parser = commands.add_parser(
+        "diagnose",
+        help="say whether a writer is healthy, saturated, stalled, poisoned or backlogged",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("url", nargs="?", default="http://127.0.0.1:9090", help="control face")
+    parser.add_argument("--interval", type=float, default=3.0, help="seconds between scrapes")
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait per request")
+    parser.add_argument("--human", action="store_true", help="print text, not JSON lines")
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.interval > 0 or not args.timeout > 0:
+        return fail("diagnose", "--interval and --timeout must be > 0 seconds")
+    findings = diagnose(args.url, interval=args.interval, timeout=args.timeout)
+    if args.human:
+        for index, finding in enumerate(findings):
+            prefix = "" if index == 0 else "also "
+            print(f"{prefix}{finding.verdict.upper()}: {finding.summary}")
+            for line in finding.evidence:
+                print(f"    {line}")
+    else:
+        output = Output(human=False)
+        for finding in findings:
+            output.row(finding)
+    return 0 if findings[0].verdict == "healthy" else 1

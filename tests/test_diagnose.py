@@ -1,0 +1,144 @@
+"""`cmdbus-trio diagnose` against five induced states of a real writer: its verdict must
+name the right one, and never take saturation for a stall or the other way round."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import Any
+
+from cmdbus_trio.client import Busy, ClientError, Unavailable, blocking
+from cmdbus_trio.commands.diagnose import Scrape, _quantile, assess
+
+from .helpers import cli, serving
+
+
+def diagnose(ports: dict[str, str], *args: str) -> tuple[int, list[dict[str, Any]]]:
+    result = subprocess.run(
+        cli("diagnose", f"http://{ports['control']}", "--interval", "2", *args),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.stderr == ""
+    return result.returncode, [json.loads(line) for line in result.stdout.splitlines()]
+
+
+@contextmanager
+def background(work: Callable[[threading.Event], None], threads: int = 1) -> Iterator[None]:
+    stop = threading.Event()
+    workers = [threading.Thread(target=work, args=(stop,)) for _ in range(threads)]
+    for worker in workers:
+        worker.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for worker in workers:
+            worker.join(timeout=30)
+
+
+def test_idle_is_healthy(tmp_path: Path) -> None:
+    with serving(tmp_path) as (_, ports):
+        code, findings = diagnose(ports)
+    assert code == 0 and [f["verdict"] for f in findings] == ["healthy"]
+
+
+def test_a_tiny_gate_under_a_flood_is_saturated(tmp_path: Path) -> None:
+    gate = {"CMDBUS_TIER_MAX_INFLIGHT": "1", "CMDBUS_TIER_MAX_WAITERS": "0"}
+    with serving(tmp_path, **gate) as (_, ports):
+
+        def flood(stop: threading.Event) -> None:
+            with blocking.TierClient.connect(ports["tier"]) as tier:
+                while not stop.is_set():
+                    with suppress(Busy):
+                        tier.append("flood", "{}")
+
+        with background(flood, threads=6):
+            code, findings = diagnose(ports)
+    assert code == 1
+    first = findings[0]
+    assert first["verdict"] == "saturated", findings
+    assert "face tier" in first["summary"] and "append shed" in first["summary"]
+    assert "waiters_full" in first["summary"]
+    assert any('cmdbus_capacity{face="tier"} 1' in line for line in first["evidence"])
+    assert "stalled" not in [f["verdict"] for f in findings]
+
+
+def test_a_blocked_loop_is_stalled_not_saturated(tmp_path: Path) -> None:
+    env = {"CMDBUS_DEBUG_HOOKS": "true", "CMDBUS_LIVENESS_THRESHOLD_MS": "500"}
+    with serving(tmp_path, **env) as (_, ports):
+        block = urllib.request.Request(
+            f"http://{ports['control']}/debug/block-loop?seconds=3", method="POST"
+        )
+        with urllib.request.urlopen(block, timeout=10) as response:
+            assert response.status == 202
+        # While it is blocked, /healthz cannot answer.
+        code, during = diagnose(ports, "--timeout", "1")
+        assert code == 1 and during[0]["verdict"] == "stalled", during
+        assert "did not answer" in during[0]["summary"]
+        time.sleep(2.5)
+        # After it, the writer's heartbeat remembers the stall for the liveness window.
+        code, after = diagnose(ports)
+    assert code == 1 and after[0]["verdict"] == "stalled", after
+    assert any("heartbeat" in line or "stalled" in line for line in after[0]["evidence"])
+    assert "saturated" not in [f["verdict"] for f in during + after]
+
+
+def test_a_failed_write_is_poisoned(tmp_path: Path) -> None:
+    with serving(tmp_path, file_size_limit=512 * 1024) as (_, ports):
+        with blocking.TierClient.connect(ports["tier"]) as tier:
+            for _ in range(1000):
+                try:
+                    tier.append("big", json.dumps("x" * 8000), timeout=10)
+                except Unavailable:
+                    break
+            else:
+                raise AssertionError("the file-size limit never failed a write")
+        code, findings = diagnose(ports)
+    assert code == 1 and findings[0]["verdict"] == "poisoned", findings
+    assert "store tier" in findings[0]["summary"]
+    assert any("poisoned_reason" in line for line in findings[0]["evidence"])
+
+
+def test_no_consumers_is_a_growing_backlog(tmp_path: Path) -> None:
+    with serving(tmp_path) as (_, ports):
+
+        def publish(stop: threading.Event) -> None:
+            with blocking.IngestClient.connect(ports["cmd_ingest"]) as ingest:
+                n = 0
+                while not stop.is_set():
+                    n += 1
+                    payload = json.dumps({"execution_pool": "system"})
+                    try:
+                        ingest.publish({"execution_id": n, "payload": payload})
+                    except ClientError:
+                        return
+                    time.sleep(0.01)
+
+        with background(publish):
+            time.sleep(1.2)  # the lag sampler has published a first value
+            code, findings = diagnose(ports)
+    assert code == 1 and findings[0]["verdict"] == "backlog growing", findings
+    assert "subject commands.system.shard.0 (pool system)" in findings[0]["summary"]
+
+
+def test_quantile_interpolates_like_prometheus() -> None:
+    buckets = {0.1: 50.0, 0.2: 100.0, float("inf"): 100.0}
+    assert _quantile(buckets, 0.5) == 0.1
+    assert abs((_quantile(buckets, 0.75) or 0) - 0.15) < 1e-9
+    assert _quantile({float("inf"): 0.0}, 0.99) is None
+
+
+def test_assess_from_scrapes_alone() -> None:
+    before = Scrape('cmdbus_shed_total{face="tier",op="scan",reason="queue_timeout"} 1\n')
+    after = Scrape('cmdbus_shed_total{face="tier",op="scan",reason="queue_timeout"} 31\n')
+    findings = assess(({}, {}), before, after, 3.0)
+    assert [f.verdict for f in findings] == ["saturated"]
+    assert "scan shed 10.0/s (queue_timeout)" in findings[0].summary
