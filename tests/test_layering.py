@@ -35,6 +35,13 @@ def test_sans_io_packages_never_import_trio_or_sockets(package: str) -> None:
         assert not forbidden, f"{path.relative_to(SRC)} imports {forbidden}"
 
 
+def test_only_the_trio_client_imports_trio_in_the_client_package() -> None:
+    users = sorted(
+        path.name for path in (SRC / "client").glob("*.py") if "trio" in imported_modules(path)
+    )
+    assert users == ["trio.py"]
+
+
 def test_only_the_offload_helper_enters_a_thread() -> None:
     users = sorted(
         str(path.relative_to(SRC))
