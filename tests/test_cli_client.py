@@ -215,3 +215,13 @@ def test_bench_errors() -> None:
         "cannot reach http://127.0.0.1:1",
     )
     assert_fails(run("bench", "--scenario", "publish", "--duration", "0"), "--duration must be > 0")
+
+
+def test_lag_dead_read_and_diagnose_error_paths(server: dict[str, str]) -> None:
+    assert_fails(run("client", "lag", "--addr", server["cmd_claim"], "--filter", "a..b"), "filter")
+    assert_fails(run("client", "dead", "--addr", server["cmd_claim"], "--group", "g"), "group")
+    assert_fails(
+        run("client", "tier", "read", "--addr", "127.0.0.1:1", "--execution-id", "1"),
+        "cannot connect",
+    )
+    assert_fails(run("diagnose", "--interval", "0"), "--interval and --timeout must be > 0")
