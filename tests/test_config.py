@@ -131,6 +131,17 @@ def test_shard_must_be_below_shard_count() -> None:
     assert load({"shard": "1", "shard_count": "2"}, environ={}).shard == 1
 
 
+def test_shard_auto_is_the_statefulset_ordinal() -> None:
+    environ = {"CMDBUS_SHARD": "auto", "CMDBUS_SHARD_COUNT": "3", "HOSTNAME": "cmdbus-trio-2"}
+    assert load({}, environ=environ).shard == 2
+    with pytest.raises(ConfigError, match=r"'auto'.*'writer' does not end in a StatefulSet"):
+        load({}, environ={**environ, "HOSTNAME": "writer"})
+    with pytest.raises(ConfigError, match=r"'2': must be below CMDBUS_SHARD_COUNT=2"):
+        load({"shard_count": "2"}, environ=environ)
+    with pytest.raises(ConfigError, match=r"CMDBUS_SHARD .*'x'.*integer >= 0 or auto"):
+        load({"shard": "x"}, environ={})
+
+
 def test_tls_needs_both_halves() -> None:
     with pytest.raises(ConfigError, match=r"CMDBUS_TLS_KEY.*needs both"):
         load({"tls_cert": "cert.pem"}, environ={})

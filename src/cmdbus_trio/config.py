@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -92,6 +93,19 @@ def _int_range(low: int, high: int | None = None) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+_ORDINAL = re.compile(r"-(\d+)$")
+
+
+def _shard(text: str) -> int | str:
+    """A shard number, or ``auto``: resolved from the host name by :func:`load`."""
+    if text.strip() == "auto":
+        return "auto"
+    try:
+        return _int_range(0)(text)
+    except ValueError:
+        raise ValueError("expected an integer >= 0 or auto") from None
 
 
 def _optional_int(low: int) -> Callable[[str], int | None]:
@@ -196,7 +210,12 @@ SETTINGS: tuple[Setting, ...] = (
         _optional_path,
         'when set, {face: "host:port"} of every enabled face is written there, once all listen',
     ),
-    Setting("shard", "0", _int_range(0), "the shard this writer owns"),
+    Setting(
+        "shard",
+        "0",
+        _shard,
+        "the shard this writer owns; auto: the StatefulSet pod ordinal (host name suffix -N)",
+    ),
     Setting("shard_count", "1", _int_range(1), "how many shards the cluster has"),
     Setting("ack_wait_ms", "30000", _int_range(1), "lease of a claimed record before redelivery"),
     Setting("max_deliver", "0", _int_range(0), "deliveries before a record is dead; 0: unlimited"),
@@ -389,11 +408,24 @@ def load(
             values[setting.name] = setting.parse(raw)
         except ValueError as exc:
             raise ConfigError(setting, raw, str(exc)) from None
-    _resolve_derived(values, cgroup_root)
+    _resolve_derived(values, cgroup_root, environ)
     return Config(**values)
 
 
-def _resolve_derived(values: dict[str, Any], cgroup_root: Path) -> None:
+def _resolve_derived(
+    values: dict[str, Any], cgroup_root: Path, environ: Mapping[str, str]
+) -> None:
+    if values["shard"] == "auto":
+        # Kubernetes sets HOSTNAME to the pod name: <statefulset>-<ordinal>.
+        host = environ.get("HOSTNAME") or socket.gethostname()
+        ordinal = _ORDINAL.search(host)
+        if ordinal is None:
+            raise ConfigError(
+                SETTINGS_BY_NAME["shard"],
+                "auto",
+                f"host name {host!r} does not end in a StatefulSet ordinal (-N)",
+            )
+        values["shard"] = int(ordinal.group(1))
     if values["tier_max_inflight"] is None:
         values["tier_max_inflight"] = cpu_quota(cgroup_root)
     if values["tier_max_waiters"] is None:
