@@ -412,9 +412,7 @@ def load(
     return Config(**values)
 
 
-def _resolve_derived(
-    values: dict[str, Any], cgroup_root: Path, environ: Mapping[str, str]
-) -> None:
+def _resolve_derived(values: dict[str, Any], cgroup_root: Path, environ: Mapping[str, str]) -> None:
     if values["shard"] == "auto":
         # Kubernetes sets HOSTNAME to the pod name: <statefulset>-<ordinal>.
         host = environ.get("HOSTNAME") or socket.gethostname()
