@@ -8,6 +8,7 @@ turns that into one line on stderr and exit status 2.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import socket
@@ -29,6 +30,8 @@ FACE_NAMES = (
     "tier",
 )
 DATA_FACE_NAMES = FACE_NAMES[1:]
+
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 DEFAULT_PORTS = {
     "control": 9090,
@@ -163,6 +166,16 @@ def _groups(text: str) -> tuple[str, ...]:
     return names
 
 
+def _cidrs(text: str) -> tuple[IPNetwork, ...]:
+    networks = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        try:
+            networks.append(ipaddress.ip_network(part, strict=False))
+        except ValueError:
+            raise ValueError(f"{part!r} is not a network like 10.0.0.0/8 or ::1/128") from None
+    return tuple(networks)
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -294,6 +307,24 @@ SETTINGS: tuple[Setting, ...] = (
         "sys.setswitchinterval while serving, so worker threads cannot hog the GIL",
     ),
     Setting("auth_token", "", _optional_text, "shared token required in the v2 hello (unset: off)"),
+    Setting(
+        "allow_v1",
+        "false",
+        _bool,
+        "with an auth token set, still accept v1 (token-less) connections from v1_cidrs",
+    ),
+    Setting(
+        "v1_cidrs",
+        "127.0.0.0/8,::1/128",
+        _cidrs,
+        "networks v1 connections may come from when allow_v1 is on, comma-separated",
+    ),
+    Setting(
+        "max_connections",
+        "1024",
+        _int_range(1),
+        "open connections per data face; more are accepted and closed at once (counted)",
+    ),
     Setting("tls_cert", "", _optional_path, "TLS certificate for the data faces (unset: off)"),
     Setting("tls_key", "", _optional_path, "TLS private key for the data faces (unset: off)"),
     Setting("log_format", "json", _choice("json", "console"), "log line format"),
@@ -347,6 +378,9 @@ class Config:
     control_keepalive_ms: int
     switch_interval_ms: float
     auth_token: str | None
+    allow_v1: bool
+    v1_cidrs: tuple[IPNetwork, ...]
+    max_connections: int
     tls_cert: Path | None
     tls_key: Path | None
     log_format: str
@@ -369,6 +403,8 @@ class Config:
                 value = "***"
             elif isinstance(value, (Bind, Path)):
                 value = str(value)
+            elif setting.name == "v1_cidrs":
+                value = [str(network) for network in value]
             out[setting.name] = value
         return out
 

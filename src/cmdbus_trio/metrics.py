@@ -85,7 +85,9 @@ CONNECTIONS = Counter(
     "cmdbus_connections_total",
     "Data-face connections by outcome: accepted when opened; closed, protocol_error, "
     "write_error, too_large, idle_timeout, unavailable (v1 only: a store that cannot "
-    "write) or internal_error (a bug, logged with its traceback) when they ended.",
+    "write), unauthorized (no or wrong auth token; v1 when refused), over_capacity "
+    "(closed at once: the face had CMDBUS_MAX_CONNECTIONS open) or internal_error (a bug, "
+    "logged with its traceback) when they ended.",
     ["face", "outcome"],
     registry=REGISTRY,
 )

@@ -60,15 +60,19 @@ class ClientProtocol:
     """
 
     def __init__(
-        self, *, client: str = f"cmdbus-trio-client/{__version__}", max_reply_bytes: int = 0
+        self, *, client: str | None = None, token: str | None = None, max_reply_bytes: int = 0
     ) -> None:
-        self.client = client
+        self.client = client or f"cmdbus-trio-client/{__version__}"
+        self.token = token
         self._decoder = FrameDecoder(max_reply_bytes or DEFAULT_MAX_REPLY_BYTES)
         self._next_id = 0
         self.hello: ServerHello | None = None
 
     def hello_frame(self) -> bytes:
-        return encode_frame(dumps({"hello": {"protocol": 2, "client": self.client}}))
+        hello: dict[str, Any] = {"protocol": 2, "client": self.client}
+        if self.token is not None:
+            hello["token"] = self.token
+        return encode_frame(dumps({"hello": hello}))
 
     def request(
         self, op: str, fields: dict[str, Any], *, deadline: float | None = None
@@ -88,7 +92,7 @@ class ClientProtocol:
             )
         return self._next_id, encode_frame(body)
 
-    def receive_data(self, data: bytes) -> None:
+    def receive_data(self, data: bytes | bytearray) -> None:
         """Bytes from the socket; ``b""`` means the server closed it."""
         self._decoder.receive_data(data)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -56,12 +57,16 @@ class Connection:
         *,
         retry: RetryPolicy | None = None,
         client: str | None = None,
+        token: str | None = None,
+        ssl_context: ssl.SSLContext | None = None,
         connect_timeout: float = 10.0,
     ) -> None:
         split_address(address)
         self.address = address
         self.retry = retry
         self._client_name = client
+        self._token = token
+        self._ssl_context = ssl_context
         self._connect_timeout = connect_timeout
         self._sock: socket.socket | None = None
         self._protocol = ClientProtocol()
@@ -195,9 +200,7 @@ class Connection:
         if self._sock is not None:
             return self._sock
         host, port = split_address(self.address)
-        protocol = (
-            ClientProtocol(client=self._client_name) if self._client_name else ClientProtocol()
-        )
+        protocol = ClientProtocol(client=self._client_name, token=self._token)
         try:
             sock = socket.create_connection((host, port), timeout=self._connect_timeout)
         except OSError as exc:
@@ -205,6 +208,8 @@ class Connection:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock, self._protocol = sock, protocol
         try:
+            if self._ssl_context is not None:
+                sock = self._sock = self._ssl_context.wrap_socket(sock, server_hostname=host)
             sock.sendall(protocol.hello_frame())
             while (event := protocol.next_event()) is NEED_DATA:
                 protocol.receive_data(sock.recv(RECEIVE_CHUNK))

@@ -11,6 +11,7 @@ reads the socket for everyone, so a client needs no background task and no nurse
 from __future__ import annotations
 
 import math
+import ssl
 from collections import deque
 from collections.abc import AsyncIterator, Iterable
 from typing import Any, Self, TypeVar
@@ -74,14 +75,19 @@ class Connection:
         *,
         retry: RetryPolicy | None = None,
         client: str | None = None,
+        token: str | None = None,
+        ssl_context: ssl.SSLContext | None = None,
         connect_timeout: float = 10.0,
     ) -> None:
         split_address(address)
         self.address = address
         self.retry = retry
         self._client_name = client
+        self._token = token
+        self._ssl_context = ssl_context
         self._connect_timeout = connect_timeout
-        self._stream: trio.SocketStream | None = None
+        self._stream: trio.abc.Stream | None = None
+        self._transport: trio.SocketStream | None = None
         self._protocol = ClientProtocol()
         self._pending: dict[int, _Slot] = {}
         self._reading = False
@@ -148,19 +154,20 @@ class Connection:
             if self._pending.get(request_id) is slot:  # ids restart when we reconnect
                 del self._pending[request_id]
 
-    async def _connected(self) -> trio.SocketStream:
+    async def _connected(self) -> trio.abc.Stream:
         async with self._connect_lock:
             if self._closed:
                 raise ConnectionLost("the client was closed")
             if self._stream is not None:
                 return self._stream
             host, port = split_address(self.address)
-            protocol = (
-                ClientProtocol(client=self._client_name) if self._client_name else ClientProtocol()
-            )
+            protocol = ClientProtocol(client=self._client_name, token=self._token)
             try:
                 with trio.fail_after(self._connect_timeout):
-                    stream = await trio.open_tcp_stream(host, port)
+                    transport = await trio.open_tcp_stream(host, port)
+                    stream: trio.abc.Stream = transport
+                    if self._ssl_context is not None:
+                        stream = trio.SSLStream(transport, self._ssl_context, server_hostname=host)
                     try:
                         await stream.send_all(protocol.hello_frame())
                         while (event := protocol.next_event()) is NEED_DATA:
@@ -169,14 +176,17 @@ class Connection:
                         await trio.aclose_forcefully(stream)
                         raise
             except (OSError, trio.BrokenResourceError, trio.TooSlowError) as exc:
-                raise ConnectionLost(f"cannot connect to {self.address}: {exc!r}") from None
+                cause = exc.__cause__ if isinstance(exc, trio.BrokenResourceError) else None
+                raise ConnectionLost(
+                    f"cannot connect to {self.address}: {cause or exc!r}"
+                ) from None
             if not isinstance(event, ServerHello):
                 await trio.aclose_forcefully(stream)
                 raise ConnectionLost(f"{self.address} closed the connection during the hello")
-            self._stream, self._protocol = stream, protocol
+            self._stream, self._transport, self._protocol = stream, transport, protocol
             return stream
 
-    async def _send(self, stream: trio.SocketStream, frame: bytes) -> None:
+    async def _send(self, stream: trio.abc.Stream, frame: bytes) -> None:
         async with self._send_lock:
             try:
                 await stream.send_all(frame)
@@ -245,9 +255,9 @@ class Connection:
         slot.event.set()
 
     def _break(self, error: ClientError) -> None:
-        stream, self._stream = self._stream, None
-        if stream is not None:
-            stream.socket.close()  # no await: callers may be cancelled already
+        transport, self._stream, self._transport = self._transport, None, None
+        if transport is not None:
+            transport.socket.close()  # no await: callers may be cancelled already
         for slot in self._pending.values():
             if not slot.done:
                 slot.error = error

@@ -9,7 +9,10 @@ away, which cancels that connection's read work.
 
 from __future__ import annotations
 
+import hmac
+import ipaddress
 import logging
+import ssl
 from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Protocol
@@ -19,11 +22,13 @@ import trio
 
 from cmdbus_trio import __version__, metrics
 from cmdbus_trio.admission import DeadlineExceeded, GateClosed, Shed
+from cmdbus_trio.config import Config
 from cmdbus_trio.logs import event
 from cmdbus_trio.protocol import (
     NEED_DATA,
     ErrorCode,
     FrameDecoder,
+    Hello,
     LocalProtocolError,
     RemoteProtocolError,
     Request,
@@ -127,14 +132,19 @@ async def serve(
     accepting, let every connection finish its in-flight requests, and return.
     ``make_handler`` gives each connection its handler (stateless faces share one); it is
     given the connection's sender, for faces that push frames (subscriptions)."""
-    listeners = await trio.open_tcp_listeners(ctx.bind.port, host=ctx.bind.host)
+    tls = _tls_context(ctx.config)  # before binding: a bad certificate fails the start
+    sockets = await trio.open_tcp_listeners(ctx.bind.port, host=ctx.bind.host)
+    listeners: list[trio.abc.Listener[trio.abc.Stream]] = list(sockets)
+    if tls is not None:
+        # The handshake happens on the connection's first read, under its idle timeout.
+        listeners = [trio.SSLListener(listener, tls) for listener in sockets]
     async with trio.open_nursery() as connections:
         async with trio.open_nursery() as acceptor:
-            handle = partial(_Connection.run, ctx, make_handler)
+            handle = partial(_Connection.run, ctx, make_handler, _Count())
             await acceptor.start(
                 partial(trio.serve_listeners, handle, listeners, handler_nursery=connections)
             )
-            host, port = listeners[0].socket.getsockname()[:2]
+            host, port = sockets[0].socket.getsockname()[:2]
             task_status.started(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
             await ctx.draining.wait()
             acceptor.cancel_scope.cancel()
@@ -142,10 +152,38 @@ async def serve(
             await listener.aclose()
 
 
+def _tls_context(config: Config) -> ssl.SSLContext | None:
+    if config.tls_cert is None or config.tls_key is None:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(config.tls_cert, config.tls_key)
+    return context
+
+
+@attrs.define
+class _Count:
+    """Open connections of one face."""
+
+    open: int = 0
+
+
+def _peer_address(stream: trio.abc.Stream) -> str | None:
+    while isinstance(stream, trio.SSLStream):
+        stream = stream.transport_stream
+    if not isinstance(stream, trio.SocketStream):
+        return None
+    try:
+        peer = stream.socket.getpeername()
+    except OSError:
+        return None
+    return str(peer[0]) if isinstance(peer, tuple) else None
+
+
 class _Connection:
     handler: FaceHandler
 
-    def __init__(self, ctx: FaceContext, stream: trio.SocketStream) -> None:
+    def __init__(self, ctx: FaceContext, stream: trio.abc.Stream) -> None:
         self.ctx = ctx
         self.face = ctx.name
         self._scope = trio.CancelScope()
@@ -162,20 +200,30 @@ class _Connection:
         cls,
         ctx: FaceContext,
         make_handler: Callable[[Sender], FaceHandler],
-        stream: trio.SocketStream,
+        count: _Count,
+        stream: trio.abc.Stream,
     ) -> None:
+        metrics.CONNECTIONS.labels(face=ctx.name, outcome="accepted").inc()
+        if count.open >= ctx.config.max_connections:
+            # Accept and close at once: the client sees a clean close, not a hang in the
+            # listen backlog, and the refusal is counted.
+            metrics.CONNECTIONS.labels(face=ctx.name, outcome="over_capacity").inc()
+            await trio.aclose_forcefully(stream)
+            return
+        count.open += 1
         connection = cls(ctx, stream)
         connection.handler = make_handler(connection._send)
-        metrics.CONNECTIONS.labels(face=connection.face, outcome="accepted").inc()
         try:
-            async with stream:
-                await connection._serve()
+            await connection._serve()
         except Exception as exc:
             # A bug met by one connection closes that connection only; the face and
             # every other client keep going.
             connection._end("internal_error")
             event(log, logging.ERROR, "connection_failed", face=connection.face, exc_info=exc)
         finally:
+            count.open -= 1
+            # Forcefully: a TLS close_notify to a peer that does not read could hang.
+            await trio.aclose_forcefully(stream)
             connection.handler.closed()
             metrics.CONNECTIONS.labels(face=connection.face, outcome=connection.outcome).inc()
 
@@ -260,10 +308,35 @@ class _Connection:
             self._end("protocol_error")
             await self._answer_unreadable(exc)
             return
+        if refusal := self._unauthorized(hello):
+            self._end("unauthorized")
+            if hello is not None:  # v1 has no error frame for this: it is closed
+                await self._answer_unreadable(RemoteProtocolError(refusal, fatal=True))
+            return
         if hello is None:
             await self._serve_v1(first, arrival, frames)
         else:
             await self._serve_v2(frames)
+
+    def _unauthorized(self, hello: Hello | None) -> str | None:
+        """Why the connection may not go on (``CMDBUS_AUTH_TOKEN``), or None."""
+        config = self.ctx.config
+        if config.auth_token is None:
+            return None
+        if hello is not None:
+            token = hello.fields.get("token")
+            if isinstance(token, str) and hmac.compare_digest(
+                token.encode(), config.auth_token.encode()
+            ):
+                return None
+            return "hello.token: missing or not accepted"
+        if config.allow_v1:
+            peer = _peer_address(self.stream)
+            if peer is not None and any(
+                ipaddress.ip_address(peer) in network for network in config.v1_cidrs
+            ):
+                return None
+        return "v1 is refused: an auth token is required"
 
     async def _serve_v1(
         self, first: bytes, arrival: float, frames: trio.MemoryReceiveChannel[Item]

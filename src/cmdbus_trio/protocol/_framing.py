@@ -76,7 +76,7 @@ class FrameDecoder:
         length: int = HEADER.unpack_from(self._buffer, self._start)[0]
         return max(1, HEADER_SIZE + length - available)
 
-    def receive_data(self, data: bytes) -> None:
+    def receive_data(self, data: bytes | bytearray) -> None:
         if self._eof:
             raise RuntimeError("receive_data after end of stream")
         if not data:
