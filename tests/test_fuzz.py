@@ -1,0 +1,250 @@
+"""Fuzzing: hypothesis state machines and properties of the frame codec, the request
+decoders of every face and the client's reply decoder; then random frames against a
+running writer, which must answer each with an error or the documented close, never
+with an internal error, and keep serving other clients. (`nox -s fuzz` runs the same
+decoders under atheris for longer: fuzz/fuzz_protocol.py.)"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import struct
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from cmdbus_trio.client import ClientError
+from cmdbus_trio.client._core import ClientProtocol
+from cmdbus_trio.protocol import (
+    CLOSED,
+    NEED_DATA,
+    FrameDecoder,
+    RemoteProtocolError,
+    bus,
+    detect_dialect,
+    encode_frame,
+    parse_request,
+    tier,
+)
+from cmdbus_trio.protocol.subjects import parse_filter
+
+from .helpers import serving
+
+CAP = 512
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=12), children, max_size=4)
+    ),
+    max_leaves=12,
+)
+field_names = st.sampled_from(
+    ["execution_id", "payload", "payloads", "tier", "after", "limit", "transaction_id",
+     "expected_version", "record", "records", "msg_id", "filter", "group", "from",
+     "sort_key", "timeout_ms", "delay_ms", "member", "id", "op", "other"]
+)  # fmt: skip
+fields = st.dictionaries(field_names, json_values, max_size=5)
+
+
+class FrameStream(RuleBasedStateMachine):
+    """Frames in, cut anywhere; oversize headers and truncation; the decoder returns
+    exactly the frames sent, or one final RemoteProtocolError."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.decoder = FrameDecoder(CAP)
+        self.pending = b""
+        self.sent: list[bytes] = []
+        self.got: list[bytes] = []
+        self.error: RemoteProtocolError | None = None
+        self.ended = False
+
+    @precondition(lambda self: not self.ended and self.error is None)
+    @rule(body=st.binary(max_size=CAP))
+    def frame(self, body: bytes) -> None:
+        self.pending += encode_frame(body)
+        self.sent.append(body)
+
+    @precondition(lambda self: not self.ended and self.error is None)
+    @rule(size=st.integers(CAP + 1, (1 << 32) - 1))
+    def oversize_header(self, size: int) -> None:
+        self.pending += struct.pack(">I", size)
+        self.sent.append(b"<too large>")
+
+    @precondition(lambda self: not self.ended and self.pending != b"")
+    @rule(cut=st.integers(1, 64))
+    def deliver(self, cut: int) -> None:
+        chunk, self.pending = self.pending[:cut], self.pending[cut:]
+        self.decoder.receive_data(chunk)
+        self._pull()
+
+    @precondition(lambda self: not self.ended)
+    @rule()
+    def close(self) -> None:
+        if self.pending:
+            self.decoder.receive_data(self.pending)
+            self.pending = b""
+        self._pull()
+        self.decoder.receive_data(b"")
+        self.ended = True
+        self._pull()
+
+    @rule()
+    def look_again(self) -> None:
+        self._pull()  # asking again changes nothing
+
+    def _pull(self) -> None:
+        while self.error is None:
+            try:
+                frame = self.decoder.next_frame()
+            except RemoteProtocolError as exc:
+                self.error = exc
+                return
+            if frame is NEED_DATA or frame is CLOSED:
+                return
+            assert isinstance(frame, bytes)
+            self.got.append(frame)
+
+    @invariant()
+    def frames_in_order(self) -> None:
+        assert self.sent[: len(self.got)] == self.got
+        if self.error is not None:  # the first frame it could not return is the reason
+            assert self.error.fatal
+            with pytest.raises(RemoteProtocolError):
+                self.decoder.next_frame()  # and it stays broken
+        assert self.decoder.buffered <= CAP + 4 + 64
+
+
+TestFrameStream = FrameStream.TestCase
+TestFrameStream.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
+
+
+@given(st.binary(max_size=300))
+def test_envelope_and_dialect_decoders_raise_only_protocol_errors(body: bytes) -> None:
+    for decode in (parse_request, detect_dialect, tier.decode_v1, bus.decode_v1_record):
+        with contextlib.suppress(RemoteProtocolError):
+            decode(body)
+
+
+@given(st.sampled_from(["append", "append_batch", "read_execution", "scan", "health", "x"]), fields)
+def test_tier_decoder_raises_only_protocol_errors(op: str, request: dict[str, Any]) -> None:
+    for strict in (True, False):
+        with contextlib.suppress(RemoteProtocolError):
+            tier.decode_op(op, request, strict=strict)
+
+
+@given(st.sampled_from(["publish", "publish_batch", "x"]), fields, json_values)
+def test_bus_decoders_raise_only_protocol_errors(
+    op: str, request: dict[str, Any], value: Any
+) -> None:
+    for decode in (lambda: bus.decode_op(op, request), lambda: bus.decode_record(value)):
+        with contextlib.suppress(RemoteProtocolError):
+            decode()
+    with contextlib.suppress(RemoteProtocolError):
+        parse_filter(value)
+
+
+@given(st.lists(st.binary(max_size=200), max_size=5), st.booleans())
+def test_the_client_decoder_raises_only_client_errors(
+    frames: list[bytes], hello_first: bool
+) -> None:
+    client = ClientProtocol()
+    stream = b"".join(encode_frame(frame) for frame in frames)
+    if hello_first:
+        hello = {"ok": True, "protocol": 2, "server": "s", "face": "tier",
+                 "limits": {"max_request_bytes": 10, "max_reply_bytes": 10}}  # fmt: skip
+        stream = encode_frame(json.dumps(hello).encode()) + stream
+    if stream:
+        client.receive_data(stream)
+    client.receive_data(b"")
+    try:
+        while client.next_event() not in (NEED_DATA, CLOSED):
+            pass
+    except ClientError:
+        pass
+
+
+# --- against a running writer ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def writer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    env = {"CMDBUS_MAX_REQUEST_BYTES": "4096", "CMDBUS_READ_TIMEOUT_MS": "300",
+           "CMDBUS_IDLE_TIMEOUT_MS": "300"}  # fmt: skip
+    with serving(tmp_path_factory.mktemp("fuzz"), **env) as (_, ports):
+        yield ports
+
+
+def metric(ports: dict[str, str], prefix: str) -> float:
+    with urllib.request.urlopen(f"http://{ports['control']}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(prefix))
+
+
+def exchange(address: str, data: bytes) -> bytes:
+    """Send ``data``, then read until the server closes or goes quiet for a moment."""
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.settimeout(0.5)
+        try:
+            sock.sendall(data)
+            received = b""
+            while chunk := sock.recv(65536):
+                received += chunk
+        except (TimeoutError, ConnectionResetError, BrokenPipeError):
+            pass
+    return received
+
+
+hello = encode_frame(b'{"hello": {"protocol": 2, "client": "fuzz"}}')
+requests = st.builds(
+    lambda op, request, id_: json.dumps({"id": id_, "op": op, **request}).encode(),
+    st.sampled_from(["append", "read_execution", "scan", "publish", "publish_batch", "next",
+                     "ack", "nack", "extend", "lag", "dead", "subscribe", "health", "x"]),
+    fields,
+    st.one_of(st.integers(-5, 5), st.none(), st.text(max_size=3)),
+)  # fmt: skip
+frames = st.one_of(
+    requests.map(encode_frame), st.binary(max_size=64).map(encode_frame), st.binary(max_size=64)
+)
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    face=st.sampled_from(
+        ["tier", "cmd_ingest", "cmd_claim", "evt_ingest", "evt_claim", "evt_subscribe"]
+    ),
+    v2=st.booleans(),
+    payload=st.lists(frames, min_size=1, max_size=4),
+)
+def test_random_frames_over_a_socket_never_hurt_the_writer(
+    writer: dict[str, str], face: str, v2: bool, payload: list[bytes]
+) -> None:
+    exchange(writer[face], (hello if v2 else b"") + b"".join(payload))
+
+
+def test_after_the_fuzzing_nothing_failed_and_everyone_is_served(writer: dict[str, str]) -> None:
+    """Runs after the socket fuzz (file order): no request or connection hit a bug."""
+    assert metric(writer, 'cmdbus_connections_total{face="tier",outcome="accepted"}') > 0
+    assert metric(writer, "cmdbus_face_crashes_total") == 0
+    assert metric(writer, "cmdbus_connections_total{") > 0
+    assert metric(writer, 'cmdbus_connections_total{face="tier",outcome="internal_error"}') == 0
+    for face in ("cmd_ingest", "cmd_claim", "evt_ingest", "evt_claim", "evt_subscribe"):
+        prefix = f'cmdbus_connections_total{{face="{face}",outcome="internal_error"}}'
+        assert metric(writer, prefix) == 0, face
+    internal = 'outcome="internal"'
+    with urllib.request.urlopen(f"http://{writer['control']}/metrics", timeout=5) as response:
+        assert internal not in response.read().decode()
+    from cmdbus_trio.client.blocking import TierClient
+
+    with TierClient.connect(writer["tier"]) as tier_client:
+        assert tier_client.health()["status"] == "ok"
