@@ -62,3 +62,11 @@ def fuzz(session: nox.Session) -> None:
     session.install(".[fuzz]")
     flags = session.posargs or ["-max_total_time=60"]
     session.run("python", "fuzz/fuzz_protocol.py", "-artifact_prefix=fuzz/", *flags)
+
+
+@nox.session(python=PYTHONS[0])
+def crash(session: nox.Session) -> None:
+    """The crash test at full length: `nox -s crash -- --cycles 100` (CI runs 3 cycles
+    inside `tests`). Prints cycles and losses."""
+    session.install(".[test]")
+    session.run("pytest", "tests/durability", "-s", *(session.posargs or ["--cycles", "100"]))

@@ -10,6 +10,18 @@ from cmdbus_trio import metrics
 from cmdbus_trio.config import DATA_FACE_NAMES, Config, load
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--cycles", type=int, default=3, help="crash-test cycles (tests/durability); nox -s crash"
+    )
+
+
+@pytest.fixture
+def crash_cycles(request: pytest.FixtureRequest) -> int:
+    cycles: int = request.config.getoption("--cycles")
+    return cycles
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """DESIGN.md: the loop-blocking counter must stay 0 across the whole suite."""
     blocked = metrics.blocking_calls_total()
