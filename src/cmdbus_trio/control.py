@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sqlite3
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any, ClassVar
@@ -66,10 +67,10 @@ class ControlApp:
 
     async def _route(self, scope: Scope) -> tuple[int, bytes, bytes]:
         path, method = scope["path"], scope["method"]
-        if path == "/debug/block-loop" and self.debug_hooks:
+        if path in self._DEBUG and self.debug_hooks:
             if method != "POST":
                 return _json(405, {"error": "use POST"})
-            return self._block_loop(scope)
+            return self._DEBUG[path](self, scope)
         handler = self._GET.get(path)
         if handler is None:
             return _json(404, {"error": f"no such path {path}"})
@@ -121,6 +122,40 @@ class ControlApp:
         event(log, logging.WARNING, "debug_block_loop", seconds=seconds)
         self.nursery.start_soon(_block, seconds)
         return _json(202, {"blocking_s": seconds})
+
+
+    def _fail_writes(self, scope: Scope) -> tuple[int, bytes, bytes]:
+        """Test and drill hook (``CMDBUS_DEBUG_HOOKS``): every later write transaction
+        of a store fails as the disk would (``error``: ``eio`` or ``enospc``), which
+        poisons the store exactly as a real fault does."""
+        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        name = query.get("store", [""])[0]
+        error = query.get("error", ["eio"])[0]
+        store = self.health.stores.get(name)
+        if store is None or error not in _DISK_ERRORS:
+            return _json(
+                400,
+                {
+                    "error": f"store must be one of {sorted(self.health.stores)}, "
+                    f"error one of {sorted(_DISK_ERRORS)}"
+                },
+            )
+        message = _DISK_ERRORS[error]
+
+        def fail() -> None:
+            raise sqlite3.OperationalError(message)
+
+        store.before_commit = fail
+        event(log, logging.WARNING, "debug_fail_writes", store=name, error=error)
+        return _json(202, {"store": name, "error": error})
+
+    _DEBUG: ClassVar = {"/debug/block-loop": _block_loop, "/debug/fail-writes": _fail_writes}
+
+
+_DISK_ERRORS = {
+    "eio": "disk I/O error (injected: EIO)",
+    "enospc": "database or disk is full (injected: ENOSPC)",
+}
 
 
 async def _block(seconds: float) -> None:

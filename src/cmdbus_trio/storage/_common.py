@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from typing import Protocol
 
 
@@ -25,3 +26,6 @@ class Store(Protocol):
 
     @property
     def poisoned_reason(self) -> str | None: ...
+
+    before_commit: Callable[[], None] | None
+    """Test and drill hook: called inside each write transaction, before COMMIT."""
