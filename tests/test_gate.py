@@ -361,3 +361,52 @@ async def test_shed_bursts_log_start_and_end(
         assert caplog.records[1].cmdbus_fields["shed"] == {"waiters_full": 50}  # type: ignore[attr-defined]
         release.set()
         nursery.cancel_scope.cancel()
+
+
+async def test_intake_is_full_when_every_slot_and_place_is_taken(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    gate = make_gate(max_inflight=1, max_waiters=1)
+    assert not gate.intake_full
+    gate.take_in()
+    assert not gate.intake_full
+    gate.take_in()
+    assert gate.intake_full
+    gate.taken_out()
+    assert not gate.intake_full
+
+
+async def test_wait_for_room_wakes_one_connection_per_place(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    gate = make_gate(max_inflight=1, max_waiters=0)
+    gate.take_in()
+    woken: list[int] = []
+
+    async def connection(n: int) -> None:
+        await gate.wait_for_room()
+        gate.take_in()  # it takes the place it was woken for
+        woken.append(n)
+
+    async with trio.open_nursery() as nursery:
+        for n in range(3):
+            nursery.start_soon(connection, n)
+        await trio.testing.wait_all_tasks_blocked()
+        assert woken == []
+        gate.taken_out()  # one place: one connection goes on, the others keep waiting
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(woken) == 1
+        gate.taken_out()
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(woken) == 2
+        gate.close()  # draining: nobody waits any longer
+    assert sorted(woken) == [0, 1, 2]
+
+
+async def test_wait_for_room_returns_at_once_with_room(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    gate = make_gate(max_inflight=2, max_waiters=0)
+    gate.take_in()
+    with trio.fail_after(0.001):
+        await gate.wait_for_room()

@@ -187,6 +187,8 @@ class Gate:
         # thread, so this one never makes an admitted request wait.
         self._thread_limiter = trio.CapacityLimiter(max_inflight)
         self._waiting: set[trio.CancelScope] = set()
+        self._room = trio.lowlevel.ParkingLot()  # connections holding a client back
+        self._intake = 0
         self._idle = trio.Event()
         self._idle.set()
         self._closed = False
@@ -283,6 +285,37 @@ class Gate:
         if self._limiter.borrowed_tokens == 0:
             self._idle.set()
 
+    # --- intake: how connections hold back a flood --------------------------------------
+
+    @property
+    def intake_full(self) -> bool:
+        """Requests taken in by connections and not finished fill every slot and every
+        queue place: one more would be shed at once."""
+        return self._intake >= self.max_inflight + self.max_waiters
+
+    def take_in(self) -> None:
+        """A connection hands a request for this Gate to its handler."""
+        self._intake += 1
+
+    def taken_out(self) -> None:
+        """That request finished (admitted and done, shed, or failed before the Gate)."""
+        self._intake -= 1
+        if not self.intake_full:
+            self._room.unpark()  # one connection per place: the others would shed
+
+    async def wait_for_room(self) -> None:
+        """Return once one more request would find a slot or a queue place (or the Gate
+        closed). A connection calls it, under a timeout of ``shed_after``, before it
+        takes a pipelining or just-refused client's next request while the intake is
+        full: the flood then waits in the client's socket (TCP backpressure) instead of
+        costing the loop a parse and a refusal per request, which left too little of it
+        for the admitted work.
+
+        Cancellation: safe; nothing is held.
+        """
+        while self.intake_full and not self._closed:
+            await self._room.park()
+
     # --- drain -------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -290,6 +323,7 @@ class Gate:
         self._closed = True
         for waiting in self._waiting:
             waiting.cancel()
+        self._room.unpark_all()
 
     async def wait_idle(self) -> None:
         """Return once no lease is held (every admitted request's work has returned)."""

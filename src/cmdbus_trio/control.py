@@ -123,7 +123,6 @@ class ControlApp:
         self.nursery.start_soon(_block, seconds)
         return _json(202, {"blocking_s": seconds})
 
-
     def _fail_writes(self, scope: Scope) -> tuple[int, bytes, bytes]:
         """Test and drill hook (``CMDBUS_DEBUG_HOOKS``): every later write transaction
         of a store fails as the disk would (``error``: ``eio`` or ``enospc``), which

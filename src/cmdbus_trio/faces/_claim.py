@@ -51,6 +51,8 @@ MAX_DEAD_LIMIT = 1000
 
 
 class ClaimHandler:
+    gated_ops = frozenset({"next", "dead"})
+
     def __init__(self, ctx: FaceContext, bus: Bus, resolve: Resolve) -> None:
         self.gate = ctx.gate
         self.bus = bus

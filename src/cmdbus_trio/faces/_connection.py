@@ -21,7 +21,7 @@ import attrs
 import trio
 
 from cmdbus_trio import __version__, metrics
-from cmdbus_trio.admission import DeadlineExceeded, GateClosed, Shed
+from cmdbus_trio.admission import DeadlineExceeded, GateClosed, Shed, ShedReason
 from cmdbus_trio.config import Config
 from cmdbus_trio.logs import event
 from cmdbus_trio.protocol import (
@@ -105,6 +105,9 @@ class V1Reply:
 
 
 class FaceHandler(Protocol):
+    gated_ops: frozenset[str]
+    """The v2 ops that take a Gate lease (the others never wait for one)."""
+
     async def v1(self, frame: bytes, arrival: float) -> V1Reply:
         """Answer one v1 frame. Raise :class:`CloseConnection` to close instead."""
         ...
@@ -194,6 +197,7 @@ class _Connection:
         self._flushing = False
         self.outcome = "closed"
         self.peer_gone = False
+        self._shed_recently = False
 
     @classmethod
     async def run(
@@ -381,6 +385,21 @@ class _Connection:
                     self._end("protocol_error")
                     await self._answer_unreadable(exc)
                     return
+                gate = self.ctx.gate
+                gated = request.op in self.handler.gated_ops
+                if gated and gate.intake_full:
+                    if slots.borrowed_tokens or self._shed_recently:
+                        # A client with requests in flight, or just told `busy`, while
+                        # every slot and queue place is taken: its next request waits for
+                        # room (at most shed_after, the retry_after it was given; then it
+                        # goes on and, likely shed, gets `busy`), and the rest wait in its
+                        # socket. Refusing a flood one parsed request at a time would
+                        # leave the loop too little time for the admitted ones. A lone
+                        # request still gets `busy` at once.
+                        with trio.move_on_after(gate.shed_after):
+                            await gate.wait_for_room()
+                elif gated:
+                    self._shed_recently = False
                 slot = object()  # a hashable borrower token per request
                 await slots.acquire_on_behalf_of(slot)
                 try:
@@ -389,7 +408,9 @@ class _Connection:
                     slots.release_on_behalf_of(slot)
                     await self._send_v2_error(request.id, request.op, exc, arrival)
                     continue
-                inflight.start_soon(self._v2, request, pending, arrival, slots, slot)
+                if gated:
+                    gate.take_in()
+                inflight.start_soon(self._v2, request, pending, arrival, slots, slot, gated)
 
     async def _v1(self, frame: bytes, arrival: float) -> bool:
         try:
@@ -408,6 +429,7 @@ class _Connection:
         arrival: float,
         slots: trio.CapacityLimiter,
         slot: object,
+        gated: bool,
     ) -> None:
         try:
             try:
@@ -432,10 +454,14 @@ class _Connection:
             self._observe(request.op, "ok", arrival)
         finally:
             slots.release_on_behalf_of(slot)
+            if gated:
+                self.ctx.gate.taken_out()
 
     async def _send_v2_error(
         self, request_id: int | None, op: str, exc: Exception, arrival: float
     ) -> None:
+        if isinstance(exc, Shed) and exc.reason is ShedReason.WAITERS_FULL:
+            self._shed_recently = True
         error = as_face_error(exc)
         if error is None:
             event(log, logging.ERROR, "request_failed", face=self.face, op=op, exc_info=exc)

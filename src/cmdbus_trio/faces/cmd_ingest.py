@@ -27,6 +27,8 @@ from ._connection import serve as serve_connections
 
 
 class IngestHandler:
+    gated_ops = frozenset({"publish", "publish_batch"})
+
     def __init__(self, ctx: FaceContext, bus: Bus) -> None:
         self.gate = ctx.gate
         self.committer = bus.committer

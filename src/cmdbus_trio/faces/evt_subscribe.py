@@ -39,6 +39,8 @@ FrameOf = Callable[[Sequence[bytes]], bytes]
 
 
 class SubscribeHandler:
+    gated_ops = frozenset({"subscribe"})
+
     def __init__(self, ctx: FaceContext, bus: Bus, hub: Hub, send: Sender) -> None:
         self.ctx = ctx
         self.gate = ctx.gate

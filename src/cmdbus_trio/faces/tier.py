@@ -39,6 +39,8 @@ _NO_ID = -1  # marks a v1 request in the thread functions
 
 
 class TierHandler:
+    gated_ops = frozenset({"append", "append_batch", "read_execution", "scan"})
+
     def __init__(self, ctx: FaceContext, store: TierStore) -> None:
         self.gate = ctx.gate
         self.store = store

@@ -1,0 +1,118 @@
+"""Idle connections: does a crowd of idle clients slow a working one?
+
+    python benchmarks/idle.py                   # 2,000 idle connections
+    python benchmarks/idle.py --idle 500 --requests 500
+
+Measures one client's append + read_execution round trips on the tier face, first alone,
+then with --idle connections open and idle (v2 hello done, spread over every data face),
+in the same run against the same writer. Target: p50 and p99 at most 2x the baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _client import Client, percentiles
+
+FACES = ("tier", "cmd_ingest", "cmd_claim", "evt_ingest", "evt_claim", "evt_subscribe")
+
+
+def raise_fd_limit(wanted: int) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(wanted, hard), hard))
+
+
+def start_writer(workdir: Path, idle: int) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
+    ports_file = workdir / "ports.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CMDBUS_")}
+    env.update(
+        CMDBUS_DATA_DIR=str(workdir / "data"),
+        CMDBUS_PORTS_FILE=str(ports_file),
+        CMDBUS_LOG_LEVEL="warning",
+        CMDBUS_MAX_CONNECTIONS=str(idle + 100),
+        **{f"CMDBUS_{face.upper()}_BIND": "127.0.0.1:0" for face in ("control", *FACES)},
+    )
+    log = (workdir / "writer.log").open("w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "cmdbus_trio", "serve"],
+        env=env,
+        stdout=log,
+        stderr=log,
+        preexec_fn=lambda: raise_fd_limit(idle + 1000),
+    )
+    deadline = time.monotonic() + 60
+    while not ports_file.exists():
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"the writer did not start; see {log.name}")
+        time.sleep(0.05)
+    return process, json.loads(ports_file.read_text())
+
+
+async def working_client(address: str, requests: int) -> list[float]:
+    client = await Client.connect(address)
+    samples = []
+    for n in range(requests):
+        begin = time.perf_counter()
+        reply = await client.call("append", execution_id=f"w-{n % 50}", payload="{}")
+        assert reply["ok"], reply
+        reply = await client.call("read_execution", execution_id=f"w-{n % 50}", limit=10)
+        assert reply["ok"], reply
+        samples.append(time.perf_counter() - begin)
+    await client.aclose()
+    return samples
+
+
+async def measure(ports: dict[str, str], idle: int, requests: int) -> dict[str, Any]:
+    baseline = percentiles(await working_client(ports["tier"], requests))
+    crowd: list[Client] = []
+    for n in range(idle):
+        crowd.append(await Client.connect(ports[FACES[n % len(FACES)]]))
+    loaded = percentiles(await working_client(ports["tier"], requests))
+    # Still open: each answers a request after the measurement.
+    answered = sum([(await client.call("lag"))["id"] > 0 for client in crowd[:: len(FACES)]])
+    for client in crowd:
+        await client.aclose()
+    return {"baseline": baseline, "with_idle": loaded, "idle_checked_open": answered}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--idle", type=int, default=2000)
+    parser.add_argument("--requests", type=int, default=2000)
+    args = parser.parse_args()
+    raise_fd_limit(args.idle + 1000)
+    workdir = Path(tempfile.mkdtemp(prefix="cmdbus-idle-"))
+    process, ports = start_writer(workdir, args.idle)
+    try:
+        result = trio.run(measure, ports, args.idle, args.requests)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+    base, loaded = result["baseline"], result["with_idle"]
+    print(f"machine: {os.cpu_count()} CPUs; python {sys.version.split()[0]}")
+    print(f"append + read round trip, {args.requests} each, ms (p50 / p99):")
+    print(f"  alone:                   {base['p50']:.3f} / {base['p99']:.3f}")
+    print(f"  with {args.idle} idle connections: {loaded['p50']:.3f} / {loaded['p99']:.3f}")
+    ratios = {q: loaded[q] / base[q] for q in ("p50", "p99")}
+    print(f"  ratio: p50 {ratios['p50']:.2f}x, p99 {ratios['p99']:.2f}x (target <= 2x)")
+    print(json.dumps({**result, "ratio": ratios}))
+
+
+if __name__ == "__main__":
+    main()

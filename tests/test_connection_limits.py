@@ -1,0 +1,29 @@
+"""A pipelining client gets at most 32 requests in flight per connection: the 33rd waits
+in its socket until one of them is answered."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import trio
+
+from .helpers import frame_client, serving
+
+
+async def test_at_most_32_requests_in_flight_per_connection(tmp_path: Path) -> None:
+    with serving(tmp_path) as (_, ports), trio.fail_after(30):
+        async with frame_client(ports["cmd_claim"]) as client:
+            for n in range(1, 33):  # 32 waiting `next`s fill the connection's slots
+                body = {"id": n, "op": "next", "filter": "commands.>", "timeout_ms": 60_000}
+                await client.send(json.dumps(body).encode())
+            await client.send(json.dumps({"id": 33, "op": "lag"}).encode())
+            with trio.move_on_after(0.5) as waited:
+                await client.receive_json()
+            assert waited.cancelled_caught, "the 33rd request was served past the limit"
+            async with frame_client(ports["cmd_ingest"]) as ingest:
+                record = {"execution_id": 1, "payload": "{}"}
+                await ingest.request("publish", record=record)
+            # One `next` gets the record; its slot frees; the `lag` is read and answered.
+            replies = {(await client.receive_json())["id"] for _ in range(2)}
+            assert 33 in replies and len(replies) == 2
