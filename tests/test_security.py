@@ -153,3 +153,26 @@ def test_raw_tls_garbage_does_not_hurt_the_face(tmp_path: Path, ca: trustme.CA) 
             assert raw.recv(100) == b""
         with blocking.TierClient.connect(ports["tier"], ssl_context=client_context(ca)) as tier:
             assert tier.health()["status"] == "ok"
+
+
+def test_the_command_line_speaks_token_and_tls(tmp_path: Path, ca: trustme.CA) -> None:
+    import subprocess
+
+    from .helpers import cli
+
+    ca_file = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(ca_file))
+    env = {**tls_env(tmp_path, ca), "CMDBUS_AUTH_TOKEN": TOKEN}
+    with serving(tmp_path, **env) as (_, ports):
+        publish = [*cli("client", "publish", "--addr", ports["cmd_ingest"]), "--execution-id", "1"]
+        ok = subprocess.run(
+            [*publish, "--payload", "{}", "--token", TOKEN, "--tls-ca", str(ca_file)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert ok.returncode == 0, ok.stderr
+        assert json.loads(ok.stdout)["sort_key"] == 1
+        refused = subprocess.run(
+            [*publish, "--payload", "{}", "--tls-ca", str(ca_file)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert refused.returncode == 1 and "hello.token" in refused.stderr

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import ssl
 import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from cmdbus_trio.client import ClientError, ShardMap, blocking
@@ -33,7 +36,7 @@ def add_parser(commands: Any) -> None:
 
     def op(name: str, help: str) -> argparse.ArgumentParser:
         parser: argparse.ArgumentParser = ops.add_parser(name, help=help, description=help)
-        parser.add_argument("--human", action="store_true", help="print a table, not JSON lines")
+        _common(parser)
         return parser
 
     publish = op("publish", "publish records (from the flags, or JSON lines on stdin)")
@@ -61,7 +64,7 @@ def add_parser(commands: Any) -> None:
         ("scan", "records of every execution, by sequence"),
     ):
         parser: argparse.ArgumentParser = tier_ops.add_parser(name, help=help, description=help)
-        parser.add_argument("--human", action="store_true", help="print a table, not JSON lines")
+        _common(parser)
         parser.add_argument("--addr", default=_default("tier"), help="tier face (:9110)")
         parser.add_argument("--tier", help="eventlog (default), projection or catalog")
         if name == "scan":
@@ -78,8 +81,27 @@ def add_parser(commands: Any) -> None:
         parser.add_argument("--filter", help="subject filter")
         parser.add_argument("--group", help="an event consumer group")
 
-    health = op("health", "the writer's /healthz (exit 1 when degraded)")
+    health_help = "the writer's /healthz (exit 1 when degraded)"
+    health = ops.add_parser("health", help=health_help, description=health_help)
+    health.add_argument("--human", action="store_true", help="print a table, not JSON lines")
     health.add_argument("--url", default=f"http://{_default('control')}", help="control face")
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--human", action="store_true", help="print a table, not JSON lines")
+    parser.add_argument(
+        "--token",
+        default=os.environ.get("CMDBUS_CLIENT_TOKEN"),
+        help="the writer's auth token (default: $CMDBUS_CLIENT_TOKEN)",
+    )
+    parser.add_argument("--tls-ca", type=Path, help="speak TLS, trusting this CA (PEM)")
+
+
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    """Connection options from the common flags (``health`` has none of them)."""
+    tls_ca = getattr(args, "tls_ca", None)
+    context = None if tls_ca is None else ssl.create_default_context(cafile=str(tls_ca))
+    return {"token": getattr(args, "token", None), "ssl_context": context}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -91,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
         return _RUNNERS[command](args, output)
     except ClientError as exc:
         return fail(f"client {command}", str(exc))
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:  # OSError: an unreadable --tls-ca
         return fail(f"client {command}", str(exc))
     except KeyboardInterrupt:
         return 130
@@ -134,9 +156,9 @@ def _publish(args: argparse.Namespace, output: Output) -> int:
     if args.writers and args.addr:
         raise ValueError("give --addr or --writers, not both")
     publisher: blocking.Router | blocking.IngestClient = (
-        blocking.Router(ShardMap.parse(args.writers))
+        blocking.Router(ShardMap.parse(args.writers), **_options(args))
         if args.writers
-        else blocking.IngestClient(args.addr or _default(face))
+        else blocking.IngestClient(args.addr or _default(face), **_options(args))
     )
     with publisher:
         for record in _records(args):
@@ -151,7 +173,7 @@ def _claim(args: argparse.Namespace, output: Output) -> int:
     if args.timeout is not None and args.timeout < 0:
         raise ValueError(f"--timeout must be >= 0, got {args.timeout}")
     claimed = 0
-    with blocking.ClaimClient.connect(_claim_address(args)) as claim:
+    with blocking.ClaimClient.connect(_claim_address(args), **_options(args)) as claim:
         while args.max is None or claimed < args.max:
             delivery = claim.next(
                 args.filter,
@@ -170,7 +192,7 @@ def _claim(args: argparse.Namespace, output: Output) -> int:
 
 
 def _tier_append(args: argparse.Namespace, output: Output) -> int:
-    with blocking.TierClient.connect(args.addr) as tier:
+    with blocking.TierClient.connect(args.addr, **_options(args)) as tier:
         output.row(
             tier.append(args.execution_id, args.payload, tier=args.tier, timeout=CALL_TIMEOUT)
         )
@@ -178,7 +200,7 @@ def _tier_append(args: argparse.Namespace, output: Output) -> int:
 
 
 def _tier_read(args: argparse.Namespace, output: Output) -> int:
-    with blocking.TierClient.connect(args.addr) as tier:
+    with blocking.TierClient.connect(args.addr, **_options(args)) as tier:
         for record in tier.read_all(args.execution_id, tier=args.tier, timeout=CALL_TIMEOUT):
             output.row(record)
     return 0
@@ -189,7 +211,7 @@ def _tier_scan(args: argparse.Namespace, output: Output) -> int:
         raise ValueError(f"--limit must be at least 1, got {args.limit}")
     remaining = args.limit
     after = args.after
-    with blocking.TierClient.connect(args.addr) as tier:
+    with blocking.TierClient.connect(args.addr, **_options(args)) as tier:
         while remaining is None or remaining > 0:
             size = 1000 if remaining is None else min(1000, remaining)
             page = tier.scan(tier=args.tier, after=after, limit=size, timeout=CALL_TIMEOUT)
@@ -204,13 +226,13 @@ def _tier_scan(args: argparse.Namespace, output: Output) -> int:
 
 
 def _lag(args: argparse.Namespace, output: Output) -> int:
-    with blocking.ClaimClient.connect(_claim_address(args)) as claim:
+    with blocking.ClaimClient.connect(_claim_address(args), **_options(args)) as claim:
         output.row(claim.lag(args.filter, group=args.group, timeout=CALL_TIMEOUT))
     return 0
 
 
 def _dead(args: argparse.Namespace, output: Output) -> int:
-    with blocking.ClaimClient.connect(_claim_address(args)) as claim:
+    with blocking.ClaimClient.connect(_claim_address(args), **_options(args)) as claim:
         for delivery in claim.dead(args.filter, group=args.group, limit=1000, timeout=CALL_TIMEOUT):
             output.row(delivery)
     return 0
