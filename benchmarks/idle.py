@@ -15,7 +15,6 @@ import json
 import os
 import resource
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,7 +24,7 @@ from typing import Any
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _client import Client, percentiles
+from _client import Client, percentiles, start_writer
 
 FACES = ("tier", "cmd_ingest", "cmd_claim", "evt_ingest", "evt_claim", "evt_subscribe")
 
@@ -34,32 +33,6 @@ def raise_fd_limit(wanted: int) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < wanted:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(wanted, hard), hard))
-
-
-def start_writer(workdir: Path, idle: int) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
-    ports_file = workdir / "ports.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CMDBUS_")}
-    env.update(
-        CMDBUS_DATA_DIR=str(workdir / "data"),
-        CMDBUS_PORTS_FILE=str(ports_file),
-        CMDBUS_LOG_LEVEL="warning",
-        CMDBUS_MAX_CONNECTIONS=str(idle + 100),
-        **{f"CMDBUS_{face.upper()}_BIND": "127.0.0.1:0" for face in ("control", *FACES)},
-    )
-    log = (workdir / "writer.log").open("w")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "cmdbus_trio", "serve"],
-        env=env,
-        stdout=log,
-        stderr=log,
-        preexec_fn=lambda: raise_fd_limit(idle + 1000),
-    )
-    deadline = time.monotonic() + 60
-    while not ports_file.exists():
-        if process.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"the writer did not start; see {log.name}")
-        time.sleep(0.05)
-    return process, json.loads(ports_file.read_text())
 
 
 async def working_client(address: str, requests: int) -> list[float]:
@@ -98,7 +71,12 @@ def main() -> None:
     args = parser.parse_args()
     raise_fd_limit(args.idle + 1000)
     workdir = Path(tempfile.mkdtemp(prefix="cmdbus-idle-"))
-    process, ports = start_writer(workdir, args.idle)
+    process, ports = start_writer(
+        workdir,
+        FACES,
+        env={"CMDBUS_MAX_CONNECTIONS": str(args.idle + 100)},
+        preexec_fn=lambda: raise_fd_limit(args.idle + 1000),
+    )
     try:
         result = trio.run(measure, ports, args.idle, args.requests)
     finally:

@@ -34,7 +34,7 @@ from typing import Any
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _client import Client, http_get, percentiles
+from _client import Client, http_get, percentiles, start_writer
 
 from cmdbus_trio.client import RetryBudget, RetryPolicy
 from cmdbus_trio.client.trio import TierClient
@@ -45,32 +45,6 @@ CONNECTIONS = 32
 WINDOW = 256
 """Requests a load connection keeps unanswered at most, as a pipelining client would."""
 DEADLINE = 2.0
-
-
-def start_writer(workdir: Path) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
-    ports_file = workdir / "ports.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CMDBUS_")}
-    env.update(
-        CMDBUS_DATA_DIR=str(workdir / "data"),
-        CMDBUS_PORTS_FILE=str(ports_file),
-        CMDBUS_LOG_LEVEL="warning",
-        CMDBUS_CONTROL_BIND="127.0.0.1:0",
-        CMDBUS_TIER_BIND="127.0.0.1:0",
-        **{
-            f"CMDBUS_{f}_BIND": ""
-            for f in ("CMD_INGEST", "CMD_CLAIM", "EVT_INGEST", "EVT_CLAIM", "EVT_SUBSCRIBE")
-        },
-    )
-    log = (workdir / "writer.log").open("w")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "cmdbus_trio", "serve"], env=env, stdout=log, stderr=log
-    )
-    deadline = time.monotonic() + 60
-    while not ports_file.exists():
-        if process.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"the writer did not start; see {log.name}")
-        time.sleep(0.05)
-    return process, json.loads(ports_file.read_text())
 
 
 def rss_mib(pid: int) -> float:
@@ -267,7 +241,7 @@ def main() -> None:
     if args.quick:
         args.probe, args.duration = 3.0, 15.0
     workdir = Path(tempfile.mkdtemp(prefix="cmdbus-soak-"))
-    process, ports = start_writer(workdir)
+    process, ports = start_writer(workdir, ("tier",))
     try:
         with urllib_json(ports["control"]) as health:
             inflight = (

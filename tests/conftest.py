@@ -14,6 +14,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--cycles", type=int, default=3, help="crash-test cycles (tests/durability); nox -s crash"
     )
+    parser.addoption(
+        "--scale-records",
+        type=int,
+        default=6000,
+        help="records published through three writers (tests/test_scale_out.py)",
+    )
+
+
+@pytest.fixture
+def scale_records(request: pytest.FixtureRequest) -> int:
+    records: int = request.config.getoption("--scale-records")
+    return records
 
 
 @pytest.fixture

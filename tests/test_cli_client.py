@@ -225,3 +225,29 @@ def test_lag_dead_read_and_diagnose_error_paths(server: dict[str, str]) -> None:
         "cannot connect",
     )
     assert_fails(run("diagnose", "--interval", "0"), "--interval and --timeout must be > 0")
+
+
+def test_publish_and_claim_across_two_shards(tmp_path: Path) -> None:
+    (tmp_path / "w0").mkdir()
+    (tmp_path / "w1").mkdir()
+    with (
+        serving(tmp_path / "w0", CMDBUS_SHARD="0", CMDBUS_SHARD_COUNT="2") as (_, w0),
+        serving(tmp_path / "w1", CMDBUS_SHARD="1", CMDBUS_SHARD_COUNT="2") as (_, w1),
+    ):
+        writers = f"0@{w0['cmd_ingest']},1@{w1['cmd_ingest']}"
+        stdin = "\n".join(json.dumps({"execution_id": n, "payload": "{}"}) for n in range(10))
+        published = lines(run("client", "publish", "--writers", writers, stdin=stdin))
+        assert {p["subject"] for p in published} == {
+            "commands.shared.shard.0",
+            "commands.shared.shard.1",
+        }
+        claims = f"0@{w0['cmd_claim']},1@{w1['cmd_claim']}"
+        claimed = lines(
+            run("client", "claim", "--writers", claims, "--filter", ">", "--timeout", "0.5")
+        )
+        assert sorted(d["record"]["execution_id"] for d in claimed) == list(range(10))
+        assert {d["shard"] for d in claimed} == {0, 1}
+        assert_fails(
+            run("client", "claim", "--writers", f"1@{w1['cmd_claim']}", "--filter", ">"),
+            "shards 0 of 0..1 have no writer",
+        )

@@ -34,7 +34,7 @@ from ._errors import (
     Unsupported,
 )
 from ._retry import RetryBudget, RetryPolicy, RetryStatistics
-from ._shards import ShardMap
+from ._shards import ShardDelivery, ShardMap
 
 __all__ = [
     "Appended",
@@ -56,6 +56,7 @@ __all__ = [
     "RetryPolicy",
     "RetryStatistics",
     "ServerError",
+    "ShardDelivery",
     "ShardMap",
     "Subscribed",
     "TierRecord",

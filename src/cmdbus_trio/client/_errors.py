@@ -11,6 +11,9 @@ from cmdbus_trio.protocol import ErrorCode
 class ClientError(Exception):
     """Base of everything the cmdbus-trio clients raise."""
 
+    shard: int | None = None
+    """Set by the routers and sharded claim clients: the shard whose writer failed."""
+
 
 class ConnectionLost(ClientError):
     """The connection ended (closed by the server, reset, or broken by a protocol

@@ -6,7 +6,9 @@ import attrs
 
 from cmdbus_trio.protocol.subjects import shard_of
 
+from ._calls import Delivery, Record
 from ._core import split_address
+from ._errors import ClientError
 
 
 @attrs.frozen
@@ -46,3 +48,43 @@ class ShardMap:
     def shard_for(self, execution_id: str | int) -> int:
         """The same function the writers use to refuse misrouted records."""
         return shard_of(execution_id, self.shard_count)
+
+    def split(self, records: list[Record]) -> dict[int, list[int]]:
+        """Indexes of ``records`` by the shard that owns each."""
+        by_shard: dict[int, list[int]] = {}
+        for index, record in enumerate(records):
+            by_shard.setdefault(self.shard_for(record["execution_id"]), []).append(index)
+        return by_shard
+
+    def tag(self, error: ClientError, shard: int) -> ClientError:
+        """``error`` marked with the shard and writer it came from (``error.shard``)."""
+        error.shard = shard
+        error.add_note(f"shard {shard} at {self.addresses[shard]}")
+        return error
+
+
+@attrs.frozen
+class ShardDelivery:
+    """A delivery and the shard (writer) it came from: ack it there."""
+
+    shard: int
+    delivery: Delivery
+
+
+class Rotation:
+    """Round robin over shards: each call starts after the shard that served the last
+    one, so a shard with pending work is asked first at least once every N calls."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self._next = 0
+
+    def order(self) -> list[int]:
+        return [(self._next + step) % self.count for step in range(self.count)]
+
+    def served(self, shard: int) -> None:
+        self._next = (shard + 1) % self.count
+
+
+MAX_IDLE_PAUSE = 0.25
+"""Seconds between rounds over the shards at most, when none had a record."""

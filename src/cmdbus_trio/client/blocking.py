@@ -16,7 +16,7 @@ import ssl
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, Self, TypeVar
+from typing import Any, Generic, Self, TypeVar
 
 from cmdbus_trio.protocol import NEED_DATA
 
@@ -34,9 +34,9 @@ from ._calls import (
     TierRecord,
 )
 from ._core import LOCAL_GRACE, ClientProtocol, Reply, ServerHello, split_address
-from ._errors import ClientError, ConnectionLost, DeadlineExceeded, ServerError
+from ._errors import ClientError, ConnectionLost, DeadlineExceeded, ServerError, Unavailable
 from ._retry import RetryPolicy
-from ._shards import ShardMap
+from ._shards import MAX_IDLE_PAUSE, Rotation, ShardDelivery, ShardMap
 
 T = TypeVar("T")
 RECEIVE_CHUNK = 1 << 16
@@ -391,19 +391,13 @@ class SubscribeClient(Connection):
         return self._stream_replies(calls.subscribe(start, filter))
 
 
-class Router:
-    """Publishes each record to the writer that owns its shard; connections open on
-    first use and reconnect after a writer restarts."""
+W = TypeVar("W", bound=Connection)
 
-    def __init__(self, shards: ShardMap, **options: Any) -> None:
-        self.shards = shards
-        self.writers = [IngestClient(address, **options) for address in shards.addresses]
 
-    def publish(
-        self, record: Record, *, msg_id: str | None = None, timeout: float | None = None
-    ) -> Published:
-        writer = self.writers[self.shards.shard_for(record["execution_id"])]
-        return writer.publish(record, msg_id=msg_id, timeout=timeout)
+class _Writers(Generic[W]):
+    """One client per shard's writer, closed together."""
+
+    writers: Sequence[W]
 
     def __enter__(self) -> Self:
         return self
@@ -416,11 +410,103 @@ class Router:
             writer.close()
 
 
+class Router(_Writers[IngestClient]):
+    """Publishes each record to the writer that owns its shard; connections open on
+    first use and reconnect after a writer restarts. Errors carry ``error.shard``."""
+
+    def __init__(self, shards: ShardMap, **options: Any) -> None:
+        self.shards = shards
+        self.writers = [IngestClient(address, **options) for address in shards.addresses]
+
+    def publish(
+        self, record: Record, *, msg_id: str | None = None, timeout: float | None = None
+    ) -> Published:
+        shard = self.shards.shard_for(record["execution_id"])
+        try:
+            return self.writers[shard].publish(record, msg_id=msg_id, timeout=timeout)
+        except ClientError as error:
+            raise self.shards.tag(error, shard) from None
+
+    def publish_batch(
+        self, records: list[Record], *, timeout: float | None = None
+    ) -> list[tuple[int, int]]:
+        """One ``publish_batch`` per shard; ``(shard, sort_key)`` per record, in order.
+        A shard's failure raises (tagged) after the shards before it were published."""
+        keys: list[tuple[int, int]] = [(0, 0)] * len(records)
+        for shard, indexes in sorted(self.shards.split(records).items()):
+            try:
+                sort_keys = self.writers[shard].publish_batch(
+                    [records[i] for i in indexes], timeout=timeout
+                )
+            except ClientError as error:
+                raise self.shards.tag(error, shard) from None
+            for index, sort_key in zip(indexes, sort_keys, strict=True):
+                keys[index] = (shard, sort_key)
+        return keys
+
+
+class ShardedClaimClient(_Writers[ClaimClient]):
+    """Claims from several writers (one claim address per shard) fairly: round robin
+    over the shards with pending work, so none is starved. When no shard has a record it
+    asks again after a pause (10 ms, doubling to 250 ms) until ``wait`` passes; a
+    writer that is down is skipped (and retried next round) while others serve."""
+
+    def __init__(self, shards: ShardMap, **options: Any) -> None:
+        self.shards = shards
+        self.writers = [ClaimClient(address, **options) for address in shards.addresses]
+        self._rotation = Rotation(shards.shard_count)
+
+    def next(
+        self,
+        filter: str,
+        *,
+        wait: float | None = None,
+        group: str | None = None,
+        start: str | None = None,
+        timeout: float | None = None,
+    ) -> ShardDelivery | None:
+        deadline = None if wait is None else time.monotonic() + wait
+        pause = 0.01
+        while True:
+            failures: list[ClientError] = []
+            for shard in self._rotation.order():
+                try:
+                    delivery = self.writers[shard].next(
+                        filter, wait=0, group=group, start=start, timeout=timeout
+                    )
+                except (ConnectionLost, Unavailable, DeadlineExceeded) as error:
+                    failures.append(self.shards.tag(error, shard))  # down: ask the others
+                    continue
+                except ClientError as error:
+                    raise self.shards.tag(error, shard) from None  # a bad request
+                if delivery is not None:
+                    self._rotation.served(shard)
+                    return ShardDelivery(shard, delivery)
+            if len(failures) == self.shards.shard_count:
+                raise failures[-1]
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return None
+            time.sleep(pause if remaining is None else min(pause, remaining))
+            pause = min(2 * pause, MAX_IDLE_PAUSE)
+
+    def ack(
+        self, claimed: ShardDelivery, *, group: str | None = None, timeout: float | None = None
+    ) -> bool:
+        try:
+            return self.writers[claimed.shard].ack(
+                claimed.delivery.sort_key, group=group, timeout=timeout
+            )
+        except ClientError as error:
+            raise self.shards.tag(error, claimed.shard) from None
+
+
 __all__ = [
     "ClaimClient",
     "Connection",
     "IngestClient",
     "Router",
+    "ShardedClaimClient",
     "SubscribeClient",
     "TierClient",
 ]

@@ -13,8 +13,8 @@ from __future__ import annotations
 import math
 import ssl
 from collections import deque
-from collections.abc import AsyncIterator, Iterable
-from typing import Any, Self, TypeVar
+from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import Any, Generic, Self, TypeVar
 
 import attrs
 import trio
@@ -35,9 +35,9 @@ from ._calls import (
     TierRecord,
 )
 from ._core import LOCAL_GRACE, ClientProtocol, Reply, ServerHello, split_address
-from ._errors import ClientError, ConnectionLost, DeadlineExceeded, ServerError
+from ._errors import ClientError, ConnectionLost, DeadlineExceeded, ServerError, Unavailable
 from ._retry import RetryPolicy
-from ._shards import ShardMap
+from ._shards import MAX_IDLE_PAUSE, Rotation, ShardDelivery, ShardMap
 
 T = TypeVar("T")
 RECEIVE_CHUNK = 1 << 16
@@ -434,23 +434,13 @@ class SubscribeClient(Connection):
             yield batch
 
 
-class Router:
-    """Publishes each record to the writer that owns its shard.
+W = TypeVar("W", bound=Connection)
 
-        router = Router(ShardMap.parse("0@10.0.0.1:9100,1@10.0.0.2:9100"))
 
-    Connections open on first use and reconnect after a writer restarts.
-    """
+class _Writers(Generic[W]):
+    """One client per shard's writer, closed together."""
 
-    def __init__(self, shards: ShardMap, **options: Any) -> None:
-        self.shards = shards
-        self.writers = [IngestClient(address, **options) for address in shards.addresses]
-
-    async def publish(
-        self, record: Record, *, msg_id: str | None = None, timeout: float | None = None
-    ) -> Published:
-        writer = self.writers[self.shards.shard_for(record["execution_id"])]
-        return await writer.publish(record, msg_id=msg_id, timeout=timeout)
+    writers: Sequence[W]
 
     async def __aenter__(self) -> Self:
         return self
@@ -463,12 +453,106 @@ class Router:
             await writer.aclose()
 
 
+class Router(_Writers[IngestClient]):
+    """Publishes each record to the writer that owns its shard.
+
+        router = Router(ShardMap.parse("0@10.0.0.1:9100,1@10.0.0.2:9100"))
+
+    Connections open on first use and reconnect after a writer restarts. Errors carry
+    ``error.shard``.
+    """
+
+    def __init__(self, shards: ShardMap, **options: Any) -> None:
+        self.shards = shards
+        self.writers = [IngestClient(address, **options) for address in shards.addresses]
+
+    async def publish(
+        self, record: Record, *, msg_id: str | None = None, timeout: float | None = None
+    ) -> Published:
+        shard = self.shards.shard_for(record["execution_id"])
+        try:
+            return await self.writers[shard].publish(record, msg_id=msg_id, timeout=timeout)
+        except ClientError as error:
+            raise self.shards.tag(error, shard) from None
+
+    async def publish_batch(
+        self, records: list[Record], *, timeout: float | None = None
+    ) -> list[tuple[int, int]]:
+        """One ``publish_batch`` per shard; ``(shard, sort_key)`` per record, in order."""
+        keys: list[tuple[int, int]] = [(0, 0)] * len(records)
+        for shard, indexes in sorted(self.shards.split(records).items()):
+            try:
+                sort_keys = await self.writers[shard].publish_batch(
+                    [records[i] for i in indexes], timeout=timeout
+                )
+            except ClientError as error:
+                raise self.shards.tag(error, shard) from None
+            for index, sort_key in zip(indexes, sort_keys, strict=True):
+                keys[index] = (shard, sort_key)
+        return keys
+
+
+class ShardedClaimClient(_Writers[ClaimClient]):
+    """Claims from several writers fairly; see
+    :class:`cmdbus_trio.client.blocking.ShardedClaimClient`."""
+
+    def __init__(self, shards: ShardMap, **options: Any) -> None:
+        self.shards = shards
+        self.writers = [ClaimClient(address, **options) for address in shards.addresses]
+        self._rotation = Rotation(shards.shard_count)
+
+    async def next(
+        self,
+        filter: str,
+        *,
+        wait: float | None = None,
+        group: str | None = None,
+        start: str | None = None,
+        timeout: float | None = None,
+    ) -> ShardDelivery | None:
+        deadline = math.inf if wait is None else trio.current_time() + wait
+        pause = 0.01
+        while True:
+            failures: list[ClientError] = []
+            for shard in self._rotation.order():
+                try:
+                    delivery = await self.writers[shard].next(
+                        filter, wait=0, group=group, start=start, timeout=timeout
+                    )
+                except (ConnectionLost, Unavailable, DeadlineExceeded) as error:
+                    failures.append(self.shards.tag(error, shard))  # down: ask the others
+                    continue
+                except ClientError as error:
+                    raise self.shards.tag(error, shard) from None  # a bad request
+                if delivery is not None:
+                    self._rotation.served(shard)
+                    return ShardDelivery(shard, delivery)
+            if len(failures) == self.shards.shard_count:
+                raise failures[-1]
+            remaining = deadline - trio.current_time()
+            if remaining <= 0:
+                return None
+            await trio.sleep(min(pause, remaining))
+            pause = min(2 * pause, MAX_IDLE_PAUSE)
+
+    async def ack(
+        self, claimed: ShardDelivery, *, group: str | None = None, timeout: float | None = None
+    ) -> bool:
+        try:
+            return await self.writers[claimed.shard].ack(
+                claimed.delivery.sort_key, group=group, timeout=timeout
+            )
+        except ClientError as error:
+            raise self.shards.tag(error, claimed.shard) from None
+
+
 __all__ = [
     "ClaimClient",
     "Connection",
     "IngestClient",
     "Router",
     "ServerError",
+    "ShardedClaimClient",
     "SubscribeClient",
     "TierClient",
 ]

@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from cmdbus_trio.client import ClientError, ShardMap, blocking
 from cmdbus_trio.config import DEFAULT_PORTS
 from cmdbus_trio.protocol.subjects import as_i64
@@ -49,6 +51,7 @@ def add_parser(commands: Any) -> None:
 
     claim = op("claim", "claim records: next, print, ack, until --max or --timeout")
     claim.add_argument("--addr", help="claim face (default :9101, or :9104 with --group)")
+    claim.add_argument("--writers", help="claim from every shard: 0@HOST:PORT,1@HOST:PORT,…")
     claim.add_argument("--filter", required=True, help="subject filter, e.g. commands.>")
     claim.add_argument("--group", help="an event consumer group (event claim face)")
     claim.add_argument("--from", dest="start", choices=["beginning", "tail"], help="new group")
@@ -172,16 +175,24 @@ def _claim(args: argparse.Namespace, output: Output) -> int:
         raise ValueError(f"--max must be at least 1, got {args.max}")
     if args.timeout is not None and args.timeout < 0:
         raise ValueError(f"--timeout must be >= 0, got {args.timeout}")
+    if args.writers and args.addr:
+        raise ValueError("give --addr or --writers, not both")
+    options = {"wait": args.timeout, "group": args.group, "timeout": CALL_TIMEOUT}
     claimed = 0
+    if args.writers:  # round robin over the shards' claim faces
+        with blocking.ShardedClaimClient(ShardMap.parse(args.writers), **_options(args)) as many:
+            while args.max is None or claimed < args.max:
+                got = many.next(args.filter, start=args.start, **options)
+                if got is None:
+                    break
+                output.row({"shard": got.shard, **attrs.asdict(got.delivery)})
+                claimed += 1
+                if not args.no_ack:
+                    many.ack(got, group=args.group, timeout=CALL_TIMEOUT)
+        return 0
     with blocking.ClaimClient.connect(_claim_address(args), **_options(args)) as claim:
         while args.max is None or claimed < args.max:
-            delivery = claim.next(
-                args.filter,
-                wait=args.timeout,
-                group=args.group,
-                start=args.start,
-                timeout=CALL_TIMEOUT,
-            )
+            delivery = claim.next(args.filter, start=args.start, **options)
             if delivery is None:
                 break
             output.row(delivery)
