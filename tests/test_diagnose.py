@@ -142,3 +142,11 @@ def test_assess_from_scrapes_alone() -> None:
     findings = assess(({}, {}), before, after, 3.0)
     assert [f.verdict for f in findings] == ["saturated"]
     assert "scan shed 10.0/s (queue_timeout)" in findings[0].summary
+
+
+def test_a_crashed_face_is_not_ready() -> None:
+    document = {"not_ready_reasons": ["face tier crashed", "store tier poisoned: x"]}
+    empty = Scrape("")
+    findings = assess((document, document), empty, empty, 3.0)
+    assert [f.verdict for f in findings] == ["not ready"]
+    assert "face tier crashed" in findings[0].summary and "store" not in findings[0].summary

@@ -7,6 +7,7 @@ and says which of these holds, worst first, each with the evidence lines that sh
 - **stalled**: the event loop is blocked. ``/healthz`` does not answer in time, or says
   the heartbeat was late; requests are *not* being shed, they are not being looked at;
 - **poisoned** / **contended**: a store refuses writes / waits for its write lock;
+- **not ready**: `/readyz` fails for another reason (starting, draining, a crashed face);
 - **saturated**: the loop is fine but a face sheds requests or queues them long: it
   has more work than its Gate admits (which face, which op, shed rate, queue wait);
 - **backlog growing**: a subject's lag rose between the scrapes (which subject, pool);
@@ -45,7 +46,15 @@ class Finding:
     evidence: tuple[str, ...] = ()
 
 
-SEVERITY = ["unreachable", "stalled", "poisoned", "saturated", "contended", "backlog growing"]
+SEVERITY = [
+    "unreachable",
+    "stalled",
+    "poisoned",
+    "not ready",
+    "saturated",
+    "contended",
+    "backlog growing",
+]
 
 
 class Scrape:
@@ -115,6 +124,7 @@ def assess(
     findings = [
         *_stalled(health, before, after),
         *_stores(health[1] or health[0] or {}),
+        *_not_ready(health[1] or health[0] or {}),
         *_saturated(before, after, interval),
         *_backlog(before, after, interval),
     ]
@@ -185,6 +195,21 @@ def _stores(document: dict[str, Any]) -> list[Finding]:
                 )
             )
     return findings
+
+
+def _not_ready(document: dict[str, Any]) -> list[Finding]:
+    """Readiness failing for a reason other than a poisoned store (which has its own
+    finding): starting, draining, or a crashed face."""
+    reasons = [r for r in document.get("not_ready_reasons", []) if not r.startswith("store ")]
+    if not reasons:
+        return []
+    return [
+        Finding(
+            "not ready",
+            "/readyz fails: " + "; ".join(reasons) + " (its Services send it nothing)",
+            tuple(f"/healthz not_ready_reasons: {reason}" for reason in reasons),
+        )
+    ]
 
 
 def _saturated(before: Scrape, after: Scrape, interval: float) -> list[Finding]:
