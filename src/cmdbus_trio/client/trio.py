@@ -234,6 +234,8 @@ class Connection:
             data = await stream.receive_some(RECEIVE_CHUNK)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             data, cause = b"", exc
+        if self._stream is not stream:
+            return  # broken (and perhaps reconnected) meanwhile: not this protocol's bytes
         try:
             self._protocol.receive_data(data)
             while (event := self._protocol.next_event()) is not NEED_DATA:
