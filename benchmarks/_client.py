@@ -15,6 +15,7 @@ from typing import Any
 
 import trio
 
+from cmdbus_trio.config import FACE_NAMES
 from cmdbus_trio.protocol import CLOSED, NEED_DATA, FrameDecoder, encode_frame
 
 
@@ -118,17 +119,6 @@ class BlockingClient:
         return self.receive()
 
 
-ALL_FACES = (
-    "control",
-    "cmd_ingest",
-    "cmd_claim",
-    "evt_ingest",
-    "evt_claim",
-    "evt_subscribe",
-    "tier",
-)
-
-
 def start_writer(
     workdir: Path,
     faces: tuple[str, ...],
@@ -147,7 +137,7 @@ def start_writer(
         CMDBUS_LOG_LEVEL="warning",
         **{
             f"CMDBUS_{face.upper()}_BIND": "127.0.0.1:0" if face in ("control", *faces) else ""
-            for face in ALL_FACES
+            for face in FACE_NAMES
         },
         **(env or {}),
     )
