@@ -123,7 +123,9 @@ async def test_drain_budget_cancels_but_still_waits_for_threads(
 async def test_a_crashed_face_is_logged_counted_and_the_rest_keeps_serving(
     make_config: Callable[..., Config], caplog: pytest.LogCaptureFixture
 ) -> None:
-    config = make_config(tier_bind="127.0.0.1:0", cmd_ingest_bind="127.0.0.1:0")
+    config = make_config(
+        tier_bind="127.0.0.1:0", cmd_ingest_bind="127.0.0.1:0", liveness_window_ms=300
+    )
     before = metrics.REGISTRY.get_sample_value("cmdbus_face_crashes_total", {"face": "tier"}) or 0
     with trio.fail_after(20):
         faces = {"tier": crashing_face, "cmd_ingest": sleeper_face}
@@ -134,8 +136,13 @@ async def test_a_crashed_face_is_logged_counted_and_the_rest_keeps_serving(
             readyz = await get(addresses["control"], "/readyz")
             assert readyz.status == 503
             assert readyz.json()["reasons"] == ["face tier crashed"]
-            assert (await get(addresses["control"], "/livez")).status == 200
             assert await send_sleep(addresses["cmd_ingest"], 0.01) == b"done"
+            # Crashed for longer than the liveness window: /livez fails too, so that
+            # Kubernetes restarts the pod (nothing in the process restarts the face).
+            while (livez := await get(addresses["control"], "/livez")).status == 200:
+                await trio.sleep(0.05)
+            assert livez.status == 503 and livez.json()["status"] == "face_crashed"
+            assert livez.json()["reason"].startswith("face tier crashed")
     crashes = [r for r in caplog.records if r.getMessage() == "face_crashed"]
     assert len(crashes) == 1
     assert crashes[0].cmdbus_fields["error"] == "RuntimeError: boom: a bug in a face"  # type: ignore[attr-defined]
@@ -195,6 +202,22 @@ async def test_switch_interval_is_lowered_while_serving(
         async with running_writer(make_config(switch_interval_ms=0.5)):
             assert sys.getswitchinterval() == pytest.approx(0.0005)
     assert sys.getswitchinterval() == before
+
+
+def test_a_crashed_face_fails_liveness_only_after_the_window() -> None:
+    from cmdbus_trio.health import FaceState, Health
+    from cmdbus_trio.heartbeat import Heartbeat
+
+    async def scenario() -> None:
+        health = Health(Heartbeat(interval=0.1, threshold=0.5, window=2.0))
+        health.faces["tier"] = FaceState.LISTENING
+        health.face_crashed("tier")
+        await trio.sleep(1.9)
+        assert health.dead_faces() == []
+        await trio.sleep(0.2)
+        assert health.dead_faces() == ["face tier crashed 2.1 s ago"]
+
+    trio.run(scenario, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
 def test_heartbeat_stall_detection() -> None:

@@ -304,7 +304,7 @@ class Writer:
             if not started:
                 raise
             metrics.FACE_CRASHES.labels(face=ctx.name).inc()
-            self.health.faces[ctx.name] = FaceState.CRASHED
+            self.health.face_crashed(ctx.name)
             leaf = _leaf(exc)
             event(
                 log,

@@ -82,6 +82,8 @@ class ControlApp:
         loop = self.health.heartbeat.statistics()
         if loop.stalled:
             return _json(503, {"status": "stalled", "reason": loop.reason})
+        if dead := self.health.dead_faces():
+            return _json(503, {"status": "face_crashed", "reason": "; ".join(dead)})
         return _json(200, {"status": "ok"})
 
     async def _readyz(self) -> tuple[int, bytes, bytes]:

@@ -43,6 +43,7 @@ class Health:
         self.serving = False  # every enabled face bound and the stores open
         self.draining = False
         self.faces: dict[str, FaceState] = {}
+        self.crashed_at: dict[str, float] = {}
         self.addresses: dict[str, str] = {}
         self.gates: dict[str, Gate] = {}
         self.stores: dict[str, Store] = {}
@@ -56,6 +57,21 @@ class Health:
             metrics.STORE_STATE.labels(store=name, state=state.value).set_function(
                 partial(_is_state, store, state)
             )
+
+    def face_crashed(self, face: str) -> None:
+        self.faces[face] = FaceState.CRASHED
+        self.crashed_at[face] = trio.current_time()
+
+    def dead_faces(self) -> list[str]:
+        """Faces crashed for longer than the liveness window. Readiness has failed all that
+        while; failing liveness too makes Kubernetes restart the pod, which a crashed face
+        needs: nothing in the process starts it again."""
+        now = trio.current_time()
+        return [
+            f"face {face} crashed {now - at:.1f} s ago"
+            for face, at in sorted(self.crashed_at.items())
+            if self.faces.get(face) is FaceState.CRASHED and now - at > self.heartbeat.window
+        ]
 
     def readiness(self) -> Readiness:
         reasons: list[str] = []
