@@ -1,21 +1,14 @@
-"""A minimal v2 client, timing helpers and a writer starter for the benchmarks (trio, our
-own codec)."""
+"""A minimal v2 client and timing helpers for the benchmarks (trio, our own codec); the
+writer starter is `cmdbus_trio.commands.spawn`."""
 
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import subprocess
-import sys
-import time
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import trio
 
-from cmdbus_trio.config import FACE_NAMES
 from cmdbus_trio.protocol import CLOSED, NEED_DATA, FrameDecoder, encode_frame
 
 
@@ -117,42 +110,3 @@ class BlockingClient:
     def call(self, op: str, **fields: Any) -> dict[str, Any]:
         self.send_raw(self.request_frame(op, **fields))
         return self.receive()
-
-
-def start_writer(
-    workdir: Path,
-    faces: tuple[str, ...],
-    *,
-    env: dict[str, str] | None = None,
-    preexec_fn: Callable[[], None] | None = None,
-) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
-    """`cmdbus-trio serve` on ``workdir`` with the control face and ``faces`` on loopback
-    port 0 (the others off); returns the process and its ports file."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    ports_file = workdir / "ports.json"
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("CMDBUS_")}
-    environment.update(
-        CMDBUS_DATA_DIR=str(workdir / "data"),
-        CMDBUS_PORTS_FILE=str(ports_file),
-        CMDBUS_LOG_LEVEL="warning",
-        **{
-            f"CMDBUS_{face.upper()}_BIND": "127.0.0.1:0" if face in ("control", *faces) else ""
-            for face in FACE_NAMES
-        },
-        **(env or {}),
-    )
-    log = (workdir / "writer.log").open("w")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "cmdbus_trio", "serve"],
-        env=environment,
-        stdout=log,
-        stderr=log,
-        preexec_fn=preexec_fn,
-    )
-    deadline = time.monotonic() + 60
-    while not ports_file.exists():
-        if process.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"the writer did not start; see {log.name}")
-        time.sleep(0.05)
-    ports: dict[str, str] = json.loads(ports_file.read_text())
-    return process, ports

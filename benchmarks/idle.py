@@ -23,8 +23,10 @@ from typing import Any
 
 import trio
 
+from cmdbus_trio.commands.spawn import spawn_writer
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _client import Client, percentiles, start_writer
+from _client import Client, percentiles
 
 FACES = ("tier", "cmd_ingest", "cmd_claim", "evt_ingest", "evt_claim", "evt_subscribe")
 
@@ -71,7 +73,7 @@ def main() -> None:
     args = parser.parse_args()
     raise_fd_limit(args.idle + 1000)
     workdir = Path(tempfile.mkdtemp(prefix="cmdbus-idle-"))
-    process, ports = start_writer(
+    process, ports = spawn_writer(
         workdir,
         FACES,
         env={"CMDBUS_MAX_CONNECTIONS": str(args.idle + 100)},

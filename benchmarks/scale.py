@@ -25,9 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cmdbus_trio.commands.spawn import spawn_writer
+
 HERE = Path(__file__).resolve()
-sys.path.insert(0, str(HERE.parent))
-from _client import start_writer  # noqa: E402
 
 PROCESSES, THREADS = 4, 4
 
@@ -58,7 +58,7 @@ def producer_process(shard_map: str, duration: float, offset: int) -> int:
 
 def measure(writers: int, duration: float, workdir: Path) -> dict[str, Any]:
     started = [
-        start_writer(
+        spawn_writer(
             workdir / f"n{writers}-w{shard}",
             ("cmd_ingest",),
             env={"CMDBUS_SHARD": str(shard), "CMDBUS_SHARD_COUNT": str(writers)},

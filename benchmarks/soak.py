@@ -33,8 +33,10 @@ from typing import Any
 
 import trio
 
+from cmdbus_trio.commands.spawn import spawn_writer
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _client import Client, http_get, percentiles, start_writer
+from _client import Client, http_get, percentiles
 
 from cmdbus_trio.client import RetryBudget, RetryPolicy
 from cmdbus_trio.client.trio import TierClient
@@ -241,7 +243,7 @@ def main() -> None:
     if args.quick:
         args.probe, args.duration = 3.0, 15.0
     workdir = Path(tempfile.mkdtemp(prefix="cmdbus-soak-"))
-    process, ports = start_writer(workdir, ("tier",))
+    process, ports = spawn_writer(workdir, ("tier",))
     try:
         with urllib_json(ports["control"]) as health:
             inflight = (

@@ -23,7 +23,6 @@ import json
 import math
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,6 +39,7 @@ from cmdbus_trio.client import Busy, ClientError
 from cmdbus_trio.client.trio import ClaimClient, IngestClient, TierClient
 
 from ._output import Output, fail, leaves
+from .spawn import SpawnError, spawn_writer
 
 SCENARIOS = ("publish", "claim", "tier-append", "tier-read", "stall", "mixed")
 PROBE_PERIOD = 0.1
@@ -132,34 +132,6 @@ async def _health(url: str) -> dict[str, Any]:
         raise ClientError(f"{url}/healthz answered HTTP {status}")
     document: dict[str, Any] = json.loads(body)
     return document
-
-
-def _spawn(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
-    ports_file = workdir / "ports.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CMDBUS_")}
-    for face in (
-        "CONTROL",
-        "CMD_INGEST",
-        "CMD_CLAIM",
-        "EVT_INGEST",
-        "EVT_CLAIM",
-        "EVT_SUBSCRIBE",
-        "TIER",
-    ):
-        env[f"CMDBUS_{face}_BIND"] = "127.0.0.1:0"
-    env.update(CMDBUS_DATA_DIR=str(workdir / "data"), CMDBUS_PORTS_FILE=str(ports_file))
-    env.setdefault("CMDBUS_LOG_LEVEL", "warning")
-    with (workdir / "server.log").open("wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "cmdbus_trio", "serve"], env=env, stdout=log, stderr=log
-        )
-    deadline = time.monotonic() + 60
-    while not ports_file.exists():
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            raise ClientError(f"the spawned writer did not start; see {workdir / 'server.log'}")
-        time.sleep(0.05)
-    return process, "http://" + json.loads(ports_file.read_text())["control"]
 
 
 # --- scenarios --------------------------------------------------------------------------------
@@ -392,9 +364,10 @@ def run(args: argparse.Namespace) -> int:
     url = args.url.rstrip("/")
     try:
         if args.spawn:
-            process, url = _spawn(Path(tempfile.mkdtemp(prefix="cmdbus-bench-")))
+            process, ports = spawn_writer(Path(tempfile.mkdtemp(prefix="cmdbus-bench-")))
+            url = f"http://{ports['control']}"
         recorder = trio.run(bench, url, args.scenario, args.duration, args.concurrency, args.events)
-    except ClientError as exc:
+    except (ClientError, SpawnError) as exc:
         return fail("bench", str(exc))
     except BaseExceptionGroup as group:
         errors, rest = group.split((ClientError, OSError))
