@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from functools import partial
@@ -247,3 +248,19 @@ def _limit_files(size: int) -> None:
 
 def server_log(tmp_path: Path) -> str:
     return (tmp_path / "server.log").read_text()
+
+
+# --- metrics ----------------------------------------------------------------------------
+
+
+def metrics_text(ports: dict[str, str]) -> str:
+    """One scrape of the writer's /metrics (blocking: call it from a thread in trio)."""
+    with urllib.request.urlopen(f"http://{ports['control']}/metrics", timeout=5) as response:
+        return str(response.read().decode())
+
+
+def metric_sum(text: str, prefix: str) -> float:
+    """Sum of the samples whose line starts with ``prefix`` (name and labels)."""
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix)
+    )

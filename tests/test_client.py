@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,7 @@ from cmdbus_trio.client.trio import (
 )
 from cmdbus_trio.protocol.subjects import shard_of
 
-from .helpers import serving
+from .helpers import metric_sum, metrics_text, serving
 
 
 @pytest.fixture(scope="module")
@@ -51,18 +50,6 @@ def tiny_gate(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, st
     gate = {"CMDBUS_TIER_MAX_INFLIGHT": "1", "CMDBUS_TIER_MAX_WAITERS": "0"}
     with serving(tmp_path_factory.mktemp("tiny"), **gate) as (_, ports):
         yield ports
-
-
-def scrape(ports: dict[str, str]) -> str:
-    with urllib.request.urlopen(f"http://{ports['control']}/metrics", timeout=5) as response:
-        return str(response.read().decode())
-
-
-def sample(text: str, prefix: str) -> float:
-    """Sum of the samples whose line starts with ``prefix`` (name and labels)."""
-    return sum(
-        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix)
-    )
 
 
 counter = iter(range(1, 1 << 30))
@@ -211,19 +198,15 @@ async def test_a_late_reply_after_a_cancelled_call_is_dropped(server: dict[str, 
 
 
 async def test_deadline_is_sent_and_answered(tiny_gate: dict[str, str]) -> None:
-    before = sample(
-        scrape(tiny_gate), 'cmdbus_shed_total{face="tier",op="read_execution",reason="deadline"}'
-    )
+    prefix = 'cmdbus_shed_total{face="tier",op="read_execution",reason="deadline"}'
+    before = metric_sum(metrics_text(tiny_gate), prefix)
     with trio.fail_after(20):
         async with await TierClient.connect(tiny_gate["tier"]) as tier:
             with pytest.raises(DeadlineExceeded):
                 await tier.read_execution(new_execution(), timeout=0.0005)  # deadline_ms 0
             await tier.read_execution(new_execution(), timeout=5)  # still usable
         while True:
-            shed = sample(
-                await trio.to_thread.run_sync(scrape, tiny_gate),
-                'cmdbus_shed_total{face="tier",op="read_execution",reason="deadline"}',
-            )
+            shed = metric_sum(await trio.to_thread.run_sync(metrics_text, tiny_gate), prefix)
             if shed == before + 1:
                 break
             await trio.sleep(0.02)
@@ -264,7 +247,7 @@ async def test_a_pipelining_client_is_held_back_not_shed(tiny_gate: dict[str, st
     """With the Gate full, a client's further requests wait in its socket for room (up to
     shed_after) instead of being read only to be refused."""
     prefix = 'cmdbus_shed_total{face="tier",op="append"'
-    before = sample(await trio.to_thread.run_sync(scrape, tiny_gate), prefix)
+    before = metric_sum(await trio.to_thread.run_sync(metrics_text, tiny_gate), prefix)
     done: list[int] = []
 
     async def append(tier: TierClient) -> None:
@@ -278,13 +261,13 @@ async def test_a_pipelining_client_is_held_back_not_shed(tiny_gate: dict[str, st
             for _ in range(30):
                 nursery.start_soon(append, tier)
     assert len(done) == 30
-    after = sample(await trio.to_thread.run_sync(scrape, tiny_gate), prefix)
+    after = metric_sum(await trio.to_thread.run_sync(metrics_text, tiny_gate), prefix)
     assert after - before <= 1  # at most its first request, shed before it was held back
 
 
 async def test_retries_honour_the_budget(tiny_gate: dict[str, str]) -> None:
     prefix = 'cmdbus_request_duration_seconds_count{face="tier",op="append"'
-    before = sample(await trio.to_thread.run_sync(scrape, tiny_gate), prefix)
+    before = metric_sum(await trio.to_thread.run_sync(metrics_text, tiny_gate), prefix)
     budget = RetryBudget(ratio=0.1, initial=2)
     policy = RetryPolicy(attempts=20, base_delay=0.001, max_delay=0.005, budget=budget)
     with trio.fail_after(60):
@@ -293,7 +276,7 @@ async def test_retries_honour_the_budget(tiny_gate: dict[str, str]) -> None:
     assert stats.requests == 60 and len(outcomes) == 60
     assert 0 < stats.retries <= 0.1 * stats.requests + 2
     assert stats.refused > 0 and any(outcomes)  # the budget stopped retries
-    after = sample(await trio.to_thread.run_sync(scrape, tiny_gate), prefix)
+    after = metric_sum(await trio.to_thread.run_sync(metrics_text, tiny_gate), prefix)
     assert after - before == stats.requests + stats.retries  # what the server saw
 
 

@@ -18,14 +18,9 @@ from cmdbus_trio.client.trio import TierClient
 from cmdbus_trio.config import ConfigError, load
 from cmdbus_trio.protocol import encode_frame
 
-from .helpers import frame_client, serving
+from .helpers import frame_client, metric_sum, metrics_text, serving
 
 TOKEN = "s3cret-token"
-
-
-def scrape(ports: dict[str, str]) -> str:
-    with urllib.request.urlopen(f"http://{ports['control']}/metrics", timeout=5) as response:
-        return str(response.read().decode())
 
 
 def status(ports: dict[str, str], path: str) -> int:
@@ -34,8 +29,7 @@ def status(ports: dict[str, str], path: str) -> int:
 
 
 def connections(text: str, face: str, outcome: str) -> float:
-    prefix = f'cmdbus_connections_total{{face="{face}",outcome="{outcome}"}} '
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(prefix))
+    return metric_sum(text, f'cmdbus_connections_total{{face="{face}",outcome="{outcome}"}} ')
 
 
 async def v1_health(address: str) -> bytes | None:
@@ -51,7 +45,7 @@ async def test_a_token_is_required_in_the_v2_hello(tmp_path: Path) -> None:
             with pytest.raises(Invalid, match=r"hello\.token"):
                 await TierClient.connect(ports["tier"], token=token)
         assert await v1_health(ports["tier"]) is None  # v1: closed, no answer
-        text = await trio.to_thread.run_sync(scrape, ports)  # the control face needs none
+        text = await trio.to_thread.run_sync(metrics_text, ports)  # the control face needs none
         assert connections(text, "tier", "unauthorized") == 3
         assert await trio.to_thread.run_sync(status, ports, "/readyz") == 200
 
@@ -97,7 +91,7 @@ async def test_tls_on_the_data_faces(tmp_path: Path, ca: trustme.CA) -> None:
         with pytest.raises(ConnectionLost):
             await TierClient.connect(ports["tier"], connect_timeout=2)
         # The control face stays plain HTTP: probes and scrapes need no certificate.
-        assert "cmdbus_connections_total" in await trio.to_thread.run_sync(scrape, ports)
+        assert "cmdbus_connections_total" in await trio.to_thread.run_sync(metrics_text, ports)
 
 
 def test_a_bad_certificate_fails_the_start(tmp_path: Path) -> None:
@@ -122,7 +116,7 @@ async def test_connections_over_the_cap_are_closed_and_counted(tmp_path: Path) -
                 await trio.sleep(0.05)
         assert (await third.health())["status"] == "ok"
         assert (await second.health())["status"] == "ok"
-        text = await trio.to_thread.run_sync(scrape, ports)
+        text = await trio.to_thread.run_sync(metrics_text, ports)
         assert connections(text, "tier", "over_capacity") >= 1
         # Other faces have their own cap.
         async with await TierClient.connect(ports["cmd_ingest"]) as other:

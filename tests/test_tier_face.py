@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import trio
 
-from .helpers import frame_client, serving
+from .helpers import frame_client, metrics_text, serving
 
 SMALL_REPLY_CAP = 4096
 
@@ -40,11 +39,6 @@ counter = iter(range(1, 1 << 30))
 
 def new_execution() -> str:
     return f"exec-{next(counter)}"
-
-
-def metrics_text(ports: dict[str, str]) -> str:
-    with urllib.request.urlopen(f"http://{ports['control']}/metrics", timeout=5) as response:
-        return str(response.read().decode())
 
 
 # --- v1 (NoETL-compatible) ------------------------------------------------------------
