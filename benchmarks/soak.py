@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,12 @@ CONNECTIONS = 32
 WINDOW = 256
 """Requests a load connection keeps unanswered at most, as a pipelining client would."""
 DEADLINE = 2.0
+
+
+def healthz(address: str) -> dict[str, Any]:
+    with urllib.request.urlopen(f"http://{address}/healthz", timeout=10) as response:
+        document: dict[str, Any] = json.loads(response.read())
+    return document
 
 
 def rss_mib(pid: int) -> float:
@@ -245,12 +252,7 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="cmdbus-soak-"))
     process, ports = spawn_writer(workdir, ("tier",))
     try:
-        with urllib_json(ports["control"]) as health:
-            inflight = (
-                health["gates"]["tier"]["capacity"]
-                if "tier" in health.get("gates", {})
-                else os.cpu_count() or 1
-            )
+        inflight = healthz(ports["control"])["gates"]["tier"]["capacity"]
         workers = max(4, 4 * int(inflight))
         closed = run_generator(ports["tier"], 0, args.probe, workers, "probe", args.connections)
         per_second = closed["per_second"]
@@ -269,8 +271,7 @@ def main() -> None:
         lost = verify(ports["tier"], result["acknowledged"]) + verify(
             ports["tier"], closed["acknowledged"]
         )
-        with urllib_json(ports["control"]) as health:
-            sheds = health["gates"]["tier"]["shed_total"]
+        sheds = healthz(ports["control"])["gates"]["tier"]["shed_total"]
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=60)
@@ -314,20 +315,6 @@ def main() -> None:
     )
     print(f"acknowledged appends {summary['acknowledged']}, lost {summary['lost']}")
     print(json.dumps(summary))
-
-
-class urllib_json:
-    def __init__(self, address: str) -> None:
-        import urllib.request
-
-        self.response = urllib.request.urlopen(f"http://{address}/healthz", timeout=10)
-
-    def __enter__(self) -> dict[str, Any]:
-        document: dict[str, Any] = json.loads(self.response.read())
-        return document
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.response.close()
 
 
 if __name__ == "__main__":
