@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from cmdbus_trio.storage import StoreState, StoreUnavailable
-from cmdbus_trio.storage.buslog import BusEntry, BusLog, Published
+from cmdbus_trio.storage.buslog import MAX_READ_MANY, BusEntry, BusLog, Published
 
 
 @pytest.fixture
@@ -147,3 +147,17 @@ def test_positions_prune_acks_and_start_the_reload(log: BusLog) -> None:
     log.commit(positions=[("commands", 2)])  # a position never goes back
     assert log.settled_below("commands") == 4
     assert log.settled_below("someone-else") == 0
+
+
+def test_read_many_reads_the_keys_that_exist(log: BusLog) -> None:
+    log.publish([entry(1), entry(2), entry(3)])
+    records = log.read_many([3, 1, 99])
+    assert sorted(records) == [1, 3]
+    assert records[3].record == '{"execution_id":3,"payload":"{}"}'
+    assert log.read_many([]) == {}
+
+
+def test_read_many_refuses_more_than_its_bound(log: BusLog) -> None:
+    assert log.read_many(list(range(1, MAX_READ_MANY + 1))) == {}
+    with pytest.raises(ValueError, match=f"at most {MAX_READ_MANY} sort keys"):
+        log.read_many(list(range(MAX_READ_MANY + 1)))

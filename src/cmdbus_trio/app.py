@@ -27,11 +27,12 @@ import trio
 from . import __version__, control, metrics
 from .admission import Gate, run_in_thread
 from .bus import Bus
+from .bus.bodies import BodyReader
 from .bus.claims import open_claims, sample_lag
 from .bus.committer import GroupCommitter
 from .bus.groups import ConsumerGroups
 from .bus.subscriptions import Hub
-from .config import DATA_FACE_NAMES, Bind, Config, cpu_quota
+from .config import DATA_FACE_NAMES, Bind, Config
 from .faces import (
     FaceContext,
     FaceServe,
@@ -88,6 +89,11 @@ def _leaf(exc: BaseException) -> BaseException:
     return exc
 
 
+CLAIM_MAX_READS = 64
+"""Deliveries per claim face whose body is being read at once (at most this many bodies,
+each at most max_request_bytes, are in memory for reads)."""
+
+
 def gate_for(face: str, config: Config) -> Gate:
     """The Gate of a data face. The tier face has its own settings; the bus faces use the
     same defaults until their own admission settings exist."""
@@ -106,9 +112,14 @@ def gate_for(face: str, config: Config) -> Gate:
             shed_after=config.tier_shed_after_ms / 1000,
             default_budget=budget,
         )
-    inflight = cpu_quota()
+    # The claim faces: slots are deliveries whose body is queued for or in a batched read
+    # (bus/bodies.py); they bound the bodies held in memory, not threads.
     return Gate(
-        face, max_inflight=inflight, max_waiters=8 * inflight, shed_after=1.0, default_budget=budget
+        face,
+        max_inflight=CLAIM_MAX_READS,
+        max_waiters=8 * CLAIM_MAX_READS,
+        shed_after=1.0,
+        default_budget=budget,
     )
 
 
@@ -191,6 +202,7 @@ class Writer:
                     for store in self._stores.values():
                         if isinstance(store, Bus):
                             await background.start(store.committer.run)
+                            await background.start(store.bodies.run)
                             if store.claims is not None:
                                 await background.start(store.claims.run_timers)
                                 await background.start(sample_lag, store.claims, store.committer)
@@ -259,6 +271,7 @@ class Writer:
             )
             rule = SubjectRule(BusKind(name), config.shard, config.shard_count)
             committer = GroupCommitter(bus_log, rule)
+            bodies = BodyReader(bus_log)
             self.health.add_store(name, bus_log)
             if name == "events":
                 groups = ConsumerGroups(
@@ -271,7 +284,7 @@ class Writer:
                 await groups.open(config.evt_groups)
                 hub = Hub(config.subscriber_buffer)
                 committer.listeners.append(hub.feed)
-                self._stores[name] = Bus(bus_log, committer, groups=groups, hub=hub)
+                self._stores[name] = Bus(bus_log, committer, bodies, groups=groups, hub=hub)
                 continue
             claims = await open_claims(
                 bus_log,
@@ -282,7 +295,7 @@ class Writer:
                 max_deliver=config.max_deliver,
                 limiter=self._maintenance,
             )
-            self._stores[name] = Bus(bus_log, committer, claims)
+            self._stores[name] = Bus(bus_log, committer, bodies, claims)
 
     async def _close_stores(self) -> None:
         with trio.CancelScope(shield=True):

@@ -3,7 +3,8 @@ with leases, in both dialects.
 
 Each connection has its own handler: the leases it holds are released the moment it
 closes. ``next`` waits in memory (no thread, no polling) for a matching record, leases it,
-and reads its body from the store under a Gate lease. ``ack`` is durable before it is
+and, under a Gate lease, has its body read from the store with the other bodies asked for
+meanwhile (one thread hop per batch: :mod:`cmdbus_trio.bus.bodies`). ``ack`` is durable before it is
 answered: it goes through the group committer like a publish. A face gives the handler a
 *resolver* from the request's ``group`` (and ``from``) to the coordinator to use.
 """
@@ -161,12 +162,13 @@ class ClaimHandler:
     ) -> tuple[Delivery, StoredRecord]:
         delivery = await claims.next(filter_tokens, self)
         try:
-            with await self.gate.acquire("next", arrival=arrival) as lease:
-                stored = await lease.run_to_completion(self.bus.log.read, delivery.sort_key)
+            # timeout_ms bounds the wait for a record: once one is leased, its read
+            # finishes (a batch takes a hop, not a client's patience).
+            with await self.gate.acquire("next", arrival=arrival), trio.CancelScope(shield=True):
+                stored = await self.bus.bodies.read(delivery.sort_key)
         except BaseException:
             claims.nack(delivery.sort_key, self)  # not delivered after all
             raise
-        assert stored is not None  # records are never deleted
         return delivery, stored
 
     async def _ack(self, claims: Claims, sort_key: int) -> bool:

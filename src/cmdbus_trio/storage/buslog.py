@@ -22,6 +22,8 @@ from ._sqlite import SqliteStore
 MSG_ID_PRUNE_BATCH = 1000
 """msg_ids past the window deleted per publish at most, so pruning never makes one
 transaction long."""
+MAX_READ_MANY = 256
+"""Most records :meth:`BusLog.read_many` reads in one query."""
 
 
 @attrs.frozen
@@ -219,6 +221,22 @@ class BusLog(SqliteStore):
                 "SELECT sort_key, subject, record FROM records WHERE sort_key = ?", (sort_key,)
             ).fetchone()
         return None if row is None else StoredRecord(*row)
+
+    @refuses_loop_thread
+    def read_many(self, sort_keys: Sequence[int]) -> dict[int, StoredRecord]:
+        """The records with these sort keys (one query), by sort key; at most
+        :data:`MAX_READ_MANY` keys (SQLite's bound-parameter limit is far above it)."""
+        if len(sort_keys) > MAX_READ_MANY:
+            raise ValueError(f"at most {MAX_READ_MANY} sort keys, got {len(sort_keys)}")
+        if not sort_keys:
+            return {}
+        marks = ", ".join("?" * len(sort_keys))
+        with self._connection() as connection:
+            rows = connection.execute(
+                f"SELECT sort_key, subject, record FROM records WHERE sort_key IN ({marks})",
+                tuple(sort_keys),
+            ).fetchall()
+        return {int(row[0]): StoredRecord(*row) for row in rows}
 
     @refuses_loop_thread
     def settled_below(self, consumer: str) -> int:

@@ -1,0 +1,88 @@
+"""The batched body reader: many deliveries' bodies per thread hop."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import trio
+
+from cmdbus_trio.bus.bodies import BodyReader
+from cmdbus_trio.storage import StoreUnavailable
+from cmdbus_trio.storage.buslog import MAX_READ_MANY, BusEntry, BusLog
+
+SUBJECT = "commands.shared.shard.0"
+
+
+@pytest.fixture
+def log(tmp_path: Path) -> Iterator[BusLog]:
+    opened = BusLog.open(tmp_path / "commands.sqlite3")
+    opened.publish([BusEntry(SUBJECT, f'{{"n":{n}}}') for n in range(1, 11)])
+    yield opened
+    opened.close()
+
+
+@pytest.fixture
+async def reader(log: BusLog) -> AsyncIterator[BodyReader]:
+    async with trio.open_nursery() as nursery:
+        bodies = BodyReader(log, max_batch=4)
+        await nursery.start(bodies.run)
+        yield bodies
+        nursery.cancel_scope.cancel()
+
+
+async def read_all(reader: BodyReader, keys: list[int]) -> dict[int, str]:
+    got: dict[int, str] = {}
+
+    async def one(key: int) -> None:
+        got[key] = (await reader.read(key)).record
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            for key in keys:
+                nursery.start_soon(one, key)
+    return got
+
+
+async def test_asks_made_together_share_a_hop_of_at_most_max_batch(reader: BodyReader) -> None:
+    got = await read_all(reader, [1, 2, 3, 4, 5, 6, 7, 2])
+    assert got == {n: f'{{"n":{n}}}' for n in range(1, 8)}
+    assert reader.batches == 2  # eight asks, batches of at most four
+
+
+async def test_a_missing_record_is_a_lookup_error(reader: BodyReader) -> None:
+    with trio.fail_after(10), pytest.raises(LookupError, match="no record with sort key 99"):
+        await reader.read(99)
+
+
+async def test_a_store_error_reaches_every_ask_of_the_batch(
+    reader: BodyReader, log: BusLog
+) -> None:
+    await trio.to_thread.run_sync(log.close)
+    errors: list[Exception] = []
+
+    async def one(key: int) -> None:
+        try:
+            await reader.read(key)
+        except StoreUnavailable as exc:
+            errors.append(exc)
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            for key in (1, 2, 3):
+                nursery.start_soon(one, key)
+    assert len(errors) == 3
+
+
+async def test_a_cancelled_ask_leaves_the_others_alone(reader: BodyReader) -> None:
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await reader.read(1)
+    assert await read_all(reader, [2, 3]) == {2: '{"n":2}', 3: '{"n":3}'}
+
+
+@pytest.mark.parametrize("max_batch", [0, MAX_READ_MANY + 1])
+def test_max_batch_is_checked(log: BusLog, max_batch: int) -> None:
+    with pytest.raises(ValueError, match="max_batch must be in"):
+        BodyReader(log, max_batch=max_batch)
