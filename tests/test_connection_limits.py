@@ -1,5 +1,6 @@
-"""A pipelining client gets at most 32 requests in flight per connection: the 33rd waits
-in its socket until one of them is answered."""
+"""Limits a client cannot push past: at most 32 requests in flight per connection (the 33rd
+waits in its socket until one of them is answered), and op names it makes up never become
+metric labels."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import trio
 
-from .helpers import frame_client, serving
+from .helpers import frame_client, metric_sum, metrics_text, serving
 
 
 async def test_at_most_32_requests_in_flight_per_connection(tmp_path: Path) -> None:
@@ -27,3 +28,23 @@ async def test_at_most_32_requests_in_flight_per_connection(tmp_path: Path) -> N
             # One `next` gets the record; its slot frees; the `lag` is read and answered.
             replies = {(await client.receive_json())["id"] for _ in range(2)}
             assert 33 in replies and len(replies) == 2
+
+
+async def test_made_up_ops_are_counted_under_one_label(tmp_path: Path) -> None:
+    # Each distinct op name as a label value would be a new time series: a client could
+    # grow the writer's memory and every scrape without bound.
+    with serving(tmp_path) as (_, ports), trio.fail_after(30):
+        for face in ("cmd_ingest", "cmd_claim", "evt_subscribe", "tier"):
+            async with frame_client(ports[face]) as client:
+                for n in range(20):
+                    reply = await client.request(f"made-up-{n}")
+                    assert reply["error"]["code"] == "unsupported"
+        text = await trio.to_thread.run_sync(metrics_text, ports)
+    assert "made-up" not in text
+    for face in ("cmd_ingest", "cmd_claim", "evt_subscribe", "tier"):
+        counted = metric_sum(
+            text,
+            f'cmdbus_request_duration_seconds_count{{face="{face}",op="unknown",'
+            'outcome="unsupported"}',
+        )
+        assert counted == 20, face

@@ -262,7 +262,7 @@ class Gate:
         lease.admitted_at = trio.current_time()
         self._admitted_total += 1
         self._idle = trio.Event() if self._idle.is_set() else self._idle
-        metrics.QUEUE_WAIT.labels(face=self.face, op=lease.op).observe(
+        metrics.child(metrics.QUEUE_WAIT, self.face, lease.op).observe(
             lease.admitted_at - lease.arrival
         )
 
@@ -279,7 +279,7 @@ class Gate:
 
     def _release(self, lease: Lease) -> None:
         self._limiter.release_on_behalf_of(lease)
-        metrics.SERVICE.labels(face=self.face, op=lease.op).observe(
+        metrics.child(metrics.SERVICE, self.face, lease.op).observe(
             trio.current_time() - lease.admitted_at
         )
         if self._limiter.borrowed_tokens == 0:

@@ -7,6 +7,9 @@ Nothing here blocks: gauges that mirror live state read in-memory numbers only.
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -18,6 +21,7 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics import MetricWrapperBase
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 ProcessCollector(registry=REGISTRY)
@@ -175,6 +179,14 @@ READY = Gauge(
     "1 when /readyz answers 200, else 0.",
     registry=REGISTRY,
 )
+
+
+@functools.cache
+def child(family: MetricWrapperBase, *labels: str) -> Any:
+    """``family.labels(*labels)``, remembered: on the request path the lookup cost as much
+    as the observation. Only for label values from a fixed set (faces, ops the writer
+    knows, outcomes), never from a client's input: each one is a series held forever."""
+    return family.labels(*labels)
 
 
 def exposition() -> tuple[bytes, str]:

@@ -33,6 +33,7 @@ from cmdbus_trio.protocol import (
     RemoteProtocolError,
     Request,
     RequestError,
+    UnsupportedOp,
     detect_dialect,
     encode_error,
     encode_frame,
@@ -462,6 +463,8 @@ class _Connection:
     ) -> None:
         if isinstance(exc, Shed) and exc.reason is ShedReason.WAITERS_FULL:
             self._shed_recently = True
+        if isinstance(exc, UnsupportedOp):
+            op = "unknown"  # a name the client made up is not a metric label
         error = as_face_error(exc)
         if error is None:
             event(log, logging.ERROR, "request_failed", face=self.face, op=op, exc_info=exc)
@@ -476,7 +479,7 @@ class _Connection:
         self._observe(op, error.code.value, arrival)
 
     def _observe(self, op: str, outcome: str, arrival: float) -> None:
-        metrics.REQUEST_DURATION.labels(face=self.face, op=op, outcome=outcome).observe(
+        metrics.child(metrics.REQUEST_DURATION, self.face, op, outcome).observe(
             trio.current_time() - arrival
         )
 
