@@ -64,7 +64,8 @@ class BodyReader:
             await self._wake.wait()
             self._wake = trio.Event()
             while self._queue:
-                batch = [self._queue.popleft() for _ in range(min(len(self._queue), self.max_batch))]
+                size = min(len(self._queue), self.max_batch)
+                batch = [self._queue.popleft() for _ in range(size)]
                 with trio.CancelScope(shield=True):
                     await self._read(batch)
 
