@@ -3,10 +3,17 @@
     python benchmarks/bus.py --peer redis --peer nats      # about 3 minutes on 2 cores
     python benchmarks/bus.py --peer redis --quick          # about 40 s
     python benchmarks/bus.py --memory                      # writer RSS with a 1M backlog
+    python benchmarks/bus.py --floor --peer redis          # adds the floor (see below)
 
 Workloads (each --duration seconds): durable publish with 1 and 16 producers, one at a time
-(unpipelined) and 32 in flight (pipelined); claim+ack cycles with 1 and 16 consumers over a
-preloaded backlog, with ack latency. The load generators are separate processes (4 at
+(unpipelined), 32 in flight (pipelined: 32 single-record requests) and 32 records per round
+trip (batched: cmdbus-trio's publish_batch; Redis and NATS have no multi-record publish, so
+for them this is their pipelined workload again); claim+ack cycles with 1 and 16 consumers
+over a preloaded backlog, with ack latency.
+
+--floor adds `floor_server.py`: the same protocol answered from memory by the least a trio
+server can do per request (no disk, no admission, no metrics). It bounds what one trio loop
+can reach on this machine with this protocol and these load generators. The load generators are separate processes (4 at
 most), with each system's usual Python client: our codec and redis-py on blocking sockets
 in threads; nats-py (asyncio only) in tasks.
 
@@ -39,12 +46,13 @@ from _client import BlockingClient, percentiles
 HERE = Path(__file__).resolve()
 PIPELINE = 32
 SUBJECT = "commands.shared.shard.0"
-WORKLOADS = [
-    ("publish", 1, False),
-    ("publish", 16, False),
-    ("publish", 16, True),
-    ("claim+ack", 1, False),
-    ("claim+ack", 16, False),
+WORKLOADS = [  # (mode, clients, style)
+    ("publish", 1, "single"),
+    ("publish", 16, "single"),
+    ("publish", 16, "pipelined"),
+    ("publish", 16, "batched"),
+    ("claim+ack", 1, "single"),
+    ("claim+ack", 16, "single"),
 ]
 
 
@@ -149,7 +157,24 @@ def start_nats(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
     return process, f"127.0.0.1:{port}"
 
 
-STARTERS = {"cmdbus-trio": start_cmdbus, "redis": start_redis, "nats": start_nats}
+def start_floor(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
+    ports_file = workdir / "ports.json"
+    command = [sys.executable, str(HERE.parent / "floor_server.py"), str(ports_file)]
+    process = subprocess.Popen(command)
+    deadline = time.monotonic() + 60
+    while not ports_file.exists():
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit("the floor server did not start")
+        time.sleep(0.05)
+    return process, ports_file.read_text()
+
+
+STARTERS = {
+    "cmdbus-trio": start_cmdbus,
+    "floor": start_floor,
+    "redis": start_redis,
+    "nats": start_nats,
+}
 
 
 def stop(process: subprocess.Popen[bytes]) -> None:
@@ -170,7 +195,11 @@ class CmdbusClient:
         self.ingest = BlockingClient(ports["cmd_ingest"])
         self.claim = BlockingClient(ports["cmd_claim"])
 
-    def publish(self, n: int, count: int) -> None:
+    def publish(self, n: int, count: int, batched: bool) -> None:
+        if batched:
+            reply = self.ingest.call("publish_batch", records=[body(n) for _ in range(count)])
+            assert len(reply["sort_keys"]) == count
+            return
         frames = [self.ingest.request_frame("publish", record=body(n)) for _ in range(count)]
         self.ingest.send_raw(b"".join(frames))
         for _ in range(count):
@@ -192,7 +221,8 @@ class RedisClient:
         self.redis = redis.Redis(port=int(address.rsplit(":", 1)[1]))
         self.name = f"c{os.getpid()}-{threading.get_ident()}"
 
-    def publish(self, n: int, count: int) -> None:
+    def publish(self, n: int, count: int, batched: bool) -> None:
+        del batched  # no multi-record XADD: a pipeline is Redis's way to batch
         pipe = self.redis.pipeline(transaction=False)
         for _ in range(count):
             pipe.xadd("commands", body(n))
@@ -208,19 +238,21 @@ class RedisClient:
 
 
 def thread_worker(
-    target: str, address: str, mode: str, clients: int, count: int, duration: float
+    target: str, address: str, kind: str, clients: int, count: int, duration: float
 ) -> dict[str, Any]:
+    """``kind``: publish (``count`` in flight), batched (``count`` records per request) or
+    claim+ack."""
     ops = [0] * clients
     latencies: list[float] = []
     lock = threading.Lock()
     deadline = time.monotonic() + duration
 
     def run(index: int) -> None:
-        client: Any = CmdbusClient(address) if target == "cmdbus-trio" else RedisClient(address)
+        client: Any = RedisClient(address) if target == "redis" else CmdbusClient(address)
         n = index * 10_000_000
         while time.monotonic() < deadline:
-            if mode == "publish":
-                client.publish(n, count)
+            if kind != "claim+ack":
+                client.publish(n, count, kind == "batched")
                 ops[index] += count
                 n += 1
             elif (latency := client.claim_ack()) is not None:
@@ -237,7 +269,7 @@ def thread_worker(
 
 
 async def nats_worker(
-    address: str, mode: str, clients: int, count: int, duration: float
+    address: str, kind: str, clients: int, count: int, duration: float
 ) -> dict[str, Any]:
     import nats
 
@@ -249,7 +281,7 @@ async def nats_worker(
         connection = await nats.connect(f"nats://{address}")
         js = connection.jetstream()
         subscription = (
-            None if mode == "publish" else await js.pull_subscribe_bind("workers", "COMMANDS")
+            None if kind != "claim+ack" else await js.pull_subscribe_bind("workers", "COMMANDS")
         )
         n = index * 10_000_000
         while time.monotonic() < deadline:
@@ -274,13 +306,13 @@ async def nats_worker(
 
 
 def run_workload(
-    target: str, address: str, mode: str, clients: int, count: int, duration: float
+    target: str, address: str, kind: str, clients: int, count: int, duration: float
 ) -> dict[str, Any]:
     processes = min(clients, 4)
     shares = [
         clients // processes + (1 if i < clients % processes else 0) for i in range(processes)
     ]
-    command = [sys.executable, str(HERE), "--worker", target, address, mode]
+    command = [sys.executable, str(HERE), "--worker", target, address, kind]
     workers = [
         subprocess.Popen(
             [*command, str(share), str(count), str(duration)], stdout=subprocess.PIPE, text=True
@@ -332,6 +364,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--peer", choices=["redis", "nats"], action="append", default=[])
+    parser.add_argument("--floor", action="store_true", help="also run floor_server.py")
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--backlog", type=int, default=40_000, help="records preloaded for claims")
     parser.add_argument("--quick", action="store_true", help="3 s workloads, 10k backlog")
@@ -344,28 +377,31 @@ def main() -> None:
     if args.memory:
         measure_memory(args.memory, workdir)
         return
-    names = ["cmdbus-trio", *dict.fromkeys(args.peer)]
+    names = ["cmdbus-trio", *(["floor"] if args.floor else []), *dict.fromkeys(args.peer)]
     results: dict[str, dict[str, Any]] = {name: {} for name in names}
     for name in names:  # one server at a time: they share the machine's 2 cores and disk
         (workdir / name).mkdir()
         process, address = STARTERS[name](workdir / name)
         try:
-            for mode, clients, pipelined in WORKLOADS:
+            for mode, clients, style in WORKLOADS:
                 if mode == "claim+ack" and clients == 1:
                     preload(name, address, args.backlog)
-                key = f"{mode} x{clients}" + (" pipelined" if pipelined else "")
-                count = PIPELINE if pipelined else 1
+                key = f"{mode} x{clients}" + ("" if style == "single" else f" {style}")
+                kind = {"single": mode, "pipelined": "publish"}.get(style, style)
+                count = 1 if style == "single" else PIPELINE
                 results[name][key] = run_workload(
-                    name, address, mode, clients, count, args.duration
+                    name, address, kind, clients, count, args.duration
                 )
         finally:
             stop(process)
     print(f"\n{args.duration:.0f} s per workload; ops/s (ack p50 / p99 ms for claim+ack)")
-    peers = names[1:]
+    peers = names[names.index("cmdbus-trio") + 1 + args.floor :]
+    measured = ["cmdbus-trio", *(["floor"] if args.floor else [])]
+    ratio_columns = [(m, p) for m in measured for p in peers]
     print(
         f"{'workload':<26}"
-        + "".join(f"{n:>24}" for n in names)
-        + "".join(f"{'/ ' + p:>10}" for p in peers)
+        + "".join(f"{n:>22}" for n in names)
+        + "".join(f"{(m if m == 'floor' else 'ours') + ' / ' + p:>16}" for m, p in ratio_columns)
     )
     for key in results["cmdbus-trio"]:
         cells = []
@@ -375,22 +411,23 @@ def main() -> None:
                 f" ({r['ack']['p50']:.1f}/{r['ack']['p99']:.1f})" if key.startswith("claim") else ""
             )
             cells.append(f"{r['rate']:.0f}{ack}")
-        ours = results["cmdbus-trio"][key]["rate"]
-        ratios = [f"{ours / results[p][key]['rate']:.2f}x" for p in peers]
+        ratios = [
+            f"{results[m][key]['rate'] / results[p][key]['rate']:.2f}x" for m, p in ratio_columns
+        ]
         print(
-            f"{key:<26}" + "".join(f"{c:>24}" for c in cells) + "".join(f"{r:>10}" for r in ratios)
+            f"{key:<26}" + "".join(f"{c:>22}" for c in cells) + "".join(f"{r:>16}" for r in ratios)
         )
 
 
 if __name__ == "__main__":
     if len(sys.argv) == 8 and sys.argv[1] == "--worker":
-        _, _, target, address, mode, clients, count, seconds = sys.argv
+        _, _, target, address, kind, clients, count, seconds = sys.argv
         if target == "nats":
             result = asyncio.run(
-                nats_worker(address, mode, int(clients), int(count), float(seconds))
+                nats_worker(address, kind, int(clients), int(count), float(seconds))
             )
         else:
-            result = thread_worker(target, address, mode, int(clients), int(count), float(seconds))
+            result = thread_worker(target, address, kind, int(clients), int(count), float(seconds))
         print(json.dumps(result))
     else:
         main()

@@ -43,6 +43,10 @@ class Ticket:
     positions: Sequence[tuple[str, int]] = ()
     """(consumer, settled_below): low-water marks of the claim groups."""
     settled: trio.Event = attrs.field(factory=trio.Event)
+    on_settled: Callable[[Ticket], None] | None = None
+    """Called on the loop once the ticket is settled, for a waiter that is not a task (a
+    connection's deferred reply). It must not raise; if it does, that is logged and the
+    other tickets are settled all the same."""
     published: list[Published] | None = None
     stored: list[str] = attrs.field(factory=list)
     """The records as stored (JSON text), set in the commit thread, for the listeners."""
@@ -119,6 +123,11 @@ class GroupCommitter:
                 listener(batch)
             for ticket in batch:
                 ticket.settled.set()
+                if ticket.on_settled is not None:
+                    try:
+                        ticket.on_settled(ticket)
+                    except Exception as exc:
+                        event(log, logging.ERROR, "settle_callback_failed", exc_info=exc)
 
     def _commit_in_thread(self, batch: list[Ticket]) -> None:
         entries: list[BusEntry] = []

@@ -78,6 +78,32 @@ Sender = Callable[[bytes], Awaitable[bool]]
 """Sends bytes on the connection, in order; False once the peer is gone."""
 
 
+class Deferred:
+    """A v2 reply that a callback on the loop settles (the group committer settling a
+    ticket), so that the connection needs no task to wait for it. Under pipelined load a
+    task and a wake-up per request were most of the loop's time."""
+
+    __slots__ = ("_callback", "_outcome")
+
+    def __init__(self) -> None:
+        self._callback: Callable[[bytes | Exception], None] | None = None
+        self._outcome: bytes | Exception | None = None
+
+    def settle(self, outcome: bytes | Exception) -> None:
+        """The reply body, or the exception to answer with (as a handler would raise)."""
+        if self._outcome is not None:
+            raise RuntimeError("a reply is settled once")
+        self._outcome = outcome
+        if self._callback is not None:
+            self._callback(outcome)
+
+    def when_settled(self, callback: Callable[[bytes | Exception], None]) -> None:
+        """Call ``callback`` with the outcome, now if it is already settled."""
+        self._callback = callback
+        if self._outcome is not None:
+            callback(self._outcome)
+
+
 def as_face_error(exc: Exception) -> FaceError | None:
     """The answer for an exception from admission, the stores or the codecs."""
     if isinstance(exc, FaceError):
@@ -113,12 +139,13 @@ class FaceHandler(Protocol):
         """Answer one v1 frame. Raise :class:`CloseConnection` to close instead."""
         ...
 
-    def v2(self, request: Request, arrival: float) -> Awaitable[bytes]:
-        """Start one v2 request; the awaitable gives its reply body
-        (``{"id": …, "ok": true, …}``). Called in the order the requests arrived, so
-        whatever this does before returning keeps that order (an ``async def`` does
-        nothing before it is awaited). Raise, here or from the awaitable, an exception
-        that :func:`as_face_error` maps, for an error answer."""
+    def v2(self, request: Request, arrival: float) -> Awaitable[bytes] | Deferred:
+        """Start one v2 request; the awaitable (run in a task of its own) or the
+        :class:`Deferred` gives its reply body (``{"id": …, "ok": true, …}``). Called in
+        the order the requests arrived, so whatever this does before returning keeps that
+        order (an ``async def`` does nothing before it is awaited). Raise, here or from
+        the awaitable, or settle with, an exception that :func:`as_face_error` maps, for
+        an error answer."""
         ...
 
     def closed(self) -> None:
@@ -196,6 +223,9 @@ class _Connection:
         self.max_reply = ctx.config.max_reply_bytes
         self._outbox: list[bytes] = []
         self._flushing = False
+        self._replies: trio.Nursery | None = None  # where deferred replies are flushed
+        self._deferred = 0  # deferred replies not settled yet
+        self._deferred_settled: trio.Event | None = None
         self.outcome = "closed"
         self.peer_gone = False
         self._shed_recently = False
@@ -369,49 +399,71 @@ class _Connection:
                 )
             )
         )
-        slots = trio.CapacityLimiter(MAX_INFLIGHT_PER_CONNECTION)
         async with trio.open_nursery() as inflight:
-            async for frame, arrival in frames:
-                if isinstance(frame, RemoteProtocolError):
-                    self._stream_error(frame)
-                    if frame.code is ErrorCode.TOO_LARGE:
-                        await self._answer_unreadable(frame)
-                    return  # requests in flight are still answered
-                try:
-                    request = parse_request(frame)
-                except RequestError as exc:
-                    await self._send_v2_error(exc.request_id, "unknown", exc, arrival)
-                    continue
-                except RemoteProtocolError as exc:  # unparseable: answer, then close
-                    self._end("protocol_error")
-                    await self._answer_unreadable(exc)
-                    return
-                gate = self.ctx.gate
-                gated = request.op in self.handler.gated_ops
-                if gated and gate.intake_full:
-                    if slots.borrowed_tokens or self._shed_recently:
-                        # A client with requests in flight, or just told `busy`, while
-                        # every slot and queue place is taken: its next request waits for
-                        # room (at most shed_after, the retry_after it was given; then it
-                        # goes on and, likely shed, gets `busy`), and the rest wait in its
-                        # socket. Refusing a flood one parsed request at a time would
-                        # leave the loop too little time for the admitted ones. A lone
-                        # request still gets `busy` at once.
-                        with trio.move_on_after(gate.shed_after):
-                            await gate.wait_for_room()
-                elif gated:
-                    self._shed_recently = False
-                slot = object()  # a hashable borrower token per request
-                await slots.acquire_on_behalf_of(slot)
-                try:
-                    pending = self.handler.v2(request, arrival)
-                except Exception as exc:
-                    slots.release_on_behalf_of(slot)
-                    await self._send_v2_error(request.id, request.op, exc, arrival)
-                    continue
-                if gated:
-                    gate.take_in()
-                inflight.start_soon(self._v2, request, pending, arrival, slots, slot, gated)
+            self._replies = inflight
+            try:
+                await self._take_requests(frames, inflight)
+                # Requests in flight are still answered, deferred ones too.
+                while self._deferred:
+                    self._deferred_settled = trio.Event()
+                    await self._deferred_settled.wait()
+            finally:
+                self._replies = None  # a reply settled later has nobody to go to
+
+    async def _take_requests(
+        self, frames: trio.MemoryReceiveChannel[Item], inflight: trio.Nursery
+    ) -> None:
+        slots = trio.CapacityLimiter(MAX_INFLIGHT_PER_CONNECTION)
+        async for frame, arrival in frames:
+            if isinstance(frame, RemoteProtocolError):
+                self._stream_error(frame)
+                if frame.code is ErrorCode.TOO_LARGE:
+                    await self._answer_unreadable(frame)
+                return
+            try:
+                request = parse_request(frame)
+            except RequestError as exc:
+                await self._send_v2_error(exc.request_id, "unknown", exc, arrival)
+                continue
+            except RemoteProtocolError as exc:  # unparseable: answer, then close
+                self._end("protocol_error")
+                await self._answer_unreadable(exc)
+                return
+            gate = self.ctx.gate
+            gated = request.op in self.handler.gated_ops
+            if gated and gate.intake_full:
+                if slots.borrowed_tokens or self._shed_recently:
+                    # A client with requests in flight, or just told `busy`, while every
+                    # slot and queue place is taken: its next request waits for room (at
+                    # most shed_after, the retry_after it was given; then it goes on and,
+                    # likely shed, gets `busy`), and the rest wait in its socket. Refusing
+                    # a flood one parsed request at a time would leave the loop too little
+                    # time for the admitted ones. A lone request still gets `busy` at once.
+                    with trio.move_on_after(gate.shed_after):
+                        await gate.wait_for_room()
+            elif gated:
+                self._shed_recently = False
+            slot = object()  # a hashable borrower token per request
+            await slots.acquire_on_behalf_of(slot)
+            try:
+                pending = self.handler.v2(request, arrival)
+            except Exception as exc:
+                slots.release_on_behalf_of(slot)
+                await self._send_v2_error(request.id, request.op, exc, arrival)
+                continue
+            if gated:
+                gate.take_in()
+            done = partial(self._request_done, slots, slot, gated)
+            if isinstance(pending, Deferred):
+                self._deferred += 1
+                pending.when_settled(partial(self._deferred_reply, request, arrival, done))
+            else:
+                inflight.start_soon(self._v2, request, pending, arrival, done)
+
+    def _request_done(self, slots: trio.CapacityLimiter, slot: object, gated: bool) -> None:
+        slots.release_on_behalf_of(slot)
+        if gated:
+            self.ctx.gate.taken_out()
 
     async def _v1(self, frame: bytes, arrival: float) -> bool:
         try:
@@ -428,13 +480,11 @@ class _Connection:
         request: Request,
         pending: Awaitable[bytes],
         arrival: float,
-        slots: trio.CapacityLimiter,
-        slot: object,
-        gated: bool,
+        done: Callable[[], None],
     ) -> None:
         try:
             try:
-                body = await pending
+                outcome: bytes | Exception = await pending
             except CloseConnection as close:
                 if close.final is not None:
                     await self._send(encode_frame(close.final))
@@ -442,25 +492,55 @@ class _Connection:
                 self._scope.cancel()
                 return
             except Exception as exc:
-                await self._send_v2_error(request.id, request.op, exc, arrival)
-                return
-            try:
-                frame = encode_frame(body, self.max_reply)
-            except LocalProtocolError as exc:
-                await self._send_v2_error(
-                    request.id, request.op, FaceError(exc.code, exc.hint), arrival
-                )
-                return
+                outcome = exc
+            frame, op, result = self._answer(request, outcome)
             await self._send(frame)
-            self._observe(request.op, "ok", arrival)
+            self._observe(op, result, arrival)
         finally:
-            slots.release_on_behalf_of(slot)
-            if gated:
-                self.ctx.gate.taken_out()
+            done()
+
+    def _deferred_reply(
+        self,
+        request: Request,
+        arrival: float,
+        done: Callable[[], None],
+        outcome: bytes | Exception,
+    ) -> None:
+        """Called by whatever settles a :class:`Deferred` (on the loop, not in a task of
+        this connection): queue the reply for a flush task."""
+        try:
+            frame, op, result = self._answer(request, outcome)
+            self._queue(frame)
+            self._observe(op, result, arrival)
+        except Exception as exc:  # a bug: it closes this connection only
+            self._end("internal_error")
+            event(log, logging.ERROR, "connection_failed", face=self.face, exc_info=exc)
+            self._scope.cancel()
+        finally:
+            done()
+            self._deferred -= 1
+            if not self._deferred and self._deferred_settled is not None:
+                self._deferred_settled.set()
+
+    def _answer(self, request: Request, outcome: bytes | Exception) -> tuple[bytes, str, str]:
+        """The frame answering ``request``, and the op and outcome it is counted under."""
+        if isinstance(outcome, Exception):
+            return self._error_frame(request.id, request.op, outcome)
+        try:
+            return encode_frame(outcome, self.max_reply), request.op, "ok"
+        except LocalProtocolError as exc:
+            return self._error_frame(request.id, request.op, FaceError(exc.code, exc.hint))
 
     async def _send_v2_error(
         self, request_id: int | None, op: str, exc: Exception, arrival: float
     ) -> None:
+        frame, op, outcome = self._error_frame(request_id, op, exc)
+        await self._send(frame)
+        self._observe(op, outcome, arrival)
+
+    def _error_frame(
+        self, request_id: int | None, op: str, exc: Exception
+    ) -> tuple[bytes, str, str]:
         if isinstance(exc, Shed) and exc.reason is ShedReason.WAITERS_FULL:
             self._shed_recently = True
         if isinstance(exc, UnsupportedOp):
@@ -469,14 +549,10 @@ class _Connection:
         if error is None:
             event(log, logging.ERROR, "request_failed", face=self.face, op=op, exc_info=exc)
             error = FaceError(ErrorCode.INTERNAL, f"internal error ({type(exc).__name__})")
-        await self._send(
-            encode_frame(
-                encode_error(
-                    request_id, error.code, error.message, retry_after_ms=error.retry_after_ms
-                )
-            )
+        body = encode_error(
+            request_id, error.code, error.message, retry_after_ms=error.retry_after_ms
         )
-        self._observe(op, error.code.value, arrival)
+        return encode_frame(body), op, error.code.value
 
     def _observe(self, op: str, outcome: str, arrival: float) -> None:
         metrics.child(metrics.REQUEST_DURATION, self.face, op, outcome).observe(
@@ -493,6 +569,19 @@ class _Connection:
         self._outbox.append(data)
         if self._flushing:
             return not self.peer_gone  # the flushing task writes it
+        return await self._flush()
+
+    def _queue(self, data: bytes) -> None:
+        """:meth:`_send` for a caller that is not a task of this connection: a flush task
+        (one per batch of ready replies) writes it."""
+        if self._replies is None:
+            return  # the connection is over
+        self._outbox.append(data)
+        if not self._flushing:
+            self._flushing = True
+            self._replies.start_soon(self._flush)
+
+    async def _flush(self) -> bool:
         self._flushing = True
         try:
             while self._outbox:

@@ -1,0 +1,106 @@
+"""The floor: the least a trio server can do per request of this protocol.
+
+    python benchmarks/floor_server.py PORTS_FILE
+
+It speaks just enough v2 for `bus.py`'s workloads (hello, publish, publish_batch, next,
+ack) on one port, one task per connection, with our frame codec and the standard json
+module, and keeps records in memory: no disk, no fsync, no admission, no metrics, no
+pipelining concurrency beyond answering frames in order. No real server can be cheaper
+per request on the same loop, so whatever it reaches bounds what cmdbus-trio can reach
+with one trio loop on this machine. `bus.py --floor` runs it beside the others. Never a
+product: it loses everything on exit and checks nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+from collections import deque
+from typing import Any
+
+import trio
+
+from cmdbus_trio.protocol import CLOSED, FrameDecoder, encode_frame
+
+SUBJECT = "commands.shared.shard.0"
+
+
+class Memory:
+    def __init__(self) -> None:
+        self.sort_keys = itertools.count(1)
+        self.records: deque[tuple[int, Any]] = deque()
+        self.leased: dict[int, Any] = {}
+
+    def answer(self, request: dict[str, Any]) -> dict[str, Any]:
+        reply: dict[str, Any] = {"id": request["id"], "ok": True}
+        op = request["op"]
+        if op == "publish":
+            key = next(self.sort_keys)
+            self.records.append((key, request["record"]))
+            reply.update(sort_key=key, subject=SUBJECT, duplicate=False)
+        elif op == "publish_batch":
+            keys = []
+            for record in request["records"]:
+                keys.append(next(self.sort_keys))
+                self.records.append((keys[-1], record))
+            reply.update(sort_keys=keys)
+        elif op == "next":
+            if not self.records:
+                reply.update(delivery=None)  # a real server would wait; the floor does not
+            else:
+                key, record = self.records.popleft()
+                self.leased[key] = record
+                reply.update(
+                    delivery={
+                        "sort_key": key,
+                        "subject": SUBJECT,
+                        "redelivered": False,
+                        "deliveries": 1,
+                        "record": record,
+                    }
+                )
+        elif op == "ack":
+            reply.update(acked=self.leased.pop(request["sort_key"], None) is not None)
+        else:
+            reply = {"id": request["id"], "ok": False, "error": {"code": "unsupported"}}
+        return reply
+
+
+async def serve_connection(memory: Memory, stream: trio.SocketStream) -> None:
+    decoder = FrameDecoder(1 << 20)
+    while True:
+        replies = []
+        while isinstance(frame := decoder.next_frame(), bytes):
+            request = json.loads(frame)
+            if "hello" in request:
+                replies.append({"ok": True, "protocol": 2, "server": "floor"})
+            else:
+                replies.append(memory.answer(request))
+        if replies:
+            await stream.send_all(b"".join(encode_frame(json.dumps(r).encode()) for r in replies))
+        if frame is CLOSED:
+            return
+        decoder.receive_data(await stream.receive_some(65536))
+
+
+async def main(ports_file: str) -> None:
+    memory = Memory()
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    address = "127.0.0.1:%d" % listeners[0].socket.getsockname()[1]
+    with open(ports_file + ".tmp", "w") as out:
+        json.dump({"cmd_ingest": address, "cmd_claim": address}, out)
+    os.replace(ports_file + ".tmp", ports_file)  # whole or absent for the reader
+
+    async def handle(stream: trio.SocketStream) -> None:
+        try:
+            await serve_connection(memory, stream)
+        except trio.BrokenResourceError:
+            pass
+
+    await trio.serve_listeners(handle, listeners)
+
+
+if __name__ == "__main__":
+    trio.run(main, sys.argv[1])
