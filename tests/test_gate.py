@@ -372,8 +372,10 @@ async def test_intake_is_full_when_every_slot_and_place_is_taken(
     assert not gate.intake_full
     gate.take_in()
     assert gate.intake_full
+    assert gate.statistics().intake == 2
     gate.taken_out()
     assert not gate.intake_full
+    assert gate.statistics().intake == 1
 
 
 async def test_wait_for_room_wakes_one_connection_per_place(

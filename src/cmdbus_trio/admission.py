@@ -78,6 +78,9 @@ class GateStatistics:
     capacity: int
     inflight: int
     waiters: int
+    intake: int
+    """Requests connections have handed to the face and that have not finished (admitted
+    or waiting; compared with capacity + max_waiters to hold floods back)."""
     max_waiters: int
     shed_after: float
     default_budget: float
@@ -348,6 +351,7 @@ class Gate:
             capacity=self.max_inflight,
             inflight=self._limiter.borrowed_tokens,
             waiters=len(self._waiting),
+            intake=self._intake,
             max_waiters=self.max_waiters,
             shed_after=self.shed_after,
             default_budget=self.default_budget,
