@@ -50,8 +50,11 @@ MAX_INFLIGHT_PER_CONNECTION = 32
 RECEIVE_CHUNK = 65536
 
 Item = tuple[bytes | RemoteProtocolError, float]
-"""What the reader hands the dispatcher: a frame, or the error that ends the stream (in
-order, so that the answer to it can depend on the dialect the frames before chose)."""
+"""A frame and its arrival time, or the error that ends the stream (in order, so that the
+answer to it can depend on the dialect the frames before chose)."""
+Batch = list[Item]
+"""What the reader hands the dispatcher: every frame one read completed (one hand-over per
+read, not per frame, for a pipelining client)."""
 
 
 class FaceError(Exception):
@@ -267,7 +270,7 @@ class _Connection:
             self.outcome = outcome
 
     async def _serve(self) -> None:
-        send_frames, receive_frames = trio.open_memory_channel[Item](0)
+        send_frames, receive_frames = trio.open_memory_channel[Batch](0)
         with self._scope:  # cancelled to end the connection from a handler
             async with trio.open_nursery() as nursery:
                 requests = trio.CancelScope()
@@ -280,7 +283,7 @@ class _Connection:
     # --- reading -----------------------------------------------------------------------
 
     async def _read_frames(
-        self, out: trio.MemorySendChannel[Item], requests: trio.CancelScope
+        self, out: trio.MemorySendChannel[Batch], requests: trio.CancelScope
     ) -> None:
         config = self.ctx.config
         async with out, trio.open_nursery() as reading:
@@ -295,17 +298,22 @@ class _Connection:
         reading.cancel()
 
     async def _read_loop(
-        self, out: trio.MemorySendChannel[Item], idle_ms: int, read_ms: int
+        self, out: trio.MemorySendChannel[Batch], idle_ms: int, read_ms: int
     ) -> None:
+        batch: Batch = []
         while True:
             try:
                 frame = self.decoder.next_frame()
             except RemoteProtocolError as exc:
-                await out.send((exc, trio.current_time()))
+                batch.append((exc, trio.current_time()))
+                await out.send(batch)
                 return
             if isinstance(frame, bytes):
-                await out.send((frame, trio.current_time()))
+                batch.append((frame, trio.current_time()))
                 continue
+            if batch:
+                await out.send(batch)
+                batch = []
             if frame is not NEED_DATA:  # CLOSED: the peer finished cleanly
                 self.peer_gone = True
                 return
@@ -329,11 +337,12 @@ class _Connection:
     def _stream_error(self, exc: RemoteProtocolError) -> None:
         self._end("too_large" if exc.code is ErrorCode.TOO_LARGE else "protocol_error")
 
-    async def _dispatch(self, frames: trio.MemoryReceiveChannel[Item]) -> None:
+    async def _dispatch(self, frames: trio.MemoryReceiveChannel[Batch]) -> None:
         try:
-            first, arrival = await frames.receive()
+            batch = await frames.receive()
         except trio.EndOfChannel:
             return
+        first = batch[0][0]
         if isinstance(first, RemoteProtocolError):  # no dialect chosen yet: just close
             self._stream_error(first)
             return
@@ -349,9 +358,9 @@ class _Connection:
                 await self._answer_unreadable(RemoteProtocolError(refusal, fatal=True))
             return
         if hello is None:
-            await self._serve_v1(first, arrival, frames)
+            await self._serve_v1(batch, frames)
         else:
-            await self._serve_v2(frames)
+            await self._serve_v2(batch[1:], frames)
 
     def _unauthorized(self, hello: Hello | None) -> str | None:
         """Why the connection may not go on (``CMDBUS_AUTH_TOKEN``), or None."""
@@ -373,22 +382,20 @@ class _Connection:
                 return None
         return "v1 is refused: an auth token is required"
 
-    async def _serve_v1(
-        self, first: bytes, arrival: float, frames: trio.MemoryReceiveChannel[Item]
-    ) -> None:
-        frame: bytes | RemoteProtocolError = first
+    async def _serve_v1(self, batch: Batch, frames: trio.MemoryReceiveChannel[Batch]) -> None:
         while True:
-            if isinstance(frame, RemoteProtocolError):
-                self._stream_error(frame)  # v1: the documented answer is to close
-                return
-            if not await self._v1(frame, arrival):
-                return
+            for frame, arrival in batch:
+                if isinstance(frame, RemoteProtocolError):
+                    self._stream_error(frame)  # v1: the documented answer is to close
+                    return
+                if not await self._v1(frame, arrival):
+                    return
             try:
-                frame, arrival = await frames.receive()
+                batch = await frames.receive()
             except trio.EndOfChannel:
                 return
 
-    async def _serve_v2(self, frames: trio.MemoryReceiveChannel[Item]) -> None:
+    async def _serve_v2(self, batch: Batch, frames: trio.MemoryReceiveChannel[Batch]) -> None:
         await self._send(
             encode_frame(
                 encode_hello_reply(
@@ -402,7 +409,7 @@ class _Connection:
         async with trio.open_nursery() as inflight:
             self._replies = inflight
             try:
-                await self._take_requests(frames, inflight)
+                await self._take_requests(batch, frames, inflight)
                 # Requests in flight are still answered, deferred ones too.
                 while self._deferred:
                     self._deferred_settled = trio.Event()
@@ -411,54 +418,71 @@ class _Connection:
                 self._replies = None  # a reply settled later has nobody to go to
 
     async def _take_requests(
-        self, frames: trio.MemoryReceiveChannel[Item], inflight: trio.Nursery
+        self, batch: Batch, frames: trio.MemoryReceiveChannel[Batch], inflight: trio.Nursery
     ) -> None:
         slots = trio.CapacityLimiter(MAX_INFLIGHT_PER_CONNECTION)
-        async for frame, arrival in frames:
-            if isinstance(frame, RemoteProtocolError):
-                self._stream_error(frame)
-                if frame.code is ErrorCode.TOO_LARGE:
-                    await self._answer_unreadable(frame)
-                return
+        while True:
+            for frame, arrival in batch:
+                if not await self._take_request(frame, arrival, slots, inflight):
+                    return
             try:
-                request = parse_request(frame)
-            except RequestError as exc:
-                await self._send_v2_error(exc.request_id, "unknown", exc, arrival)
-                continue
-            except RemoteProtocolError as exc:  # unparseable: answer, then close
-                self._end("protocol_error")
-                await self._answer_unreadable(exc)
+                batch = await frames.receive()
+            except trio.EndOfChannel:
                 return
-            gate = self.ctx.gate
-            gated = request.op in self.handler.gated_ops
-            if gated and gate.intake_full:
-                if slots.borrowed_tokens or self._shed_recently:
-                    # A client with requests in flight, or just told `busy`, while every
-                    # slot and queue place is taken: its next request waits for room (at
-                    # most shed_after, the retry_after it was given; then it goes on and,
-                    # likely shed, gets `busy`), and the rest wait in its socket. Refusing
-                    # a flood one parsed request at a time would leave the loop too little
-                    # time for the admitted ones. A lone request still gets `busy` at once.
-                    with trio.move_on_after(gate.shed_after):
-                        await gate.wait_for_room()
-            elif gated:
-                self._shed_recently = False
-            slot = object()  # a hashable borrower token per request
-            await slots.acquire_on_behalf_of(slot)
-            try:
-                pending = self.handler.v2(request, arrival)
-            except Exception as exc:
-                slots.release_on_behalf_of(slot)
-                await self._send_v2_error(request.id, request.op, exc, arrival)
-                continue
-            if gated:
-                gate.take_in()
-            done = partial(self._request_done, slots, slot, gated)
-            if isinstance(pending, Deferred):
-                self._deferred += 1
-                pending.when_settled(partial(self._deferred_reply, request, arrival, done))
-            else:
-                inflight.start_soon(self._v2, request, pending, arrival, done)
+
+    async def _take_request(
+        self,
+        frame: bytes | RemoteProtocolError,
+        arrival: float,
+        slots: trio.CapacityLimiter,
+        inflight: trio.Nursery,
+    ) -> bool:
+        """Start answering one frame; False when the connection takes no more."""
+        if isinstance(frame, RemoteProtocolError):
+            self._stream_error(frame)
+            if frame.code is ErrorCode.TOO_LARGE:
+                await self._answer_unreadable(frame)
+            return False
+        try:
+            request = parse_request(frame)
+        except RequestError as exc:
+            await self._send_v2_error(exc.request_id, "unknown", exc, arrival)
+            return True
+        except RemoteProtocolError as exc:  # unparseable: answer, then close
+            self._end("protocol_error")
+            await self._answer_unreadable(exc)
+            return False
+        gate = self.ctx.gate
+        gated = request.op in self.handler.gated_ops
+        if gated and gate.intake_full:
+            if slots.borrowed_tokens or self._shed_recently:
+                # A client with requests in flight, or just told `busy`, while every slot
+                # and queue place is taken: its next request waits for room (at most
+                # shed_after, the retry_after it was given; then it goes on and, likely
+                # shed, gets `busy`), and the rest wait in its socket. Refusing a flood
+                # one parsed request at a time would leave the loop too little time for
+                # the admitted ones. A lone request still gets `busy` at once.
+                with trio.move_on_after(gate.shed_after):
+                    await gate.wait_for_room()
+        elif gated:
+            self._shed_recently = False
+        slot = object()  # a hashable borrower token per request
+        await slots.acquire_on_behalf_of(slot)
+        try:
+            pending = self.handler.v2(request, arrival)
+        except Exception as exc:
+            slots.release_on_behalf_of(slot)
+            await self._send_v2_error(request.id, request.op, exc, arrival)
+            return True
+        if gated:
+            gate.take_in()
+        done = partial(self._request_done, slots, slot, gated)
+        if isinstance(pending, Deferred):
+            self._deferred += 1
+            pending.when_settled(partial(self._deferred_reply, request, arrival, done))
+        else:
+            inflight.start_soon(self._v2, request, pending, arrival, done)
+        return True
 
     def _request_done(self, slots: trio.CapacityLimiter, slot: object, gated: bool) -> None:
         slots.release_on_behalf_of(slot)
