@@ -113,6 +113,22 @@ async def test_nack_with_and_without_delay(
     assert not claims.nack(2, object())
 
 
+async def test_a_nack_delay_shorter_than_every_lease_is_kept(
+    claims: Claims, autojump_clock: trio.testing.MockClock
+) -> None:
+    # The timers task sleeps until the soonest lease expiry (30 s) and is woken only for
+    # something sooner: this nack's 5 s.
+    claims.add_many([(1, SHARED), (2, SHARED)])
+    owner = object()
+    claims.take(ALL, owner)
+    claims.take(ALL, owner)
+    await trio.sleep(1)  # the timers task has gone to sleep until the leases expire
+    assert claims.nack(2, owner, delay=5.0)
+    await trio.sleep(5.1)
+    assert claims.take(ALL, owner) == Delivery(2, SHARED, True, 2)
+    assert trio.current_time() < 30
+
+
 async def test_extend_renews_the_lease(
     claims: Claims, autojump_clock: trio.testing.MockClock
 ) -> None:

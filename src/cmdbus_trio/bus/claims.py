@@ -68,6 +68,7 @@ class Claims:
         self._backlog: dict[str, int] = defaultdict(int)
         self._changed = trio.Event()  # set when a record becomes available
         self._timers_changed = trio.Event()
+        self._timers_at = float("inf")  # when the timers task wakes next, unless woken
         self._closed = False
         self._last_added = 0
         self.persisted_low_water = 0
@@ -121,7 +122,7 @@ class Claims:
         deadline = trio.current_time() + self.ack_wait
         self._leases[sort_key] = _Lease(owner, subject, deadline)
         heapq.heappush(self._expiries, (deadline, sort_key))
-        self._timers_changed.set()
+        self._timer_added(deadline)
         if again:
             metrics.REDELIVERIES.labels(subject=subject).inc()
         return Delivery(sort_key, subject, again, deliveries)
@@ -175,8 +176,9 @@ class Claims:
             return False
         del self._leases[sort_key]
         if delay > 0:
-            heapq.heappush(self._delayed, (trio.current_time() + delay, sort_key, lease.subject))
-            self._timers_changed.set()
+            ready_at = trio.current_time() + delay
+            heapq.heappush(self._delayed, (ready_at, sort_key, lease.subject))
+            self._timer_added(ready_at)
         else:
             self._end_delivery(sort_key, lease.subject)
         return True
@@ -187,7 +189,7 @@ class Claims:
             return False
         lease.deadline = trio.current_time() + self.ack_wait
         heapq.heappush(self._expiries, (lease.deadline, sort_key))  # the old entry is skipped
-        self._timers_changed.set()
+        self._timer_added(lease.deadline)
         return True
 
     def release(self, owner: object) -> int:
@@ -214,6 +216,13 @@ class Claims:
 
     # --- timers ----------------------------------------------------------------------------
 
+    def _timer_added(self, at: float) -> None:
+        # Wake the timers task only when it would sleep past ``at``: with a fixed ack_wait
+        # a new lease's expiry is never the soonest, and a wake-up per delivery was a
+        # task switch per `next` for nothing.
+        if at < self._timers_at:
+            self._timers_changed.set()
+
     async def run_timers(
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
@@ -231,10 +240,11 @@ class Claims:
             while self._delayed and self._delayed[0][0] <= now:
                 _, sort_key, subject = heapq.heappop(self._delayed)
                 self._end_delivery(sort_key, subject)
-            soonest = min(
-                (heap[0][0] for heap in (self._expiries, self._delayed) if heap), default=None
+            self._timers_at = min(
+                (heap[0][0] for heap in (self._expiries, self._delayed) if heap),
+                default=float("inf"),
             )
-            with trio.move_on_at(float("inf") if soonest is None else soonest):
+            with trio.move_on_at(self._timers_at):
                 await self._timers_changed.wait()
 
     # --- what is owed ----------------------------------------------------------------------
