@@ -5,24 +5,18 @@ handler whose replies the test settles."""
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import AsyncIterator
-from pathlib import Path
-from typing import Any
 
 import attrs
 import pytest
 import trio
 
 from cmdbus_trio.admission import Gate
-from cmdbus_trio.bus.committer import GroupCommitter, Ticket
 from cmdbus_trio.config import Bind, load
 from cmdbus_trio.faces import FaceContext
 from cmdbus_trio.faces._connection import Deferred, Sender, V1Reply, serve
 from cmdbus_trio.protocol import Request, encode_ok
-from cmdbus_trio.protocol.bus import BusKind, PublishRecord, SubjectRule
 from cmdbus_trio.storage import StoreUnavailable
-from cmdbus_trio.storage.buslog import BusLog
 
 from .helpers import FrameClient, frame_client
 
@@ -141,32 +135,3 @@ async def test_a_reply_settled_after_the_client_left_is_dropped_and_accounted(
             await face.handler.wait_for(1)
             face.handler.replies[9].settle(encode_ok(9, {}))
             assert await other.receive_json() == {"id": 9, "ok": True}
-
-
-async def test_a_failing_settle_callback_does_not_stop_the_others(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    log = await trio.to_thread.run_sync(BusLog.open, tmp_path / "commands.sqlite3")
-    committer = GroupCommitter(log, SubjectRule(BusKind.COMMANDS, 0, 1))
-    record = PublishRecord(1, "{}", None)
-    settled: list[Any] = []
-
-    def broken(_ticket: Ticket) -> None:
-        raise RuntimeError("a bug in a settle callback")
-
-    first = Ticket([(record, None, "record")], on_settled=broken)
-    second = Ticket([(record, None, "record")], on_settled=settled.append)
-    with trio.fail_after(10):
-        async with trio.open_nursery() as nursery:
-            await nursery.start(committer.run)
-            committer.enqueue(first)
-            committer.enqueue(second)
-            await second.settled.wait()
-            nursery.cancel_scope.cancel()
-    assert settled == [second] and second.published is not None
-    assert first.published is not None  # committed: only its callback failed
-    assert any(
-        record.levelno == logging.ERROR and "settle_callback_failed" in record.getMessage()
-        for record in caplog.records
-    )
-    await trio.to_thread.run_sync(log.close)

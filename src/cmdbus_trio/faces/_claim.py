@@ -34,7 +34,7 @@ from cmdbus_trio.protocol.subjects import matches, parse_filter
 from cmdbus_trio.storage.buslog import StoredRecord
 
 from . import FaceContext
-from ._connection import CloseConnection, V1Reply
+from ._connection import CloseConnection, Deferred, V1Reply
 
 Resolve = Callable[[Any, Any], Awaitable[Claims]]
 """(group field, from field) -> the group's coordinator; raises FieldError."""
@@ -59,10 +59,13 @@ class ClaimHandler:
         self.bus = bus
         self.resolve = resolve
         self._used: dict[str, Claims] = {}  # the groups this connection claimed from
+        self._resolved: dict[str | None, Claims] = {}  # group field -> its coordinator
 
     async def _claims(self, group: Any, start: Any = None) -> Claims:
         claims = await self.resolve(group, start)
         self._used[claims.group] = claims
+        if start is None and (group is None or isinstance(group, str)):
+            self._resolved[group] = claims  # groups are never removed
         return claims
 
     def closed(self) -> None:
@@ -116,12 +119,17 @@ class ClaimHandler:
 
     # --- v2 --------------------------------------------------------------------------------
 
-    def v2(self, request: Request, arrival: float) -> Awaitable[bytes]:
+    def v2(self, request: Request, arrival: float) -> Awaitable[bytes] | Deferred:
         known = _FIELDS.get(request.op)
         if known is None:
             raise UnsupportedOp(request.op, OPS)
         if unknown := sorted(set(request.fields) - known):
             raise FieldError(unknown[0], "unknown field")
+        if request.op == "ack":
+            group = request.fields.get("group")
+            claims = self._resolved.get(group) if group is None or isinstance(group, str) else None
+            if claims is not None:  # a group this connection has used: no task needed
+                return self._ack_deferred(request.id, claims, _sort_key(request.fields))
         return self._v2(request.op, request.id, request.fields, arrival)
 
     async def _v2(self, op: str, request_id: int, fields: dict[str, Any], arrival: float) -> bytes:
@@ -171,19 +179,47 @@ class ClaimHandler:
             raise
         return delivery, stored
 
-    async def _ack(self, claims: Claims, sort_key: int) -> bool:
+    def _start_ack(
+        self, claims: Claims, sort_key: int, then: Callable[[Ticket], None] | None = None
+    ) -> Ticket | None:
+        """Make the ack of a record this connection holds durable (None: it holds no
+        record by that key): group-committed like a publish. Once the commit settles,
+        the claim index forgets the record, or redelivers it if the commit failed; then
+        ``then`` is called with the ticket."""
         if not claims.begin_ack(sort_key, self):
-            return False
-        ticket = Ticket(acks=[(claims.group, sort_key)])
-        self.bus.committer.enqueue(ticket)
-        with trio.CancelScope(shield=True):  # an ack that started finishes
-            try:
-                await ticket.wait()
-            except BaseException:
+            return None
+
+        def settled(ticket: Ticket) -> None:
+            if ticket.error is None:
+                claims.finish_ack(sort_key)
+            else:
                 claims.abort_ack(sort_key)
-                raise
-        claims.finish_ack(sort_key)
+            if then is not None:
+                then(ticket)
+
+        ticket = Ticket(acks=[(claims.group, sort_key)], on_settled=settled)
+        self.bus.committer.enqueue(ticket)
+        return ticket
+
+    async def _ack(self, claims: Claims, sort_key: int) -> bool:
+        ticket = self._start_ack(claims, sort_key)
+        if ticket is None:
+            return False
+        with trio.CancelScope(shield=True):  # an ack that started finishes
+            await ticket.wait()
         return True
+
+    def _ack_deferred(self, request_id: int, claims: Claims, sort_key: int) -> Deferred:
+        """``_ack`` answered by the committer's callback instead of a task."""
+        reply = Deferred()
+
+        def answer(ticket: Ticket) -> None:
+            acked = encode_ok(request_id, {"acked": True})
+            reply.settle(acked if ticket.error is None else ticket.error)
+
+        if self._start_ack(claims, sort_key, answer) is None:
+            reply.settle(encode_ok(request_id, {"acked": False}))
+        return reply
 
     async def _dead(self, claims: Claims, fields: dict[str, Any]) -> list[dict[str, Any]]:
         tokens = None if fields.get("filter") is None else parse_filter(fields["filter"])

@@ -1,0 +1,85 @@
+"""The group committer: batches of tickets, one transaction each, settled on the loop."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import trio
+
+from cmdbus_trio.bus.committer import GroupCommitter, Ticket
+from cmdbus_trio.protocol import FieldError
+from cmdbus_trio.protocol.bus import BusKind, PublishRecord, SubjectRule
+from cmdbus_trio.storage import StoreUnavailable
+from cmdbus_trio.storage.buslog import BusLog
+
+GOOD = PublishRecord(1, "{}")
+BAD = PublishRecord(1, "{not json")
+
+
+def publish(record: PublishRecord = GOOD, **fields: object) -> Ticket:
+    return Ticket([(record, None, "record")], **fields)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+async def log(tmp_path: Path) -> AsyncIterator[BusLog]:
+    opened = await trio.to_thread.run_sync(BusLog.open, tmp_path / "commands.sqlite3")
+    yield opened
+    await trio.to_thread.run_sync(opened.close)
+
+
+async def settle_all(committer: GroupCommitter, tickets: list[Ticket]) -> None:
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(committer.run)
+            for ticket in tickets:
+                committer.enqueue(ticket)
+            for ticket in tickets:
+                await ticket.settled.wait()
+            nursery.cancel_scope.cancel()
+
+
+async def test_batches_settle_in_order_and_a_bad_ticket_only_fails_itself(log: BusLog) -> None:
+    committer = GroupCommitter(log, SubjectRule(BusKind.COMMANDS), max_batch=2)
+    batches: list[list[Ticket]] = []
+    committer.listeners.append(batches.append)
+    order: list[int] = []
+    tickets = [
+        publish(BAD if n == 2 else GOOD, on_settled=lambda t, n=n: order.append(n))
+        for n in range(7)
+    ]
+    await settle_all(committer, tickets)
+    assert order == list(range(7))
+    assert [len(batch) for batch in batches] == [2, 2, 2, 1]  # max_batch records each
+    assert isinstance(tickets[2].error, FieldError)
+    keys = [t.published[0].sort_key for t in tickets if t.published is not None]
+    assert keys == [1, 2, 3, 4, 5, 6]
+
+
+async def test_a_failing_listener_or_callback_stops_no_other_ticket(
+    log: BusLog, caplog: pytest.LogCaptureFixture
+) -> None:
+    committer = GroupCommitter(log, SubjectRule(BusKind.COMMANDS))
+    settled: list[Ticket] = []
+
+    def broken(_: object) -> None:
+        raise RuntimeError("a bug")
+
+    committer.listeners.append(broken)
+    first, second = publish(on_settled=broken), publish(on_settled=settled.append)
+    await settle_all(committer, [first, second])
+    assert settled == [second]
+    assert first.published is not None  # committed: only its callback failed
+    logged = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert any("commit_listener_failed" in m for m in logged)
+    assert any("settle_callback_failed" in m for m in logged)
+
+
+async def test_a_store_failure_reaches_every_ticket_of_the_batch(log: BusLog) -> None:
+    committer = GroupCommitter(log, SubjectRule(BusKind.COMMANDS))
+    await trio.to_thread.run_sync(log.close)
+    tickets = [publish(), publish()]
+    await settle_all(committer, tickets)
+    assert all(isinstance(ticket.error, StoreUnavailable) for ticket in tickets)
