@@ -45,7 +45,9 @@ async def read_all(reader: BodyReader, keys: list[int]) -> dict[int, str]:
     return got
 
 
-async def test_asks_made_together_share_a_hop_of_at_most_max_batch(reader: BodyReader) -> None:
+async def test_asks_made_together_are_read_in_batches_of_at_most_max_batch(
+    reader: BodyReader,
+) -> None:
     got = await read_all(reader, [1, 2, 3, 4, 5, 6, 7, 2])
     assert got == {n: f'{{"n":{n}}}' for n in range(1, 8)}
     assert reader.batches == 2  # eight asks, batches of at most four

@@ -1,14 +1,18 @@
-"""The group committer: batches of tickets, one transaction each, settled on the loop."""
+"""The group committer: batches of tickets, one transaction each, settled on the loop;
+and the offload helper it is built on."""
 
 from __future__ import annotations
 
 import logging
+import threading
+from collections import deque
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 import trio
 
+from cmdbus_trio.admission import run_batches_in_thread
 from cmdbus_trio.bus.committer import GroupCommitter, Ticket
 from cmdbus_trio.protocol import FieldError
 from cmdbus_trio.protocol.bus import BusKind, PublishRecord, SubjectRule
@@ -83,3 +87,33 @@ async def test_a_store_failure_reaches_every_ticket_of_the_batch(log: BusLog) ->
     tickets = [publish(), publish()]
     await settle_all(committer, tickets)
     assert all(isinstance(ticket.error, StoreUnavailable) for ticket in tickets)
+
+
+async def test_batches_in_one_thread_call_settle_in_order_and_stop_at_max_batches() -> None:
+    queue = deque(range(10))
+    thread_ids: set[int] = set()
+    settled: list[tuple[list[int], object]] = []
+
+    def take() -> list[int]:
+        return [queue.popleft() for _ in range(min(3, len(queue)))]
+
+    def work(batch: list[int]) -> int:
+        thread_ids.add(threading.get_ident())
+        if 4 in batch:
+            raise ValueError("batch with 4")
+        return sum(batch)
+
+    def settle(batch: list[int], outcome: int | Exception) -> None:
+        assert threading.get_ident() == loop_thread  # on the loop
+        settled.append((batch, outcome))
+
+    loop_thread = threading.get_ident()
+    with trio.fail_after(10):
+        await run_batches_in_thread(
+            queue, take, work, settle, limiter=trio.CapacityLimiter(1), max_batches=3
+        )
+    assert [batch for batch, _ in settled] == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    assert settled[0][1] == 3 and settled[2][1] == 21
+    assert isinstance(settled[1][1], ValueError)  # the work's error is its outcome
+    assert list(queue) == [9]  # max_batches reached: the rest waits for the next call
+    assert len(thread_ids) == 1 and loop_thread not in thread_ids

@@ -1,9 +1,10 @@
-"""Record bodies for deliveries, many per thread hop.
+"""Record bodies for deliveries, read in batches.
 
 A claim's lease is decided in memory; its body is on disk. One thread hop per ``next``
 cost the loop about as much as the rest of the request (DESIGN.md: a hop is ~95 µs), so,
 as the group committer does for writes, every body asked for while a read runs goes into
-the next read: one hop and one query per batch.
+the next read: one query per batch, and one thread call reads batch after batch while
+asks keep coming (:func:`~cmdbus_trio.admission.run_batches_in_thread`).
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ from collections import deque
 import attrs
 import trio
 
-from cmdbus_trio.admission import run_in_thread
+from cmdbus_trio.admission import run_batches_in_thread
 from cmdbus_trio.storage.buslog import MAX_READ_MANY, BusLog, StoredRecord
+
+MAX_BATCHES_PER_HOP = 16
+"""Batches one worker-thread call reads back to back before it returns to the loop."""
 
 
 @attrs.define(eq=False)
@@ -35,7 +39,7 @@ class BodyReader:
         self._wake = trio.Event()
         self._limiter = trio.CapacityLimiter(1)  # one read at a time: the next one batches
         self.batches = 0
-        """Reads made so far (each one thread hop)."""
+        """Batches read so far (one query each; one thread call reads several in a row)."""
 
     async def read(self, sort_key: int) -> StoredRecord:
         """The record with ``sort_key``, read with every other one asked for meanwhile.
@@ -58,28 +62,34 @@ class BodyReader:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Read queued asks until cancelled (in the background nursery, which ends before
-        the store closes; a read that started finishes first)."""
+        the store closes; reads that started finish first)."""
         task_status.started()
         while True:
             await self._wake.wait()
             self._wake = trio.Event()
             while self._queue:
-                size = min(len(self._queue), self.max_batch)
-                batch = [self._queue.popleft() for _ in range(size)]
                 with trio.CancelScope(shield=True):
-                    await self._read(batch)
+                    await run_batches_in_thread(
+                        self._queue,
+                        self._take,
+                        self._read,
+                        self._settle,
+                        limiter=self._limiter,
+                        max_batches=MAX_BATCHES_PER_HOP,
+                    )
 
-    async def _read(self, batch: list[_Ask]) -> None:
+    def _take(self) -> list[_Ask]:
+        size = min(len(self._queue), self.max_batch)
+        return [self._queue.popleft() for _ in range(size)]
+
+    def _read(self, batch: list[_Ask]) -> dict[int, StoredRecord]:
+        return self.log.read_many(list(dict.fromkeys(ask.sort_key for ask in batch)))
+
+    def _settle(self, batch: list[_Ask], outcome: dict[int, StoredRecord] | Exception) -> None:
         self.batches += 1
-        keys = list(dict.fromkeys(ask.sort_key for ask in batch))
-        try:
-            records = await run_in_thread(self.log.read_many, keys, limiter=self._limiter)
-        except Exception as exc:
-            for ask in batch:
-                ask.error = exc
-        else:
-            for ask in batch:
-                ask.record = records.get(ask.sort_key)
-        finally:
-            for ask in batch:
-                ask.done.set()
+        for ask in batch:
+            if isinstance(outcome, Exception):
+                ask.error = outcome
+            else:
+                ask.record = outcome.get(ask.sort_key)
+            ask.done.set()

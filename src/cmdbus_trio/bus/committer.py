@@ -21,7 +21,7 @@ import attrs
 import trio
 
 from cmdbus_trio import metrics
-from cmdbus_trio.admission import run_in_thread
+from cmdbus_trio.admission import run_batches_in_thread
 from cmdbus_trio.logs import event
 from cmdbus_trio.protocol import FieldError
 from cmdbus_trio.protocol.bus import PublishRecord, SubjectRule
@@ -89,16 +89,24 @@ class GroupCommitter:
         self._wake.set()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Commit queued tickets until cancelled (in the background nursery)."""
+        """Commit queued tickets until cancelled (in the background nursery): batch after
+        batch in one thread call while tickets keep coming, each settled on the loop as
+        soon as it is durable."""
         task_status.started()
-        token = trio.lowlevel.current_trio_token()
         while True:
             await self._wake.wait()
             self._wake = trio.Event()
             while self._queue:
                 # Batches that started are finished even if the writer is being stopped.
                 with trio.CancelScope(shield=True):
-                    await run_in_thread(self._commit_while_queued, token, limiter=self._limiter)
+                    await run_batches_in_thread(
+                        self._queue,
+                        self._take,
+                        self._commit_in_thread,
+                        self._settle,
+                        limiter=self._limiter,
+                        max_batches=MAX_BATCHES_PER_HOP,
+                    )
 
     def _take(self) -> list[Ticket]:
         batch: list[Ticket] = []
@@ -109,33 +117,16 @@ class GroupCommitter:
             batch.append(ticket)
         return batch
 
-    def _commit_while_queued(self, token: trio.lowlevel.TrioToken) -> None:
-        """In the worker thread: commit batch after batch while tickets are queued (at
-        most :data:`MAX_BATCHES_PER_HOP`), handing each to the loop to settle as soon as
-        it is durable, and starting the next meanwhile. Waiting for the loop between
-        batches made every commit wait for a scheduling round of a busy loop: the disk
-        sat idle most of the time while acks waited milliseconds."""
-        for _ in range(MAX_BATCHES_PER_HOP):
-            if not self._queue:  # the loop only appends; this thread alone takes
-                return
-            batch = self._take()
-            failure: Exception | None = None
-            try:
-                self._commit_in_thread(batch)
-            except Exception as exc:  # the store failed (e.g. poisoned): every ticket learns it
-                failure = exc
-                event(log, logging.ERROR, "commit_failed", store=self.bus.name, exc_info=exc)
-            token.run_sync_soon(self._settle, batch, failure)
-
-    def _settle(self, batch: list[Ticket], failure: Exception | None) -> None:
+    def _settle(self, batch: list[Ticket], outcome: Exception | None) -> None:
         """On the loop, as a plain callback (not a task): it must not raise, so each
         listener and settle callback that does is logged and the others go on."""
         metrics.COMMIT_BATCH.labels(store=self.bus.name).observe(
             sum(len(ticket.records) for ticket in batch)
         )
-        if failure is not None:
+        if outcome is not None:  # the store failed (e.g. poisoned): every ticket learns it
+            event(log, logging.ERROR, "commit_failed", store=self.bus.name, exc_info=outcome)
             for ticket in batch:
-                ticket.error = ticket.error or failure
+                ticket.error = ticket.error or outcome
         for listener in self.listeners:
             try:
                 listener(batch)
