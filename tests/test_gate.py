@@ -367,12 +367,15 @@ async def test_intake_is_full_when_every_slot_and_place_is_taken(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     gate = make_gate(max_inflight=1, max_waiters=1)
-    assert not gate.intake_full
+    assert not gate.intake_full and gate.room == 2
     gate.take_in()
-    assert not gate.intake_full
+    assert not gate.intake_full and gate.room == 1
     gate.take_in()
-    assert gate.intake_full
+    assert gate.intake_full and gate.room == 0
     assert gate.statistics().intake == 2
+    gate.take_in()  # a request that does not wait for room (a lone one is shed at once)
+    assert gate.room == 0
+    gate.taken_out()
     gate.taken_out()
     assert not gate.intake_full
     assert gate.statistics().intake == 1

@@ -336,7 +336,12 @@ class Gate:
     def intake_full(self) -> bool:
         """Requests taken in by connections and not finished fill every slot and every
         queue place: one more would be shed at once."""
-        return self._intake >= self.max_inflight + self.max_waiters
+        return self.room == 0
+
+    @property
+    def room(self) -> int:
+        """How many more requests connections may take in before :attr:`intake_full`."""
+        return max(0, self.max_inflight + self.max_waiters - self._intake)
 
     def take_in(self) -> None:
         """A connection hands a request for this Gate to its handler."""

@@ -310,6 +310,12 @@ class _Connection:
                 return
             if isinstance(frame, bytes):
                 batch.append((frame, trio.current_time()))
+                if len(batch) >= min(MAX_INFLIGHT_PER_CONNECTION, self.ctx.gate.room):
+                    # No more than can be taken in at once: the rest wait unread, their
+                    # clocks not started (frames waiting in a batch would age, and a
+                    # held-back flood would run out its budgets there).
+                    await out.send(batch)
+                    batch = []
                 continue
             if batch:
                 await out.send(batch)
