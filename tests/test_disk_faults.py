@@ -32,6 +32,27 @@ def command(n: int) -> dict[str, Any]:
     return {"execution_id": n, "payload": json.dumps({"n": n})}
 
 
+def test_an_ack_that_could_not_be_made_durable_is_refused_and_redelivered(
+    tmp_path: Path,
+) -> None:
+    with serving(tmp_path, CMDBUS_DEBUG_HOOKS="true") as (process, ports):
+        with IngestClient.connect(ports["cmd_ingest"]) as ingest:
+            sort_key = ingest.publish(command(1)).sort_key
+        with ClaimClient.connect(ports["cmd_claim"]) as claim:
+            delivery = claim.next("commands.>", wait=1)
+            assert delivery is not None and delivery.sort_key == sort_key
+            assert get(ports, "/debug/fail-writes?store=commands&error=eio", "POST")[0] == 202
+            with pytest.raises(Unavailable, match="commands store is poisoned"):
+                claim.ack(sort_key)  # not durable: not acked
+            again = claim.next("commands.>", wait=1)  # back in the claim index at once
+            assert again is not None and again.sort_key == sort_key and again.redelivered
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+    with serving(tmp_path) as (_, ports), ClaimClient.connect(ports["cmd_claim"]) as claim:
+        after_restart = claim.next("commands.>", wait=1)
+        assert after_restart is not None and after_restart.sort_key == sort_key
+
+
 @pytest.mark.parametrize("error", ["eio", "enospc"])
 def test_a_failing_bus_store_is_poisoned_alone(tmp_path: Path, error: str) -> None:
     hooks = {"CMDBUS_DEBUG_HOOKS": "true"}
