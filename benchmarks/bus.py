@@ -1,6 +1,6 @@
 """Command bus throughput: cmdbus-trio against local Redis and NATS, in the same run.
 
-    python benchmarks/bus.py --peer redis --peer nats      # about 3 minutes on 2 cores
+    python benchmarks/bus.py --peer redis --peer nats      # about 5 minutes on 2 cores
     python benchmarks/bus.py --peer redis --quick          # about 40 s
     python benchmarks/bus.py --memory                      # writer RSS with a 1M backlog
     python benchmarks/bus.py --floor --peer redis          # adds the floor (see below)
@@ -13,9 +13,11 @@ over a preloaded backlog, with ack latency.
 
 --floor adds `floor_server.py`: the same protocol answered from memory by the least a trio
 server can do per request (no disk, no admission, no metrics). It bounds what one trio loop
-can reach on this machine with this protocol and these load generators. The load generators are separate processes (4 at
-most), with each system's usual Python client: our codec and redis-py on blocking sockets
-in threads; nats-py (asyncio only) in tasks.
+can reach on this machine with this protocol and these load generators.
+
+The load generators are separate processes (4 at most), with each system's usual Python
+client: our codec and redis-py on blocking sockets in threads; nats-py (asyncio only) in
+tasks.
 
 Durability: cmdbus-trio with synchronous=FULL (an fsync per group commit); Redis with
 appendonly yes and appendfsync always; NATS JetStream (work-queue stream, file storage,
@@ -398,6 +400,8 @@ def main() -> None:
     peers = names[names.index("cmdbus-trio") + 1 + args.floor :]
     measured = ["cmdbus-trio", *(["floor"] if args.floor else [])]
     ratio_columns = [(m, p) for m in measured for p in peers]
+    if args.floor:
+        ratio_columns.insert(0, ("cmdbus-trio", "floor"))
     print(
         f"{'workload':<26}"
         + "".join(f"{n:>22}" for n in names)

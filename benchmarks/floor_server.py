@@ -13,9 +13,9 @@ product: it loses everything on exit and checks nothing.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
-import os
 import sys
 from collections import deque
 from typing import Any
@@ -88,16 +88,14 @@ async def serve_connection(memory: Memory, stream: trio.SocketStream) -> None:
 async def main(ports_file: str) -> None:
     memory = Memory()
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-    address = "127.0.0.1:%d" % listeners[0].socket.getsockname()[1]
-    with open(ports_file + ".tmp", "w") as out:
-        json.dump({"cmd_ingest": address, "cmd_claim": address}, out)
-    os.replace(ports_file + ".tmp", ports_file)  # whole or absent for the reader
+    address = f"127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+    partial = trio.Path(ports_file + ".tmp")
+    await partial.write_text(json.dumps({"cmd_ingest": address, "cmd_claim": address}))
+    await partial.rename(ports_file)  # whole or absent for the reader
 
     async def handle(stream: trio.SocketStream) -> None:
-        try:
+        with contextlib.suppress(trio.BrokenResourceError):
             await serve_connection(memory, stream)
-        except trio.BrokenResourceError:
-            pass
 
     await trio.serve_listeners(handle, listeners)
 
