@@ -84,6 +84,29 @@ async def test_a_cancelled_ask_leaves_the_others_alone(reader: BodyReader) -> No
     assert await read_all(reader, [2, 3]) == {2: '{"n":2}', 3: '{"n":3}'}
 
 
+async def test_read_then_calls_back_with_the_outcome_and_survives_a_bad_callback(
+    reader: BodyReader, caplog: pytest.LogCaptureFixture
+) -> None:
+    outcomes: list[object] = []
+    done = trio.Event()
+
+    def broken(_outcome: object) -> None:
+        raise RuntimeError("a bug in a callback")
+
+    def last(outcome: object) -> None:
+        outcomes.append(outcome)
+        done.set()
+
+    reader.read_then(1, broken)
+    reader.read_then(99, outcomes.append)
+    reader.read_then(2, last)
+    with trio.fail_after(10):
+        await done.wait()
+    assert isinstance(outcomes[0], LookupError)
+    assert outcomes[1].record == '{"n":2}'  # type: ignore[attr-defined]
+    assert any("body_callback_failed" in r.getMessage() for r in caplog.records)
+
+
 @pytest.mark.parametrize("max_batch", [0, MAX_READ_MANY + 1])
 def test_max_batch_is_checked(log: BusLog, max_batch: int) -> None:
     with pytest.raises(ValueError, match="max_batch must be in"):

@@ -415,3 +415,22 @@ async def test_wait_for_room_returns_at_once_with_room(
     gate.take_in()
     with trio.fail_after(0.001):
         await gate.wait_for_room()
+
+
+async def test_can_admit_now_only_when_open_with_a_free_slot_and_nobody_waiting(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    gate = make_gate(max_inflight=1, max_waiters=1)
+    assert gate.can_admit_now
+    lease = gate.acquire_nowait("op")
+    assert not gate.can_admit_now  # no free slot
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(gate.acquire, "op")
+        await trio.testing.wait_all_tasks_blocked()
+        lease.release()  # the slot goes to the waiter, not to a newcomer
+        assert not gate.can_admit_now
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    closed = make_gate()
+    closed.close()
+    assert not closed.can_admit_now

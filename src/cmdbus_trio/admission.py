@@ -292,6 +292,13 @@ class Gate:
         self._admit(lease)
         return lease
 
+    @property
+    def can_admit_now(self) -> bool:
+        """Open, a slot free and nobody waiting for one: :meth:`acquire_nowait` admits
+        (unless the request's budget is spent). Lets a caller that must not be shed, only
+        wait, take a fast path without a task."""
+        return not self._closed and not self._waiting and self._limiter.available_tokens > 0
+
     def _arrive(self, op: str, now: float, budget: float | None, arrival: float | None) -> Lease:
         """The checks made before queueing: closed, or a budget already spent."""
         arrival = now if arrival is None else arrival

@@ -9,13 +9,18 @@ asks keep coming (:func:`~cmdbus_trio.admission.run_batches_in_thread`).
 
 from __future__ import annotations
 
+import logging
 from collections import deque
+from collections.abc import Callable
 
 import attrs
 import trio
 
 from cmdbus_trio.admission import run_batches_in_thread
+from cmdbus_trio.logs import event
 from cmdbus_trio.storage.buslog import MAX_READ_MANY, BusLog, StoredRecord
+
+log = logging.getLogger(__name__)
 
 MAX_BATCHES_PER_HOP = 16
 """Batches one worker-thread call reads back to back before it returns to the loop."""
@@ -27,6 +32,14 @@ class _Ask:
     done: trio.Event = attrs.field(factory=trio.Event)
     record: StoredRecord | None = None
     error: Exception | None = None
+    then: Callable[[StoredRecord | Exception], None] | None = None
+
+    def outcome(self) -> StoredRecord | Exception:
+        if self.error is not None:
+            return self.error
+        if self.record is None:
+            return LookupError(f"no record with sort key {self.sort_key}")
+        return self.record
 
 
 class BodyReader:
@@ -50,15 +63,26 @@ class BodyReader:
         ``LookupError`` for a sort key that has no record (records are never deleted, so
         that is a bug).
         """
-        ask = _Ask(sort_key)
+        ask = self._ask(sort_key)
+        await ask.done.wait()
+        outcome = ask.outcome()
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    def read_then(self, sort_key: int, then: Callable[[StoredRecord | Exception], None]) -> None:
+        """:meth:`read` for a caller that is not a task: ``then`` is called on the loop with
+        the record or the error :meth:`read` would raise. It must not raise; if it does,
+        that is logged and the other asks are answered all the same."""
+        self._ask(sort_key, then)
+
+    def _ask(
+        self, sort_key: int, then: Callable[[StoredRecord | Exception], None] | None = None
+    ) -> _Ask:
+        ask = _Ask(sort_key, then=then)
         self._queue.append(ask)
         self._wake.set()
-        await ask.done.wait()
-        if ask.error is not None:
-            raise ask.error
-        if ask.record is None:
-            raise LookupError(f"{self.log.name}: no record with sort key {sort_key}")
-        return ask.record
+        return ask
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Read queued asks until cancelled (in the background nursery, which ends before
@@ -93,3 +117,8 @@ class BodyReader:
             else:
                 ask.record = outcome.get(ask.sort_key)
             ask.done.set()
+            if ask.then is not None:
+                try:
+                    ask.then(ask.outcome())
+                except Exception as exc:  # a callback on the loop must not raise
+                    event(log, logging.ERROR, "body_callback_failed", exc_info=exc)

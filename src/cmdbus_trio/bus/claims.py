@@ -145,6 +145,10 @@ class Claims:
                 return delivery
             await self._changed.wait()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
         """Lease nothing more; waiting consumers get :class:`GateClosed` at once."""
         self._closed = True

@@ -125,20 +125,26 @@ class ClaimHandler:
             raise UnsupportedOp(request.op, OPS)
         if unknown := sorted(set(request.fields) - known):
             raise FieldError(unknown[0], "unknown field")
-        if request.op == "ack":
-            group = request.fields.get("group")
-            claims = self._resolved.get(group) if group is None or isinstance(group, str) else None
-            if claims is not None:  # a group this connection has used: no task needed
-                return self._ack_deferred(request.id, claims, _sort_key(request.fields))
-        return self._v2(request.op, request.id, request.fields, arrival)
+        # A group this connection has used already, and nothing to wait for: answered by
+        # a callback, without a task (a task per request was much of the loop's time).
+        fields = request.fields
+        group = fields.get("group")
+        claims = self._resolved.get(group) if group is None or isinstance(group, str) else None
+        if claims is not None and request.op == "ack":
+            return self._ack_deferred(request.id, claims, _sort_key(fields))
+        if claims is not None and request.op == "next" and fields.get("from") is None:
+            filter_tokens = parse_filter(fields.get("filter"))
+            _timeout_ms(fields)
+            ready = self._next_now(request.id, claims, filter_tokens, arrival)
+            if ready is not None:
+                return ready
+        return self._v2(request.op, request.id, fields, arrival)
 
     async def _v2(self, op: str, request_id: int, fields: dict[str, Any], arrival: float) -> bytes:
         claims = await self._claims(fields.get("group"), fields.get("from"))
         if op == "next":
             filter_tokens = parse_filter(fields.get("filter"))
-            timeout_ms = fields.get("timeout_ms")
-            if timeout_ms is not None and not (is_int(timeout_ms) and timeout_ms >= 0):
-                raise FieldError("timeout_ms", "expected a non-negative integer")
+            timeout_ms = _timeout_ms(fields)
             result: Any = None
             with trio.move_on_after(float("inf") if timeout_ms is None else timeout_ms / 1000):
                 delivery, stored = await self._next(claims, filter_tokens, arrival)
@@ -178,6 +184,35 @@ class ClaimHandler:
             claims.nack(delivery.sort_key, self)  # not delivered after all
             raise
         return delivery, stored
+
+    def _next_now(
+        self, request_id: int, claims: Claims, filter_tokens: tuple[str, ...], arrival: float
+    ) -> Deferred | None:
+        """``next`` when a matching record and a Gate slot are there now: leased, its body
+        read with the others asked for meanwhile, answered by the reader's callback.
+        None when it would have to wait (for a record or a slot): a task does that."""
+        if claims.closed or not self.gate.can_admit_now:
+            return None
+        delivery = claims.take(filter_tokens, self)
+        if delivery is None:
+            return None
+        try:
+            lease = self.gate.acquire_nowait("next", arrival=arrival)  # a slot is free
+        except BaseException:
+            claims.nack(delivery.sort_key, self)  # not delivered after all
+            raise
+        reply = Deferred()
+
+        def read(outcome: StoredRecord | Exception) -> None:
+            lease.release()
+            if isinstance(outcome, Exception):
+                claims.nack(delivery.sort_key, self)
+                reply.settle(outcome)
+            else:
+                reply.settle(encode_ok(request_id, {"delivery": _delivery(delivery, outcome)}))
+
+        self.bus.bodies.read_then(delivery.sort_key, read)
+        return reply
 
     def _start_ack(
         self, claims: Claims, sort_key: int, then: Callable[[Ticket], None] | None = None
@@ -237,6 +272,13 @@ class ClaimHandler:
              "deliveries": r.deliveries, "record": loads(r.record.encode())}
             for r in chosen
         ]  # fmt: skip
+
+
+def _timeout_ms(fields: dict[str, Any]) -> int | None:
+    timeout_ms = fields.get("timeout_ms")
+    if timeout_ms is not None and not (is_int(timeout_ms) and timeout_ms >= 0):
+        raise FieldError("timeout_ms", "expected a non-negative integer")
+    return timeout_ms
 
 
 def _sort_key(fields: dict[str, Any]) -> int:

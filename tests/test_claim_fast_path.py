@@ -1,0 +1,133 @@
+"""Claim requests answered without a task: a `next` whose record and Gate slot are there
+at once, and an `ack`, on a group the connection already uses. The claim handler is run
+in-process over a real bus log; each test checks what it leaves in the claim index."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import trio
+
+from cmdbus_trio.admission import Gate, GateClosed
+from cmdbus_trio.bus import Bus
+from cmdbus_trio.bus.bodies import BodyReader
+from cmdbus_trio.bus.claims import Claims
+from cmdbus_trio.bus.committer import GroupCommitter
+from cmdbus_trio.config import Bind, load
+from cmdbus_trio.faces import FaceContext
+from cmdbus_trio.faces._claim import ClaimHandler
+from cmdbus_trio.faces._connection import Deferred
+from cmdbus_trio.protocol import Request
+from cmdbus_trio.protocol.bus import BusKind, SubjectRule
+from cmdbus_trio.storage import StoreUnavailable
+from cmdbus_trio.storage.buslog import BusEntry, BusLog
+
+SUBJECT = "commands.shared.shard.0"
+
+
+@attrs.frozen
+class Setup:
+    handler: ClaimHandler
+    claims: Claims
+    gate: Gate
+    log: BusLog
+
+
+@pytest.fixture
+async def setup(tmp_path: Path) -> AsyncIterator[Setup]:
+    log = await trio.to_thread.run_sync(BusLog.open, tmp_path / "commands.sqlite3")
+    await trio.to_thread.run_sync(
+        log.publish, [BusEntry(SUBJECT, json.dumps({"n": n})) for n in (1, 2)]
+    )
+    committer = GroupCommitter(log, SubjectRule(BusKind.COMMANDS))
+    claims = Claims("commands", ack_wait=30.0)
+    claims.add_many([(1, SUBJECT), (2, SUBJECT)])
+    bus = Bus(log, committer, BodyReader(log), claims)
+    gate = Gate("cmd_claim", max_inflight=1, max_waiters=8, shed_after=1.0, default_budget=10)
+    ctx = FaceContext("cmd_claim", Bind("127.0.0.1", 0), load({}, environ={}), gate, trio.Event())
+
+    async def resolve(group: Any, start: Any) -> Claims:
+        return claims
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(committer.run)
+        await nursery.start(bus.bodies.run)
+        yield Setup(ClaimHandler(ctx, bus, resolve), claims, gate, log)
+        nursery.cancel_scope.cancel()
+    await trio.to_thread.run_sync(log.close)
+
+
+def request(op: str, **fields: Any) -> Request:
+    return Request(1, op, None, fields)
+
+
+async def answer(pending: Any) -> Any:
+    with trio.fail_after(10):
+        if not isinstance(pending, Deferred):
+            return json.loads(await pending)
+        settled: list[bytes | Exception] = []
+        done = trio.Event()
+        pending.when_settled(lambda outcome: (settled.append(outcome), done.set()))
+        await done.wait()
+        if isinstance(settled[0], Exception):
+            raise settled[0]
+        return json.loads(settled[0])
+
+
+async def use_the_group(setup: Setup) -> None:
+    """The connection's first request resolves the group (a task)."""
+    assert (await answer(setup.handler.v2(request("lag"), trio.current_time())))["total"] == 2
+
+
+async def test_next_and_ack_on_a_known_group_need_no_task(setup: Setup) -> None:
+    await use_the_group(setup)
+    pending = setup.handler.v2(request("next", filter="commands.>"), trio.current_time())
+    assert isinstance(pending, Deferred)
+    delivery = (await answer(pending))["delivery"]
+    assert (delivery["sort_key"], delivery["record"]) == (1, {"n": 1})
+    assert setup.gate.statistics().inflight == 0  # the lease ended with the read
+    pending = setup.handler.v2(request("ack", sort_key=1), trio.current_time())
+    assert isinstance(pending, Deferred)
+    assert (await answer(pending))["acked"] is True
+    assert setup.claims.lag() == {SUBJECT: 1}
+
+
+async def test_a_next_that_would_wait_goes_to_a_task(setup: Setup) -> None:
+    await use_the_group(setup)
+    nothing = setup.handler.v2(request("next", filter="events.>", timeout_ms=0), 0.0)
+    assert not isinstance(nothing, Deferred)  # no record: it waits in a task
+    assert (await answer(nothing))["delivery"] is None
+    held = setup.gate.acquire_nowait("next")  # the only slot is taken
+    waiting = setup.handler.v2(request("next", filter="commands.>"), trio.current_time())
+    assert not isinstance(waiting, Deferred)
+    assert setup.claims.leased == 0  # nothing leased before a slot is had
+    held.release()
+    assert (await answer(waiting))["delivery"]["sort_key"] == 1
+
+
+async def test_a_failed_body_read_is_answered_and_the_record_redelivered(
+    setup: Setup,
+) -> None:
+    await use_the_group(setup)
+    await trio.to_thread.run_sync(setup.log.close)
+    pending = setup.handler.v2(request("next", filter="commands.>"), trio.current_time())
+    assert isinstance(pending, Deferred)
+    with pytest.raises(StoreUnavailable):
+        await answer(pending)
+    assert setup.claims.leased == 0 and setup.claims.lag() == {SUBJECT: 2}
+    assert setup.gate.statistics().inflight == 0
+
+
+async def test_a_next_refused_at_the_gate_leases_nothing(setup: Setup) -> None:
+    await use_the_group(setup)
+    setup.gate.close()
+    refused = setup.handler.v2(request("next", filter="commands.>"), trio.current_time())
+    assert not isinstance(refused, Deferred)  # a closed Gate: the task path says why
+    with pytest.raises(GateClosed):
+        await answer(refused)
+    assert setup.claims.leased == 0 and setup.claims.lag() == {SUBJECT: 2}
