@@ -4,9 +4,13 @@ with leases, in both dialects.
 Each connection has its own handler: the leases it holds are released the moment it
 closes. ``next`` waits in memory (no thread, no polling) for a matching record, leases it,
 and, under a Gate lease, has its body read from the store with the other bodies asked for
-meanwhile (one thread hop per batch: :mod:`cmdbus_trio.bus.bodies`). ``ack`` is durable before it is
-answered: it goes through the group committer like a publish. A face gives the handler a
-*resolver* from the request's ``group`` (and ``from``) to the coordinator to use.
+meanwhile (:mod:`cmdbus_trio.bus.bodies`). ``ack`` is durable before it is answered: it
+goes through the group committer like a publish. A face gives the handler a *resolver*
+from the request's ``group`` (and ``from``) to the coordinator to use.
+
+On a group the connection already uses, an ``ack``, and a ``next`` that finds a record
+and a Gate slot at once, are answered by a callback (a :class:`Deferred`) instead of a
+task: the same steps, without waiting.
 """
 
 from __future__ import annotations
