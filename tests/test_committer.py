@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from cmdbus_trio.admission import run_batches_in_thread
+from cmdbus_trio.admission import ThreadBatcher
 from cmdbus_trio.bus.committer import GroupCommitter, Ticket
 from cmdbus_trio.protocol import FieldError
 from cmdbus_trio.protocol.bus import BusKind, PublishRecord, SubjectRule
@@ -89,31 +89,41 @@ async def test_a_store_failure_reaches_every_ticket_of_the_batch(log: BusLog) ->
     assert all(isinstance(ticket.error, StoreUnavailable) for ticket in tickets)
 
 
-async def test_batches_in_one_thread_call_settle_in_order_and_stop_at_max_batches() -> None:
-    queue = deque(range(10))
-    thread_ids: set[int] = set()
+async def test_a_thread_batcher_settles_each_batch_on_the_loop_in_order() -> None:
+    loop_thread = threading.get_ident()
+    worker_threads: set[int] = set()
     settled: list[tuple[list[int], object]] = []
+    done = trio.Event()
 
-    def take() -> list[int]:
+    def take(queue: deque[int]) -> list[int]:
         return [queue.popleft() for _ in range(min(3, len(queue)))]
 
     def work(batch: list[int]) -> int:
-        thread_ids.add(threading.get_ident())
+        worker_threads.add(threading.get_ident())
         if 4 in batch:
             raise ValueError("batch with 4")
         return sum(batch)
 
     def settle(batch: list[int], outcome: int | Exception) -> None:
-        assert threading.get_ident() == loop_thread  # on the loop
+        assert threading.get_ident() == loop_thread
         settled.append((batch, outcome))
+        if 9 in batch:
+            done.set()
 
-    loop_thread = threading.get_ident()
+    batcher = ThreadBatcher(take, work, settle, max_batches=2)  # two thread calls for four
     with trio.fail_after(10):
-        await run_batches_in_thread(
-            queue, take, work, settle, limiter=trio.CapacityLimiter(1), max_batches=3
-        )
-    assert [batch for batch, _ in settled] == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
-    assert settled[0][1] == 3 and settled[2][1] == 21
+        async with trio.open_nursery() as nursery:
+            await nursery.start(batcher.run)
+            for item in range(10):
+                batcher.put(item)
+            await done.wait()
+            nursery.cancel_scope.cancel()
+    assert [batch for batch, _ in settled] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+    assert settled[0][1] == 3 and settled[2][1] == 21 and settled[3][1] == 9
     assert isinstance(settled[1][1], ValueError)  # the work's error is its outcome
-    assert list(queue) == [9]  # max_batches reached: the rest waits for the next call
-    assert len(thread_ids) == 1 and loop_thread not in thread_ids
+    assert worker_threads and loop_thread not in worker_threads
+
+
+def test_a_thread_batcher_needs_at_least_one_batch_per_call() -> None:
+    with pytest.raises(ValueError, match="max_batches must be >= 1"):
+        ThreadBatcher(list, len, print, max_batches=0)

@@ -5,8 +5,8 @@ does its work through the lease (in a worker thread when it blocks), and release
 lease when that work has truly returned. The Gate sheds what it cannot serve in time,
 with a reason, instead of letting a queue grow without bound.
 
-Only :func:`run_in_thread` enters a worker thread (:func:`run_batches_in_thread` is built
-on it); it never abandons one (so a lease can never be released, nor a store closed,
+Only :func:`run_in_thread` enters a worker thread (:class:`ThreadBatcher` is built on
+it); it never abandons one (so a lease can never be released, nor a store closed,
 under a running thread).
 """
 
@@ -16,9 +16,10 @@ import enum
 import logging
 import math
 from collections import Counter as _Tally
-from collections.abc import Callable, Sized
+from collections import deque
+from collections.abc import Callable
 from types import TracebackType
-from typing import NoReturn, TypeVar, TypeVarTuple
+from typing import Generic, NoReturn, TypeVar, TypeVarTuple
 
 import attrs
 import trio
@@ -47,43 +48,70 @@ async def run_in_thread(fn: Callable[[*Ts], T], *args: *Ts, limiter: trio.Capaci
     return await trio.to_thread.run_sync(fn, *args, limiter=limiter, abandon_on_cancel=False)
 
 
-async def run_batches_in_thread(
-    queue: Sized,
-    take: Callable[[], B],
-    work: Callable[[B], R],
-    settle: Callable[[B, R | Exception], None],
-    *,
-    limiter: trio.CapacityLimiter,
-    max_batches: int,
-) -> None:
-    """Batched work through :func:`run_in_thread`: in one worker thread, while ``queue``
-    holds items (at most ``max_batches`` times), ``take()`` a batch and ``work(batch)`` it,
-    and hand the outcome (its result, or the exception it raised) to
-    ``settle(batch, outcome)`` on the loop at once, while the thread goes on with the next
-    batch. Waiting for the loop between batches made every batch wait for a scheduling
-    round of a busy loop, and the disk sat idle while requests waited.
+class ThreadBatcher(Generic[T, B, R]):
+    """Work queued on the loop, done in batches by one worker thread (through
+    :func:`run_in_thread`), each batch settled back on the loop as soon as it is done.
 
-    The loop only appends to ``queue``; ``take`` (in the thread) alone removes. ``settle``
-    runs as a plain callback (``run_sync_soon``), not in a task: it must not raise.
+    :meth:`put` queues an item. :meth:`run` (in the background nursery) starts one thread
+    call when items are queued; in it, while items are queued (at most ``max_batches``
+    times per call), ``take(queue)`` removes a batch, ``work(batch)`` does it, and
+    ``settle(batch, outcome)`` is handed its result, or the exception it raised, on the
+    loop at once (``run_sync_soon``) while the thread goes on with the next batch.
+    Waiting for the loop between batches made each batch wait for a scheduling round of
+    a busy loop while the disk sat idle. The group committer and the body reader are
+    built on it.
 
-    Cancellation: as :func:`run_in_thread` (the thread is never abandoned); callers shield
-    it, so that batches that started finish.
+    The loop only appends to the queue; ``take``, in the thread, alone removes from it.
+    ``settle`` runs as a plain callback, not in a task: it must not raise.
+
+    Cancellation: batches that started are finished (the thread is never abandoned);
+    :meth:`run` then stops.
     """
-    token = trio.lowlevel.current_trio_token()
 
-    def batches() -> None:
-        for _ in range(max_batches):
-            if not queue:
+    def __init__(
+        self,
+        take: Callable[[deque[T]], B],
+        work: Callable[[B], R],
+        settle: Callable[[B, R | Exception], None],
+        *,
+        max_batches: int = 16,
+    ) -> None:
+        if max_batches < 1:
+            raise ValueError(f"max_batches must be >= 1, got {max_batches}")
+        self.queue: deque[T] = deque()
+        self._take = take
+        self._work = work
+        self._settle = settle
+        self.max_batches = max_batches
+        self._wake = trio.Event()
+        self._limiter = trio.CapacityLimiter(1)  # one thread: batches go one after another
+
+    def put(self, item: T) -> None:
+        """Queue an item; never blocks (callers bound the queue, e.g. with a Gate)."""
+        self.queue.append(item)
+        self._wake.set()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        token = trio.lowlevel.current_trio_token()
+        while True:
+            await self._wake.wait()
+            self._wake = trio.Event()
+            while self.queue:
+                with trio.CancelScope(shield=True):
+                    await run_in_thread(self._batches, token, limiter=self._limiter)
+
+    def _batches(self, token: trio.lowlevel.TrioToken) -> None:
+        for _ in range(self.max_batches):
+            if not self.queue:
                 return
-            batch = take()
+            batch = self._take(self.queue)
             outcome: R | Exception
             try:
-                outcome = work(batch)
+                outcome = self._work(batch)
             except Exception as exc:
                 outcome = exc
-            token.run_sync_soon(settle, batch, outcome)
-
-    await run_in_thread(batches, limiter=limiter)
+            token.run_sync_soon(self._settle, batch, outcome)
 
 
 class ShedReason(enum.StrEnum):

@@ -4,7 +4,7 @@ A claim's lease is decided in memory; its body is on disk. One thread hop per ``
 cost the loop about as much as the rest of the request (DESIGN.md: a hop is ~95 µs), so,
 as the group committer does for writes, every body asked for while a read runs goes into
 the next read: one query per batch, and one thread call reads batch after batch while
-asks keep coming (:func:`~cmdbus_trio.admission.run_batches_in_thread`).
+asks keep coming (:class:`~cmdbus_trio.admission.ThreadBatcher`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections.abc import Callable
 import attrs
 import trio
 
-from cmdbus_trio.admission import run_batches_in_thread
+from cmdbus_trio.admission import ThreadBatcher
 from cmdbus_trio.logs import event
 from cmdbus_trio.storage.buslog import MAX_READ_MANY, BusLog, StoredRecord
 
@@ -48,9 +48,9 @@ class BodyReader:
             raise ValueError(f"max_batch must be in 1..{MAX_READ_MANY}, got {max_batch}")
         self.log = log
         self.max_batch = max_batch
-        self._queue: deque[_Ask] = deque()
-        self._wake = trio.Event()
-        self._limiter = trio.CapacityLimiter(1)  # one read at a time: the next one batches
+        self._batches = ThreadBatcher(
+            self._take, self._read, self._settle, max_batches=MAX_BATCHES_PER_HOP
+        )
         self.batches = 0
         """Batches read so far (one query each; one thread call reads several in a row)."""
 
@@ -80,31 +80,16 @@ class BodyReader:
         self, sort_key: int, then: Callable[[StoredRecord | Exception], None] | None = None
     ) -> _Ask:
         ask = _Ask(sort_key, then=then)
-        self._queue.append(ask)
-        self._wake.set()
+        self._batches.put(ask)
         return ask
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Read queued asks until cancelled (in the background nursery, which ends before
         the store closes; reads that started finish first)."""
-        task_status.started()
-        while True:
-            await self._wake.wait()
-            self._wake = trio.Event()
-            while self._queue:
-                with trio.CancelScope(shield=True):
-                    await run_batches_in_thread(
-                        self._queue,
-                        self._take,
-                        self._read,
-                        self._settle,
-                        limiter=self._limiter,
-                        max_batches=MAX_BATCHES_PER_HOP,
-                    )
+        await self._batches.run(task_status=task_status)
 
-    def _take(self) -> list[_Ask]:
-        size = min(len(self._queue), self.max_batch)
-        return [self._queue.popleft() for _ in range(size)]
+    def _take(self, queue: deque[_Ask]) -> list[_Ask]:
+        return [queue.popleft() for _ in range(min(len(queue), self.max_batch))]
 
     def _read(self, batch: list[_Ask]) -> dict[int, StoredRecord]:
         return self.log.read_many(list(dict.fromkeys(ask.sort_key for ask in batch)))

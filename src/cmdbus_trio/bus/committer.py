@@ -21,7 +21,7 @@ import attrs
 import trio
 
 from cmdbus_trio import metrics
-from cmdbus_trio.admission import run_batches_in_thread
+from cmdbus_trio.admission import ThreadBatcher
 from cmdbus_trio.logs import event
 from cmdbus_trio.protocol import FieldError
 from cmdbus_trio.protocol.bus import PublishRecord, SubjectRule
@@ -76,43 +76,28 @@ class GroupCommitter:
         self.bus = bus
         self.rule = rule
         self.max_batch = max_batch
-        self._queue: deque[Ticket] = deque()
-        self._wake = trio.Event()
-        self._limiter = trio.CapacityLimiter(1)  # one writer: batches go one after another
+        self._batches = ThreadBatcher(
+            self._take, self._commit_in_thread, self._settle, max_batches=MAX_BATCHES_PER_HOP
+        )
         self.listeners: list[Callable[[list[Ticket]], None]] = []
         """Called on the loop with each settled batch (the claim coordinators learn of new
         records this way: an in-memory signal, no polling of the database)."""
 
     def enqueue(self, ticket: Ticket) -> None:
         """Queue a ticket; never blocks (the caller's Gate lease bounds the queue)."""
-        self._queue.append(ticket)
-        self._wake.set()
+        self._batches.put(ticket)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Commit queued tickets until cancelled (in the background nursery): batch after
         batch in one thread call while tickets keep coming, each settled on the loop as
-        soon as it is durable."""
-        task_status.started()
-        while True:
-            await self._wake.wait()
-            self._wake = trio.Event()
-            while self._queue:
-                # Batches that started are finished even if the writer is being stopped.
-                with trio.CancelScope(shield=True):
-                    await run_batches_in_thread(
-                        self._queue,
-                        self._take,
-                        self._commit_in_thread,
-                        self._settle,
-                        limiter=self._limiter,
-                        max_batches=MAX_BATCHES_PER_HOP,
-                    )
+        soon as it is durable; batches that started finish even if the writer stops."""
+        await self._batches.run(task_status=task_status)
 
-    def _take(self) -> list[Ticket]:
+    def _take(self, queue: deque[Ticket]) -> list[Ticket]:
         batch: list[Ticket] = []
         size = 0
-        while self._queue and (not batch or size + _size(self._queue[0]) <= self.max_batch):
-            ticket = self._queue.popleft()
+        while queue and (not batch or size + _size(queue[0]) <= self.max_batch):
+            ticket = queue.popleft()
             size += _size(ticket)
             batch.append(ticket)
         return batch
