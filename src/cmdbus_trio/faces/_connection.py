@@ -2,9 +2,14 @@
 
 A face supplies a :class:`FaceHandler` (how to answer a v1 frame and a v2 request); this
 module runs the connections. Per connection, a reader task turns bytes into frames and
-hands them over an unbuffered channel, so a client that sends faster than we serve is
-held back by TCP, never by our memory; the reader also notices when the client goes
-away, which cancels that connection's read work.
+hands them over an unbuffered channel, the frames of one read at a time (no more than the
+Gate has room for), so a client that sends faster than we serve is held back by TCP,
+never by our memory; the reader also notices when the client goes away, which cancels
+that connection's read work.
+
+A v2 request is answered by a task of its own, or, when the handler returns a
+:class:`Deferred`, by the callback that settles it (the group committer, the body
+reader), the reply queued for one flush task per batch of ready replies.
 """
 
 from __future__ import annotations
