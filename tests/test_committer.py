@@ -124,6 +124,40 @@ async def test_a_thread_batcher_settles_each_batch_on_the_loop_in_order() -> Non
     assert worker_threads and loop_thread not in worker_threads
 
 
-def test_a_thread_batcher_needs_at_least_one_batch_per_call() -> None:
-    with pytest.raises(ValueError, match="max_batches must be >= 1"):
-        ThreadBatcher(list, len, print, max_batches=0)
+async def test_a_lingering_thread_takes_what_comes_after_its_queue_emptied() -> None:
+    calls = 0
+    settled: list[list[int]] = []
+    done = trio.Event()
+
+    def settle(batch: list[int], _outcome: object) -> None:
+        settled.append(batch)
+        if batch == [1]:
+            batcher.put(2)  # the thread, waiting for more, takes it in the same call
+        else:
+            done.set()
+
+    batcher = ThreadBatcher(lambda q: [q.popleft()], len, settle, max_batches=2, linger=1)
+    batches = batcher._batches
+
+    def counted(token: trio.lowlevel.TrioToken) -> None:
+        nonlocal calls
+        calls += 1
+        batches(token)
+
+    batcher._batches = counted  # type: ignore[method-assign]
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(batcher.run)
+            batcher.put(1)
+            await done.wait()
+            nursery.cancel_scope.cancel()
+    assert settled == [[1], [2]] and calls == 1  # max_batches (2) ended the call
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [({"max_batches": 0}, "max_batches must be >= 1"), ({"linger": -1}, "linger must be 0 to 1")],
+)
+def test_a_thread_batcher_checks_its_settings(settings: dict[str, float], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ThreadBatcher(list, len, print, **settings)  # type: ignore[arg-type]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import logging
 import math
+import threading
 from collections import Counter as _Tally
 from collections import deque
 from collections.abc import Callable
@@ -58,14 +59,17 @@ class ThreadBatcher(Generic[T, B, R]):
     ``settle(batch, outcome)`` is handed its result, or the exception it raised, on the
     loop at once (``run_sync_soon``) while the thread goes on with the next batch.
     Waiting for the loop between batches made each batch wait for a scheduling round of
-    a busy loop while the disk sat idle. The group committer and the body reader are
-    built on it.
+    a busy loop while the disk sat idle. When the queue is empty the thread waits up to
+    ``linger`` seconds (without the GIL) for more before it returns: a client that sends
+    its next request as soon as it has its reply then finds the thread there, not a new
+    hop into it (+10% for one publisher or one consumer). The group committer and the
+    body reader are built on it.
 
     The loop only appends to the queue; ``take``, in the thread, alone removes from it.
     ``settle`` runs as a plain callback, not in a task: it must not raise.
 
-    Cancellation: batches that started are finished (the thread is never abandoned);
-    :meth:`run` then stops.
+    Cancellation: batches that started are finished, and a lingering thread is waited for
+    (at most ``linger``; the thread is never abandoned); :meth:`run` then stops.
     """
 
     def __init__(
@@ -75,21 +79,27 @@ class ThreadBatcher(Generic[T, B, R]):
         settle: Callable[[B, R | Exception], None],
         *,
         max_batches: int = 16,
+        linger: float = 0.002,
     ) -> None:
         if max_batches < 1:
             raise ValueError(f"max_batches must be >= 1, got {max_batches}")
+        if not 0 <= linger <= 1:
+            raise ValueError(f"linger must be 0 to 1 seconds, got {linger}")
         self.queue: deque[T] = deque()
         self._take = take
         self._work = work
         self._settle = settle
         self.max_batches = max_batches
+        self.linger = linger
         self._wake = trio.Event()
+        self._arrived = threading.Event()  # for the thread lingering in _batches
         self._limiter = trio.CapacityLimiter(1)  # one thread: batches go one after another
 
     def put(self, item: T) -> None:
         """Queue an item; never blocks (callers bound the queue, e.g. with a Gate)."""
         self.queue.append(item)
         self._wake.set()
+        self._arrived.set()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -104,7 +114,9 @@ class ThreadBatcher(Generic[T, B, R]):
     def _batches(self, token: trio.lowlevel.TrioToken) -> None:
         for _ in range(self.max_batches):
             if not self.queue:
-                return
+                self._arrived.clear()
+                if not self.queue and not self._arrived.wait(self.linger):
+                    return
             batch = self._take(self.queue)
             outcome: R | Exception
             try:
