@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -16,6 +17,8 @@ from cmdbus_trio.admission import (
     Shed,
     ShedReason,
 )
+from cmdbus_trio.app import CLAIM_MAX_READS, gate_for
+from cmdbus_trio.config import cpu_quota, load
 
 
 @pytest.fixture
@@ -26,12 +29,14 @@ def autojump_clock() -> trio.testing.MockClock:
 def make_gate(face: str = "test", **overrides: float) -> Gate:
     settings = {"max_inflight": 1, "max_waiters": 1, "shed_after": 1.0, "default_budget": 10.0}
     settings.update(overrides)
+    threads = settings.get("max_threads")
     return Gate(
         face,
         max_inflight=int(settings["max_inflight"]),
         max_waiters=int(settings["max_waiters"]),
         shed_after=settings["shed_after"],
         default_budget=settings["default_budget"],
+        max_threads=None if threads is None else int(threads),
     )
 
 
@@ -336,7 +341,14 @@ async def test_statistics_and_gauges_match(autojump_clock: trio.testing.MockCloc
 
 @pytest.mark.parametrize(
     ("setting", "value"),
-    [("max_inflight", 0), ("max_waiters", -1), ("shed_after", 0), ("default_budget", -1)],
+    [
+        ("max_inflight", 0),
+        ("max_waiters", -1),
+        ("shed_after", 0),
+        ("default_budget", -1),
+        ("max_threads", 0),
+        ("max_threads", 2),  # more than max_inflight (1)
+    ],
 )
 def test_gate_parameters_are_checked(setting: str, value: float) -> None:
     with pytest.raises(ValueError, match=setting):
@@ -434,3 +446,39 @@ async def test_can_admit_now_only_when_open_with_a_free_slot_and_nobody_waiting(
     closed = make_gate()
     closed.close()
     assert not closed.can_admit_now
+
+
+async def test_max_threads_bounds_the_leases_running_a_thread_at_once() -> None:
+    gate = make_gate(max_inflight=3, max_waiters=0, max_threads=1)
+    running = 0
+    most = 0
+    lock = threading.Lock()
+
+    def work() -> None:
+        nonlocal running, most
+        with lock:
+            running += 1
+            most = max(most, running)
+        time.sleep(0.05)
+        with lock:
+            running -= 1
+
+    async def request() -> None:
+        with gate.acquire_nowait("op") as lease:
+            await lease.run_to_completion(work)
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            for _ in range(3):
+                nursery.start_soon(request)
+    assert most == 1 and gate.max_threads == 1
+    assert gate.statistics().admitted_total == 3  # all admitted; the threads took turns
+
+
+def test_the_claim_faces_admit_many_reads_but_run_threads_within_the_quota() -> None:
+    config = load({}, environ={})
+    for face in ("cmd_claim", "evt_claim"):
+        gate = gate_for(face, config)
+        assert gate.max_inflight == CLAIM_MAX_READS and gate.max_threads == cpu_quota()
+    subscribe = gate_for("evt_subscribe", config)
+    assert subscribe.max_inflight == subscribe.max_threads == cpu_quota()

@@ -245,6 +245,10 @@ class Gate:
     admitted, or :class:`Shed` with reason ``waiters_full`` (at once, the queue is full),
     ``queue_timeout`` (waited ``shed_after``) or ``deadline`` (the budget ran out first,
     or was already spent on arrival). Each is counted under the face and op.
+
+    At most ``max_threads`` (default: ``max_inflight``) leases run a worker thread at
+    once; a face whose slots are mostly not threads (the claim faces: deliveries whose
+    body a batched read fetches) keeps its thread work to the CPU quota this way.
     """
 
     def __init__(
@@ -255,22 +259,26 @@ class Gate:
         max_waiters: int,
         shed_after: float,
         default_budget: float,
+        max_threads: int | None = None,
     ) -> None:
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
+        if max_threads is not None and not 1 <= max_threads <= max_inflight:
+            raise ValueError(f"max_threads must be 1..max_inflight, got {max_threads}")
         if max_waiters < 0:
             raise ValueError(f"max_waiters must be >= 0, got {max_waiters}")
         if not shed_after > 0 or not default_budget > 0:
             raise ValueError("shed_after and default_budget must be > 0 seconds")
         self.face = face
         self.max_inflight = max_inflight
+        self.max_threads = max_threads or max_inflight
         self.max_waiters = max_waiters
         self.shed_after = shed_after
         self.default_budget = default_budget
         self._limiter = trio.CapacityLimiter(max_inflight)
-        # Leases are checked against the admission limiter; a lease runs at most one
-        # thread, so this one never makes an admitted request wait.
-        self._thread_limiter = trio.CapacityLimiter(max_inflight)
+        # A lease runs at most one thread: with the default, an admitted request never
+        # waits for one; with fewer, it may (after admission, inside its service time).
+        self._thread_limiter = trio.CapacityLimiter(self.max_threads)
         self._waiting: set[trio.CancelScope] = set()
         self._room = trio.lowlevel.ParkingLot()  # connections holding a client back
         self._intake = 0

@@ -32,7 +32,7 @@ from .bus.claims import open_claims, sample_lag
 from .bus.committer import GroupCommitter
 from .bus.groups import ConsumerGroups
 from .bus.subscriptions import Hub
-from .config import DATA_FACE_NAMES, Bind, Config
+from .config import DATA_FACE_NAMES, Bind, Config, cpu_quota
 from .faces import (
     FaceContext,
     FaceServe,
@@ -95,8 +95,9 @@ each at most max_request_bytes, are in memory for reads)."""
 
 
 def gate_for(face: str, config: Config) -> Gate:
-    """The Gate of a data face. The tier face has its own settings; the bus faces use the
-    same defaults until their own admission settings exist."""
+    """The Gate of a data face: the tier face's from its settings; an ingest face's slots
+    are publishes pending a group commit; a claim face's, deliveries whose body is being
+    read; the subscribe face's, catch-up page reads (the CPU quota)."""
     budget = config.default_budget_ms / 1000
     if face in ("cmd_ingest", "evt_ingest"):
         # Slots are publishes queued for or in a group commit (see bus/committer.py).
@@ -112,14 +113,22 @@ def gate_for(face: str, config: Config) -> Gate:
             shed_after=config.tier_shed_after_ms / 1000,
             default_budget=budget,
         )
-    # The claim faces: slots are deliveries whose body is queued for or in a batched read
-    # (bus/bodies.py); they bound the bodies held in memory, not threads.
+    quota = cpu_quota()
+    if face in ("cmd_claim", "evt_claim"):
+        # Slots are mostly deliveries whose body is queued for or in a batched read
+        # (bus/bodies.py): they bound the bodies held in memory. The thread work leases
+        # run (`dead` listings) stays within the CPU quota.
+        return Gate(
+            face,
+            max_inflight=CLAIM_MAX_READS,
+            max_waiters=8 * CLAIM_MAX_READS,
+            shed_after=1.0,
+            default_budget=budget,
+            max_threads=quota,
+        )
+    # evt_subscribe: every slot is a catch-up page read in a thread.
     return Gate(
-        face,
-        max_inflight=CLAIM_MAX_READS,
-        max_waiters=8 * CLAIM_MAX_READS,
-        shed_after=1.0,
-        default_budget=budget,
+        face, max_inflight=quota, max_waiters=8 * quota, shed_after=1.0, default_budget=budget
     )
 
 
