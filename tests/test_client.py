@@ -29,6 +29,7 @@ from cmdbus_trio.client.trio import (
     Connection,
     IngestClient,
     Router,
+    ShardedClaimClient,
     SubscribeClient,
     TierClient,
 )
@@ -456,3 +457,23 @@ with TierClient.connect({server["tier"]!r}) as tier:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+async def test_the_sharded_trio_claim_client_claims_acks_and_waits(
+    server: dict[str, str],
+) -> None:
+    # One shard is enough for the I/O of the loop; its policy is tests/test_claim_rounds.py.
+    execution = new_execution()
+    shards = ShardMap.parse(f"0@{server['cmd_claim']}")
+    with trio.fail_after(20):
+        async with await IngestClient.connect(server["cmd_ingest"]) as ingest:
+            published = await ingest.publish(command(execution, "shardedtrio"))
+        async with ShardedClaimClient(shards) as cluster:
+            claimed = await cluster.next("commands.shardedtrio.>", wait=1)
+            assert claimed is not None and claimed.shard == 0
+            assert claimed.delivery.sort_key == published.sort_key
+            assert await cluster.ack(claimed)
+            assert await cluster.next("commands.shardedtrio.>", wait=0.05) is None
+            with pytest.raises(Invalid) as raised:
+                await cluster.next("commands..shard", wait=0)  # an empty token
+            assert raised.value.shard == 0

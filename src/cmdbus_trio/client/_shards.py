@@ -8,7 +8,7 @@ from cmdbus_trio.protocol.subjects import shard_of
 
 from ._calls import Delivery, Record
 from ._core import split_address
-from ._errors import ClientError
+from ._errors import ClientError, ConnectionLost, DeadlineExceeded, Unavailable
 
 
 @attrs.frozen
@@ -88,3 +88,45 @@ class Rotation:
 
 MAX_IDLE_PAUSE = 0.25
 """Seconds between rounds over the shards at most, when none had a record."""
+
+
+class ClaimRounds:
+    """What a sharded ``next`` decides, without I/O (the trio and blocking clients each
+    ask the writers and sleep): the order to ask the shards in, what an error from one
+    means, and how long to pause when a round found nothing (10 ms, doubling to
+    :data:`MAX_IDLE_PAUSE`). One per ``next`` call."""
+
+    def __init__(self, shards: ShardMap, rotation: Rotation) -> None:
+        self.shards = shards
+        self.rotation = rotation
+        self._pause = 0.01
+        self._failures: list[ClientError] = []
+
+    def round(self) -> list[int]:
+        """The shards to ask this round, in order."""
+        self._failures = []
+        return self.rotation.order()
+
+    def failed(self, shard: int, error: ClientError) -> None:
+        """A writer that is down (or too slow) is skipped while others serve; any other
+        error is the request's fault and is raised, tagged with its shard."""
+        if not isinstance(error, (ConnectionLost, Unavailable, DeadlineExceeded)):
+            raise self.shards.tag(error, shard)
+        self._failures.append(self.shards.tag(error, shard))
+
+    def served(self, shard: int, delivery: Delivery) -> ShardDelivery:
+        self.rotation.served(shard)
+        return ShardDelivery(shard, delivery)
+
+    def pause(self, remaining: float) -> float | None:
+        """After a round without a record: how long to sleep before the next one, or
+        None when ``remaining`` (seconds of the caller's wait) is spent.
+
+        Error handling: raises the last error when every writer failed this round."""
+        if len(self._failures) == self.shards.shard_count:
+            raise self._failures[-1]
+        if remaining <= 0:
+            return None
+        pause = min(self._pause, remaining)
+        self._pause = min(2 * self._pause, MAX_IDLE_PAUSE)
+        return pause

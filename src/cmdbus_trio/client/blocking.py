@@ -34,9 +34,9 @@ from ._calls import (
     TierRecord,
 )
 from ._core import LOCAL_GRACE, ClientProtocol, Reply, ServerHello, split_address
-from ._errors import ClientError, ConnectionLost, DeadlineExceeded, ServerError, Unavailable
+from ._errors import ClientError, ConnectionLost, DeadlineExceeded, ServerError
 from ._retry import RetryPolicy
-from ._shards import MAX_IDLE_PAUSE, Rotation, ShardDelivery, ShardMap
+from ._shards import ClaimRounds, Rotation, ShardDelivery, ShardMap
 
 T = TypeVar("T")
 RECEIVE_CHUNK = 1 << 16
@@ -465,30 +465,23 @@ class ShardedClaimClient(_Writers[ClaimClient]):
         start: str | None = None,
         timeout: float | None = None,
     ) -> ShardDelivery | None:
-        deadline = None if wait is None else time.monotonic() + wait
-        pause = 0.01
+        deadline = math.inf if wait is None else time.monotonic() + wait
+        rounds = ClaimRounds(self.shards, self._rotation)
         while True:
-            failures: list[ClientError] = []
-            for shard in self._rotation.order():
+            for shard in rounds.round():
                 try:
                     delivery = self.writers[shard].next(
                         filter, wait=0, group=group, start=start, timeout=timeout
                     )
-                except (ConnectionLost, Unavailable, DeadlineExceeded) as error:
-                    failures.append(self.shards.tag(error, shard))  # down: ask the others
-                    continue
                 except ClientError as error:
-                    raise self.shards.tag(error, shard) from None  # a bad request
+                    rounds.failed(shard, error)  # raises unless the writer is down
+                    continue
                 if delivery is not None:
-                    self._rotation.served(shard)
-                    return ShardDelivery(shard, delivery)
-            if len(failures) == self.shards.shard_count:
-                raise failures[-1]
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
+                    return rounds.served(shard, delivery)
+            pause = rounds.pause(deadline - time.monotonic())
+            if pause is None:
                 return None
-            time.sleep(pause if remaining is None else min(pause, remaining))
-            pause = min(2 * pause, MAX_IDLE_PAUSE)
+            time.sleep(pause)
 
     def ack(
         self, claimed: ShardDelivery, *, group: str | None = None, timeout: float | None = None

@@ -35,9 +35,9 @@ from ._calls import (
     TierRecord,
 )
 from ._core import LOCAL_GRACE, ClientProtocol, Reply, ServerHello, split_address
-from ._errors import ClientError, ConnectionLost, DeadlineExceeded, ServerError, Unavailable
+from ._errors import ClientError, ConnectionLost, DeadlineExceeded, ServerError
 from ._retry import RetryPolicy
-from ._shards import MAX_IDLE_PAUSE, Rotation, ShardDelivery, ShardMap
+from ._shards import ClaimRounds, Rotation, ShardDelivery, ShardMap
 
 T = TypeVar("T")
 RECEIVE_CHUNK = 1 << 16
@@ -513,29 +513,22 @@ class ShardedClaimClient(_Writers[ClaimClient]):
         timeout: float | None = None,
     ) -> ShardDelivery | None:
         deadline = math.inf if wait is None else trio.current_time() + wait
-        pause = 0.01
+        rounds = ClaimRounds(self.shards, self._rotation)
         while True:
-            failures: list[ClientError] = []
-            for shard in self._rotation.order():
+            for shard in rounds.round():
                 try:
                     delivery = await self.writers[shard].next(
                         filter, wait=0, group=group, start=start, timeout=timeout
                     )
-                except (ConnectionLost, Unavailable, DeadlineExceeded) as error:
-                    failures.append(self.shards.tag(error, shard))  # down: ask the others
-                    continue
                 except ClientError as error:
-                    raise self.shards.tag(error, shard) from None  # a bad request
+                    rounds.failed(shard, error)  # raises unless the writer is down
+                    continue
                 if delivery is not None:
-                    self._rotation.served(shard)
-                    return ShardDelivery(shard, delivery)
-            if len(failures) == self.shards.shard_count:
-                raise failures[-1]
-            remaining = deadline - trio.current_time()
-            if remaining <= 0:
+                    return rounds.served(shard, delivery)
+            pause = rounds.pause(deadline - trio.current_time())
+            if pause is None:
                 return None
-            await trio.sleep(min(pause, remaining))
-            pause = min(2 * pause, MAX_IDLE_PAUSE)
+            await trio.sleep(pause)
 
     async def ack(
         self, claimed: ShardDelivery, *, group: str | None = None, timeout: float | None = None
