@@ -80,15 +80,18 @@ class Claims:
         """A new record (committed, or reloaded at start): fresh, in sort-key order."""
         self.add_many([(sort_key, subject)])
 
-    def add_many(self, records: Iterable[tuple[int, str]]) -> None:
+    def add_many(self, records: Iterable[tuple[int, str]], *, seen_through: int = 0) -> None:
         """New records in sort-key order; waiting consumers are woken once for them all
-        (a reload of a million records must not make a million wake-ups)."""
+        (a reload of a million records must not make a million wake-ups).
+        ``seen_through``: every record up to it has now been offered to the group (those
+        not among ``records`` were settled already), so the low-water mark may pass it."""
         added = False
         for sort_key, subject in records:
             self._fresh[subject].append(sort_key)
             self._backlog[subject] += 1
             self._last_added = max(self._last_added, sort_key)
             added = True
+        self._last_added = max(self._last_added, seen_through)
         if added:
             self._wake()
 
@@ -320,31 +323,63 @@ async def open_claims(
     max_deliver: int,
     limiter: trio.CapacityLimiter,
 ) -> Claims:
-    """A group's coordinator, reloaded with every record after ``start_after`` that the
+    """A group's coordinator, loaded with every record after ``start_after`` that the
     group has neither acked nor parked, fed each newly committed record, and making its
-    dead letters durable through ``committer``."""
+    dead letters durable through ``committer``.
+
+    Every record reaches the group exactly once, whatever is committed while its history
+    loads: the live feed is attached first, at a fixed sort key (the newest committed);
+    the history is loaded up to that key, and the feed holds what comes after it until
+    the history is in.
+
+    Cancellation: nothing is left behind (the feed is detached).
+    """
 
     def park(sort_key: int, _subject: str, deliveries: int) -> None:
         committer.enqueue(Ticket(dead=[(group, sort_key, deliveries)]))
 
     claims = Claims(group, ack_wait=ack_wait, max_deliver=max_deliver, on_dead=park)
-    after = start_after
-    while page := await run_in_thread(log.unsettled, group, after, RELOAD_PAGE, limiter=limiter):
-        claims.add_many(page)
-        after = page[-1][0]
-    committer.listeners.append(feed_from_commits(claims))
+    # No await between reading the newest key and attaching: a record at or below it is
+    # committed (so the history query sees it), one above it is settled later (so the
+    # feed sees it).
+    feed = _LiveFeed(claims, through=log.last_sort_key)
+    committer.listeners.append(feed)
+    try:
+        after = start_after
+        while page := await run_in_thread(
+            log.unsettled, group, after, RELOAD_PAGE, feed.through, limiter=limiter
+        ):
+            claims.add_many(page)
+            after = page[-1][0]
+    except BaseException:
+        committer.listeners.remove(feed)
+        raise
+    feed.go_live()
     return claims
 
 
-def feed_from_commits(claims: Claims) -> Callable[[list[Ticket]], None]:
-    """A committer listener that hands every newly committed record to ``claims``."""
+class _LiveFeed:
+    """A committer listener handing a group every record committed after ``through``:
+    held while the group's history (up to ``through``) loads, then as they come."""
 
-    def feed(batch: list[Ticket]) -> None:
-        claims.add_many(
+    def __init__(self, claims: Claims, through: int) -> None:
+        self.claims = claims
+        self.through = through
+        self._held: list[tuple[int, str]] | None = []
+
+    def __call__(self, batch: list[Ticket]) -> None:
+        records = [
             (published.sort_key, published.subject)
             for ticket in batch
             for published in ticket.published or ()
-            if not published.duplicate
-        )
+            if not published.duplicate and published.sort_key > self.through
+        ]
+        if self._held is None:
+            self.claims.add_many(records)
+        else:
+            self._held += records
 
-    return feed
+    def go_live(self) -> None:
+        """The history is in: hand over what was held, then every record as it comes."""
+        held, self._held = self._held or [], None
+        self.claims.add_many(held, seen_through=self.through)

@@ -12,10 +12,11 @@ from __future__ import annotations
 import re
 from typing import Final
 
+import attrs
 import trio
 
 from cmdbus_trio import metrics
-from cmdbus_trio.admission import run_in_thread
+from cmdbus_trio.admission import GateClosed, run_in_thread
 from cmdbus_trio.protocol import FieldError
 from cmdbus_trio.storage.buslog import BusLog
 
@@ -23,6 +24,12 @@ from .claims import Claims, open_claims, persist_low_water
 from .committer import GroupCommitter
 
 GROUP_NAME: Final = re.compile(r"[A-Za-z0-9_-]{1,128}")
+
+
+@attrs.define(eq=False)
+class _Creation:
+    done: trio.Event = attrs.field(factory=trio.Event)
+    error: Exception | None = None
 
 
 class ConsumerGroups:
@@ -41,8 +48,9 @@ class ConsumerGroups:
         self.max_deliver = max_deliver
         self._limiter = limiter
         self.claims: dict[str, Claims] = {}
-        self._creating = trio.Lock()
+        self._creating: dict[str, _Creation] = {}  # groups whose history is loading
         self._nursery: trio.Nursery | None = None
+        self._closed = False
 
     async def open(self, defaults: tuple[str, ...]) -> None:
         """Load the persisted groups and create the configured ones that are missing."""
@@ -66,10 +74,17 @@ class ConsumerGroups:
     async def get(self, name: str, start: str | None = None) -> Claims:
         """The group's coordinator; created when ``start`` is ``beginning`` or ``tail``.
 
+        A creation loads the group's history in a thread; it holds up no other group and
+        no other request, and a second request for the same group waits for it.
+
+        Cancellation: only the wait stops; a creation that started completes (in the
+        groups' nursery once :meth:`run` runs), so the group exists for the next request.
+
         Error handling: :class:`FieldError` for a bad name, an unknown group without
-        ``start``, or a bad ``start``.
+        ``start``, or a bad ``start``; the store's error if the creation failed.
         """
-        claims = self.claims.get(name)
+        while (claims := self.claims.get(name)) is None and name in self._creating:
+            await self._creating[name].done.wait()
         if claims is not None:
             return claims
         if not GROUP_NAME.fullmatch(name):
@@ -81,14 +96,30 @@ class ConsumerGroups:
             )
         if start not in ("beginning", "tail"):
             raise FieldError("from", "expected beginning or tail")
-        async with self._creating:
-            if name not in self.claims:
-                wanted = 0 if start == "beginning" else self.log.last_sort_key
-                start_after = await run_in_thread(
-                    self.log.create_group, name, wanted, limiter=self._limiter
-                )
-                await self._load(name, start_after)
-        return self.claims[name]
+        created = self._creating[name] = _Creation()
+        wanted = 0 if start == "beginning" else self.log.last_sort_key
+        if self._nursery is None:  # at start-up, before run(): nobody else to wait
+            await self._create(name, wanted, created)
+        else:
+            self._nursery.start_soon(self._create, name, wanted, created)
+            await created.done.wait()
+        if created.error is not None:
+            raise created.error
+        if (claims := self.claims.get(name)) is None:  # cancelled: the writer is stopping
+            raise GateClosed(f"group {name!r}: the writer is draining")
+        return claims
+
+    async def _create(self, name: str, wanted: int, created: _Creation) -> None:
+        try:
+            start_after = await run_in_thread(
+                self.log.create_group, name, wanted, limiter=self._limiter
+            )
+            await self._load(name, start_after)
+        except Exception as exc:  # the requesters answer with it; the writer goes on
+            created.error = exc
+        finally:
+            del self._creating[name]
+            created.done.set()
 
     async def _load(self, name: str, start_after: int) -> None:
         claims = await open_claims(
@@ -101,6 +132,8 @@ class ConsumerGroups:
             limiter=self._limiter,
         )
         self.claims[name] = claims
+        if self._closed:  # created while draining: it leases nothing
+            claims.close()
         if self._nursery is not None:
             self._nursery.start_soon(claims.run_timers)
 
@@ -109,6 +142,7 @@ class ConsumerGroups:
             claims.release(owner)
 
     def close(self) -> None:
+        self._closed = True
         for claims in self.claims.values():
             claims.close()
 

@@ -249,19 +249,23 @@ class BusLog(SqliteStore):
         return int(row[0]) if row else 0
 
     @refuses_loop_thread
-    def unsettled(self, consumer: str, after: int, limit: int) -> list[tuple[int, str]]:
-        """``(sort_key, subject)`` of records after ``after`` that ``consumer`` has neither
-        acked nor parked as dead, ascending: what a claim coordinator reloads on start.
-        Starts at the consumer's settled position when that is further on."""
+    def unsettled(
+        self, consumer: str, after: int, limit: int, through: int | None = None
+    ) -> list[tuple[int, str]]:
+        """``(sort_key, subject)`` of records after ``after`` (and up to ``through``, when
+        given) that ``consumer`` has neither acked nor parked as dead, ascending: what a
+        claim coordinator loads. Starts at the consumer's settled position when that is
+        further on."""
         after = max(after, self.settled_below(consumer) - 1)
+        through = (1 << 63) - 1 if through is None else through
         with self._connection() as connection:
             rows = connection.execute(
-                "SELECT sort_key, subject FROM records r WHERE sort_key > ? "
+                "SELECT sort_key, subject FROM records r WHERE sort_key > ? AND sort_key <= ? "
                 "AND NOT EXISTS (SELECT 1 FROM acks a WHERE a.consumer = ? "
                 "AND a.sort_key = r.sort_key) "
                 "AND NOT EXISTS (SELECT 1 FROM dead d WHERE d.consumer = ? "
                 "AND d.sort_key = r.sort_key) ORDER BY sort_key LIMIT ?",
-                (after, consumer, consumer, limit),
+                (after, through, consumer, consumer, limit),
             ).fetchall()
         return [(int(key), str(subject)) for key, subject in rows]
 
