@@ -13,7 +13,7 @@ import attrs
 import pytest
 import trio
 
-from cmdbus_trio.admission import Gate, GateClosed
+from cmdbus_trio.admission import Gate, GateClosed, Lease, Shed, ShedReason
 from cmdbus_trio.bus import Bus
 from cmdbus_trio.bus.bodies import BodyReader
 from cmdbus_trio.bus.claims import Claims
@@ -131,3 +131,56 @@ async def test_a_next_refused_at_the_gate_leases_nothing(setup: Setup) -> None:
     with pytest.raises(GateClosed):
         await answer(refused)
     assert setup.claims.leased == 0 and setup.claims.lag() == {SUBJECT: 2}
+
+
+def saturated_gate(setup: Setup) -> Lease:
+    """A Gate with one slot, taken, and no queue: every `next` is shed at once."""
+    setup.handler.gate = Gate(
+        "cmd_claim", max_inflight=1, max_waiters=0, shed_after=0.2, default_budget=10
+    )
+    return setup.handler.gate.acquire_nowait("next")
+
+
+async def test_a_shed_v2_next_is_busy_and_costs_the_record_nothing(setup: Setup) -> None:
+    await use_the_group(setup)
+    held = saturated_gate(setup)
+    refused = setup.handler.v2(request("next", filter="commands.>"), trio.current_time())
+    with pytest.raises(Shed) as shed:
+        await answer(refused)
+    assert shed.value.reason is ShedReason.WAITERS_FULL
+    assert setup.claims.leased == 0
+    held.release()
+    delivery = (await answer(setup.handler.v2(request("next", filter="commands.>"), 0.0)))[
+        "delivery"
+    ]
+    assert (delivery["sort_key"], delivery["deliveries"], delivery["redelivered"]) == (1, 1, False)
+
+
+async def test_a_v1_next_waits_for_room_instead_of_being_closed(setup: Setup) -> None:
+    """v1 cannot say `busy`: a shed `Next` waits (retry_after at a time) until admitted."""
+    held = saturated_gate(setup)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            replies: list[Any] = []
+
+            async def worker() -> None:
+                frame = json.dumps({"Next": {"member": 1, "filter": "commands.>"}}).encode()
+                replies.append(await setup.handler.v1(frame, trio.current_time()))
+
+            nursery.start_soon(worker)
+            await trio.sleep(1.0)  # five shed waits: still waiting, nothing leased
+            assert not replies and setup.claims.leased == 0
+            held.release()
+    (reply,) = replies
+    body = json.loads(reply.data[4:])
+    assert (body["sort_key"], body["redelivered"]) == (1, False)
+    assert setup.handler.gate.statistics().shed_total["waiters_full"] >= 3
+
+
+async def test_a_failed_body_read_does_not_count_as_a_delivery(setup: Setup) -> None:
+    await use_the_group(setup)
+    await trio.to_thread.run_sync(setup.log.close)
+    with pytest.raises(StoreUnavailable):
+        await answer(setup.handler.v2(request("next", filter="commands.>"), 0.0))
+    again = setup.claims.take(("commands", ">"), object())
+    assert again is not None and (again.deliveries, again.redelivered) == (1, False)

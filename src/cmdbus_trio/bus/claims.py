@@ -101,6 +101,14 @@ class Claims:
 
     # --- delivering ----------------------------------------------------------------------
 
+    def has(self, filter_tokens: tuple[str, ...]) -> bool:
+        """A record matching the filter can be taken now."""
+        return any(
+            keys and matches(filter_tokens, subject)
+            for subjects in (self._again, self._fresh)
+            for subject, keys in subjects.items()
+        )
+
     def take(self, filter_tokens: tuple[str, ...], owner: object) -> Delivery | None:
         """Lease the next matching record to ``owner``: records to redeliver first (oldest
         first), then fresh ones (oldest first). ``None`` when none matches."""
@@ -126,16 +134,17 @@ class Claims:
         self._leases[sort_key] = _Lease(owner, subject, deadline)
         heapq.heappush(self._expiries, (deadline, sort_key))
         self._timer_added(deadline)
-        if again:
+        redelivered = deliveries > 1  # not a record given back undelivered
+        if redelivered:
             metrics.REDELIVERIES.labels(subject=subject).inc()
-        return Delivery(sort_key, subject, again, deliveries)
+        return Delivery(sort_key, subject, redelivered, deliveries)
 
-    async def next(self, filter_tokens: tuple[str, ...], owner: object) -> Delivery:
-        """Wait for a matching record and lease it to ``owner``. Waiting costs no thread
-        and no polling: new and returned records wake the waiters.
+    async def wait_for(self, filter_tokens: tuple[str, ...]) -> None:
+        """Return once a record matching the filter can be taken (it may be gone again
+        by the time the caller takes it: another consumer may be quicker). Waiting costs
+        no thread and no polling: new and returned records wake the waiters.
 
-        Cancellation: nothing is leased when cancelled while waiting (callers bound the
-        wait with ``trio.move_on_after``).
+        Cancellation: safe; nothing is held.
 
         Error handling: raises :class:`GateClosed` once :meth:`close` was called (the
         writer is draining): a waiting consumer must not hold up the drain.
@@ -143,10 +152,35 @@ class Claims:
         while True:
             if self._closed:
                 raise GateClosed(f"{self.group}: the writer is draining")
+            if self.has(filter_tokens):
+                return
+            await self._changed.wait()
+
+    async def next(self, filter_tokens: tuple[str, ...], owner: object) -> Delivery:
+        """Wait for a matching record and lease it to ``owner``.
+
+        Cancellation: nothing is leased when cancelled while waiting.
+
+        Error handling: as :meth:`wait_for`.
+        """
+        while True:
+            await self.wait_for(filter_tokens)
             delivery = self.take(filter_tokens, owner)
             if delivery is not None:
                 return delivery
-            await self._changed.wait()
+
+    def give_back(self, sort_key: int, owner: object) -> bool:
+        """Undo a :meth:`take` whose record never reached its consumer (its body could
+        not be read): the record is offered again, and that delivery does not count."""
+        lease = self._leases.get(sort_key)
+        if lease is None or lease.owner is not owner:
+            return False
+        del self._leases[sort_key]
+        deliveries = self._deliveries.pop(sort_key, 1) - 1
+        if deliveries:
+            self._deliveries[sort_key] = deliveries
+        self._redeliver(sort_key, lease.subject)
+        return True
 
     @property
     def closed(self) -> bool:

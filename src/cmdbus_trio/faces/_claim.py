@@ -20,7 +20,7 @@ from typing import Any
 
 import trio
 
-from cmdbus_trio.admission import GateClosed
+from cmdbus_trio.admission import GateClosed, Shed
 from cmdbus_trio.bus import Bus
 from cmdbus_trio.bus.claims import Claims, Delivery
 from cmdbus_trio.bus.committer import Ticket
@@ -35,6 +35,7 @@ from cmdbus_trio.protocol import (
     loads,
 )
 from cmdbus_trio.protocol.subjects import matches, parse_filter
+from cmdbus_trio.storage import StoreUnavailable
 from cmdbus_trio.storage.buslog import StoredRecord
 
 from . import FaceContext
@@ -56,7 +57,9 @@ MAX_DEAD_LIMIT = 1000
 
 
 class ClaimHandler:
-    gated_ops = frozenset({"next", "dead"})
+    gated_ops = frozenset({"dead"})
+    """``next`` is not among them: it takes its Gate lease only once a record is there,
+    so a consumer parked in ``next`` holds no intake place (see :meth:`_next`)."""
 
     def __init__(self, ctx: FaceContext, bus: Bus, resolve: Resolve) -> None:
         self.gate = ctx.gate
@@ -103,9 +106,11 @@ class ClaimHandler:
             raise CloseConnection("protocol_error") from exc
         if tag == "Next":
             try:
-                delivery, stored = await self._next(claims, filter_tokens, arrival)
+                delivery, stored = await self._next(claims, filter_tokens, None, patient=True)
             except GateClosed:
                 raise CloseConnection("closed") from None  # draining: v1 can only close
+            except StoreUnavailable:
+                raise CloseConnection("unavailable") from None  # v1 has no error frame
             reply = {
                 "sort_key": delivery.sort_key,
                 "redelivered": delivery.redelivered,
@@ -113,7 +118,10 @@ class ClaimHandler:
             }
             return V1Reply("next", encode_frame(dumps(reply)))
         if tag == "Ack":
-            await self._ack(claims, sort_key)
+            try:
+                await self._ack(claims, sort_key)
+            except StoreUnavailable:
+                raise CloseConnection("unavailable") from None  # not durable: redelivered
             return V1Reply("ack", encode_frame(b"1"))
         # v1 Nack: the record redelivers after ack_wait, in whichever group this
         # connection holds it when the request names none.
@@ -136,22 +144,30 @@ class ClaimHandler:
         claims = self._resolved.get(group) if group is None or isinstance(group, str) else None
         if claims is not None and request.op == "ack":
             return self._ack_deferred(request.id, claims, _sort_key(fields))
+        budget = None if request.deadline_ms is None else request.deadline_ms / 1000
         if claims is not None and request.op == "next" and fields.get("from") is None:
             filter_tokens = parse_filter(fields.get("filter"))
             _timeout_ms(fields)
-            ready = self._next_now(request.id, claims, filter_tokens, arrival)
+            ready = self._next_now(request.id, claims, filter_tokens, budget)
             if ready is not None:
                 return ready
-        return self._v2(request.op, request.id, fields, arrival)
+        return self._v2(request.op, request.id, fields, budget, arrival)
 
-    async def _v2(self, op: str, request_id: int, fields: dict[str, Any], arrival: float) -> bytes:
+    async def _v2(
+        self,
+        op: str,
+        request_id: int,
+        fields: dict[str, Any],
+        budget: float | None,
+        arrival: float,
+    ) -> bytes:
         claims = await self._claims(fields.get("group"), fields.get("from"))
         if op == "next":
             filter_tokens = parse_filter(fields.get("filter"))
             timeout_ms = _timeout_ms(fields)
             result: Any = None
             with trio.move_on_after(float("inf") if timeout_ms is None else timeout_ms / 1000):
-                delivery, stored = await self._next(claims, filter_tokens, arrival)
+                delivery, stored = await self._next(claims, filter_tokens, budget)
                 result = _delivery(delivery, stored)
             return encode_ok(request_id, {"delivery": result})
         if op == "lag":
@@ -159,7 +175,9 @@ class ClaimHandler:
             subjects = claims.lag(tokens)
             return encode_ok(request_id, {"subjects": subjects, "total": sum(subjects.values())})
         if op == "dead":
-            return encode_ok(request_id, {"records": await self._dead(claims, fields)})
+            return encode_ok(
+                request_id, {"records": await self._dead(claims, fields, budget, arrival)}
+            )
         sort_key = _sort_key(fields)
         if op == "ack":
             return encode_ok(request_id, {"acked": await self._ack(claims, sort_key)})
@@ -176,41 +194,68 @@ class ClaimHandler:
     # --- shared ----------------------------------------------------------------------------
 
     async def _next(
-        self, claims: Claims, filter_tokens: tuple[str, ...], arrival: float
+        self,
+        claims: Claims,
+        filter_tokens: tuple[str, ...],
+        budget: float | None,
+        *,
+        patient: bool = False,
     ) -> tuple[Delivery, StoredRecord]:
-        delivery = await claims.next(filter_tokens, self)
-        try:
-            # timeout_ms bounds the wait for a record: once one is leased, its read
-            # finishes (a batch takes a hop, not a client's patience).
-            with await self.gate.acquire("next", arrival=arrival), trio.CancelScope(shield=True):
-                stored = await self.bus.bodies.read(delivery.sort_key)
-        except BaseException:
-            claims.nack(delivery.sort_key, self)  # not delivered after all
-            raise
-        return delivery, stored
+        """Wait for a matching record, then lease it and read its body under a Gate lease.
+
+        The wait for a record is the client's (``timeout_ms``, or unbounded): the Gate
+        and the request's budget see the request only once a record is there, so a
+        parked consumer holds no slot, and its budget is not spent by waiting. A record
+        is leased only after a slot was granted: a shed ``next`` has cost the record
+        nothing (no delivery counted, no redelivery).
+
+        Error handling: :class:`Shed` when admission refuses, unless ``patient`` (v1,
+        which has no way to say ``busy``): then it waits ``retry_after`` and tries again.
+        """
+        while True:
+            await claims.wait_for(filter_tokens)
+            try:
+                lease = await self.gate.acquire("next", budget=budget)
+            except Shed as shed:
+                if not patient:
+                    raise
+                await trio.sleep((shed.retry_after_ms or 1000 * self.gate.shed_after) / 1000)
+                continue
+            with lease:
+                delivery = claims.take(filter_tokens, self)
+                if delivery is None:
+                    continue  # another consumer was quicker: wait again
+                try:
+                    # A record leased is read whatever else is cancelled (a batch takes a
+                    # hop, not a client's patience).
+                    with trio.CancelScope(shield=True):
+                        stored = await self.bus.bodies.read(delivery.sort_key)
+                except BaseException:
+                    claims.give_back(delivery.sort_key, self)  # never delivered
+                    raise
+            return delivery, stored
 
     def _next_now(
-        self, request_id: int, claims: Claims, filter_tokens: tuple[str, ...], arrival: float
+        self,
+        request_id: int,
+        claims: Claims,
+        filter_tokens: tuple[str, ...],
+        budget: float | None,
     ) -> Deferred | None:
         """``next`` when a matching record and a Gate slot are there now: leased, its body
         read with the others asked for meanwhile, answered by the reader's callback.
         None when it would have to wait (for a record or a slot): a task does that."""
-        if claims.closed or not self.gate.can_admit_now:
+        if claims.closed or not self.gate.can_admit_now or not claims.has(filter_tokens):
             return None
+        lease = self.gate.acquire_nowait("next", budget=budget)  # a slot is free
         delivery = claims.take(filter_tokens, self)
-        if delivery is None:
-            return None
-        try:
-            lease = self.gate.acquire_nowait("next", arrival=arrival)  # a slot is free
-        except BaseException:
-            claims.nack(delivery.sort_key, self)  # not delivered after all
-            raise
+        assert delivery is not None  # has() said so, and nothing ran in between
         reply = Deferred()
 
         def read(outcome: StoredRecord | Exception) -> None:
             lease.release()
             if isinstance(outcome, Exception):
-                claims.nack(delivery.sort_key, self)
+                claims.give_back(delivery.sort_key, self)
                 reply.settle(outcome)
             else:
                 reply.settle(encode_ok(request_id, {"delivery": _delivery(delivery, outcome)}))
@@ -260,13 +305,15 @@ class ClaimHandler:
             reply.settle(encode_ok(request_id, {"acked": False}))
         return reply
 
-    async def _dead(self, claims: Claims, fields: dict[str, Any]) -> list[dict[str, Any]]:
+    async def _dead(
+        self, claims: Claims, fields: dict[str, Any], budget: float | None, arrival: float
+    ) -> list[dict[str, Any]]:
         tokens = None if fields.get("filter") is None else parse_filter(fields["filter"])
         limit = fields.get("limit", 100)
         if not is_int(limit):
             raise FieldError("limit", "expected an integer")
         limit = max(1, min(MAX_DEAD_LIMIT, limit))
-        with await self.gate.acquire("dead") as lease:
+        with await self.gate.acquire("dead", budget=budget, arrival=arrival) as lease:
             records = await lease.run_cancellable(
                 self.bus.log.dead_letters, claims.group, MAX_DEAD_LIMIT
             )

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import logging
+import math
 import ssl
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -237,6 +238,8 @@ class _Connection:
         self.outcome = "closed"
         self.peer_gone = False
         self._shed_recently = False
+        self._asked = 0  # requests being answered (the idle timeout waits for none)
+        self._idle_wait: trio.CancelScope | None = None  # the reader's idle wait, if any
 
     @classmethod
     async def run(
@@ -328,16 +331,32 @@ class _Connection:
             if frame is not NEED_DATA:  # CLOSED: the peer finished cleanly
                 self.peer_gone = True
                 return
-            timeout = (read_ms if self.decoder.in_partial_frame else idle_ms) / 1000
-            with trio.move_on_after(timeout) as waited:
+            with trio.CancelScope() as waited:
+                if self.decoder.in_partial_frame:
+                    waited.deadline = trio.current_time() + read_ms / 1000
+                else:  # idle only while nothing is asked (see _asking)
+                    self._idle_wait = waited
+                    self._asking(0)
                 try:
                     data = await self.stream.receive_some(RECEIVE_CHUNK)
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     data = b""
+                finally:
+                    self._idle_wait = None
             if waited.cancelled_caught:
                 self._end("idle_timeout")
                 return
             self.decoder.receive_data(data)
+
+    def _asking(self, change: int) -> None:
+        """Count the requests this connection is answering, and time the idle timeout
+        only while there are none: a worker whose ``next`` waits for work, or a
+        subscriber, is not idle however long it waits (the wait is the client's). It
+        restarts from the last answer."""
+        self._asked += change
+        if self._idle_wait is not None:
+            idle = self.ctx.config.idle_timeout_ms / 1000
+            self._idle_wait.deadline = math.inf if self._asked else trio.current_time() + idle
 
     # --- dispatching ---------------------------------------------------------------------
 
@@ -487,6 +506,7 @@ class _Connection:
             return True
         if gated:
             gate.take_in()
+        self._asking(+1)
         done = partial(self._request_done, slots, slot, gated)
         if isinstance(pending, Deferred):
             self._deferred += 1
@@ -497,18 +517,23 @@ class _Connection:
 
     def _request_done(self, slots: trio.CapacityLimiter, slot: object, gated: bool) -> None:
         slots.release_on_behalf_of(slot)
+        self._asking(-1)
         if gated:
             self.ctx.gate.taken_out()
 
     async def _v1(self, frame: bytes, arrival: float) -> bool:
+        self._asking(+1)
         try:
-            reply = await self.handler.v1(frame, arrival)
-        except CloseConnection as close:
-            self._end(close.outcome)
-            return False
-        sent = await self._send(reply.data)
-        self._observe(reply.op, reply.outcome, arrival)
-        return sent
+            try:
+                reply = await self.handler.v1(frame, arrival)
+            except CloseConnection as close:
+                self._end(close.outcome)
+                return False
+            sent = await self._send(reply.data)
+            self._observe(reply.op, reply.outcome, arrival)
+            return sent
+        finally:
+            self._asking(-1)
 
     async def _v2(
         self,

@@ -1,0 +1,132 @@
+"""A worker waits for work longer than every timer, the way a NoETL worker waits between
+executions: its `next` is answered when a record comes, on both claim faces and in both
+dialects, never charged to a request budget and never cut by the idle timeout.
+
+The writer runs with its budget, idle timeout and shed wait far below the wait."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from .helpers import FrameClient, frame_client, metric_sum, metrics_text, server_log, serving
+
+TIMERS = {
+    "CMDBUS_DEFAULT_BUDGET_MS": "300",
+    "CMDBUS_IDLE_TIMEOUT_MS": "400",
+    "CMDBUS_READ_TIMEOUT_MS": "400",
+    "CMDBUS_ACK_WAIT_MS": "60000",
+    "CMDBUS_MAX_DELIVER": "1",  # one wrongly counted delivery would park the record as dead
+    "CMDBUS_TIER_BIND": "",
+}
+IDLE = 1.2
+"""How long every worker waits before its record is published: longer than each timer."""
+
+
+@pytest.fixture(scope="module")
+def writer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict[str, str]]]:
+    tmp_path = tmp_path_factory.mktemp("long_poll")
+    with serving(tmp_path, **TIMERS) as (_, ports):
+        yield tmp_path, ports
+
+
+FACES = {
+    "cmd": ("cmd_ingest", "cmd_claim", "commands.{pool}.>", None),
+    "evt": ("evt_ingest", "evt_claim", "events.{pool}", "noetl_materializer"),
+}
+
+
+def record(pool: str) -> dict[str, Any]:
+    payload = {"execution_pool": pool, "event_type": pool}
+    return {"execution_id": 7, "payload": json.dumps(payload)}
+
+
+async def publish_later(ports: dict[str, str], ingest: str, pool: str, delay: float) -> int:
+    await trio.sleep(delay)
+    async with frame_client(ports[ingest]) as client:
+        reply = await client.request("publish", record=record(pool))
+    sort_key: int = reply["sort_key"]
+    return sort_key
+
+
+async def v2_worker(client: FrameClient, filter: str, group: str | None, **wait: Any) -> Any:
+    fields: dict[str, Any] = {"filter": filter, **wait}
+    if group is not None:
+        fields["group"] = group
+    reply = await client.request("next", **fields)
+    assert reply["ok"], reply
+    delivery = reply["delivery"]
+    assert delivery is not None, "the wait for a record ended without one"
+    ack = await client.request(
+        "ack", sort_key=delivery["sort_key"], **({"group": group} if group else {})
+    )
+    assert ack == {"id": client.next_id, "ok": True, "acked": True}  # still connected
+    return delivery
+
+
+async def v1_worker(client: FrameClient, filter: str, group: str | None) -> Any:
+    body: dict[str, Any] = {"member": 1, "filter": filter}
+    ack: dict[str, Any] = {}
+    if group is not None:
+        body["group"] = ack["group"] = group
+    reply = await client.v1({"Next": body})
+    assert reply is not None, "the writer closed a waiting v1 worker"
+    delivery = json.loads(reply)
+    assert await client.v1({"Ack": {"sort_key": delivery["sort_key"], **ack}}) == b"1"
+    return delivery
+
+
+@pytest.mark.parametrize("face", sorted(FACES))
+@pytest.mark.parametrize("dialect", ["v1", "v2-timeout", "v2-unbounded", "v2-deadline"])
+async def test_a_worker_waiting_longer_than_every_timer_gets_its_record(
+    writer: tuple[Path, dict[str, str]], face: str, dialect: str
+) -> None:
+    tmp_path, ports = writer
+    ingest, claim, filter_pattern, group = FACES[face]
+    pool = f"idle_{dialect.replace('-', '_')}"
+    filter = filter_pattern.format(pool=pool)
+    with trio.fail_after(15):
+        async with trio.open_nursery() as nursery:
+            keys: list[int] = []
+
+            async def publish() -> None:
+                keys.append(await publish_later(ports, ingest, pool, IDLE))
+
+            nursery.start_soon(publish)
+            async with frame_client(ports[claim], v2=dialect != "v1") as client:
+                if dialect == "v1":
+                    delivery = await v1_worker(client, filter, group)
+                elif dialect == "v2-timeout":
+                    delivery = await v2_worker(client, filter, group, timeout_ms=10_000)
+                elif dialect == "v2-unbounded":
+                    delivery = await v2_worker(client, filter, group)
+                else:  # a budget of its own, shorter than the wait: the wait is not charged
+                    delivery = await v2_worker(
+                        client, filter, group, timeout_ms=10_000, deadline_ms=200
+                    )
+    assert delivery["sort_key"] == keys[0]
+    assert delivery["redelivered"] is False
+    if dialect != "v1":
+        assert delivery["deliveries"] == 1
+    errors = [line for line in server_log(tmp_path).splitlines() if '"level": "error"' in line]
+    assert not errors, errors
+    text = await trio.to_thread.run_sync(metrics_text, ports)
+    assert metric_sum(text, "cmdbus_dead_total{") == 0
+    assert metric_sum(text, "cmdbus_shed_total{") == 0
+    assert metric_sum(text, 'cmdbus_connections_total{face="' + claim + '",outcome="idle') == 0
+
+
+async def test_an_idle_connection_with_nothing_asked_is_still_closed(
+    writer: tuple[Path, dict[str, str]],
+) -> None:
+    """The idle timeout still closes a connection that waits for nothing."""
+    _, ports = writer
+    with trio.fail_after(5):
+        async with frame_client(ports["cmd_claim"]) as client:
+            await trio.sleep(0.6)  # longer than CMDBUS_IDLE_TIMEOUT_MS
+            assert await client.receive() is None
