@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -477,3 +478,48 @@ async def test_the_sharded_trio_claim_client_claims_acks_and_waits(
             with pytest.raises(Invalid) as raised:
                 await cluster.next("commands..shard", wait=0)  # an empty token
             assert raised.value.shard == 0
+
+
+# --- idle gaps longer than the server's idle timeout ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def quick_idle(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    with serving(tmp_path_factory.mktemp("idle"), CMDBUS_IDLE_TIMEOUT_MS="300") as (_, ports):
+        yield ports
+
+
+async def test_the_trio_client_reconnects_after_the_server_idled_it_out(
+    quick_idle: dict[str, str],
+) -> None:
+    """A server between bursts, a worker between executions: each call after an idle gap
+    longer than the writer's idle timeout works, without a retry policy and for calls
+    that are not idempotent (a publish without msg_id, a next)."""
+    with trio.fail_after(10):
+        async with (
+            await IngestClient.connect(quick_idle["cmd_ingest"]) as ingest,
+            await ClaimClient.connect(quick_idle["cmd_claim"]) as claim,
+        ):
+            for _ in range(2):
+                await trio.sleep(0.6)  # twice the idle timeout
+                published = await ingest.publish(command(new_execution(), "idle_trio"))
+                await trio.sleep(0.6)
+                delivery = await claim.next("commands.idle_trio.>", wait=1)
+                assert delivery is not None and delivery.sort_key == published.sort_key
+                assert await claim.ack(delivery.sort_key)
+
+
+def test_the_blocking_client_reconnects_after_the_server_idled_it_out(
+    quick_idle: dict[str, str],
+) -> None:
+    with (
+        blocking.IngestClient.connect(quick_idle["cmd_ingest"], connect_timeout=5) as ingest,
+        blocking.ClaimClient.connect(quick_idle["cmd_claim"], connect_timeout=5) as claim,
+    ):
+        for _ in range(2):
+            time.sleep(0.6)
+            published = ingest.publish(command(new_execution(), "idle_blocking"))
+            time.sleep(0.6)
+            delivery = claim.next("commands.idle_blocking.>", wait=1)
+            assert delivery is not None and delivery.sort_key == published.sort_key
+            assert claim.ack(delivery.sort_key)

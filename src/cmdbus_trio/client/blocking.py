@@ -37,6 +37,7 @@ from ._core import LOCAL_GRACE, ClientProtocol, Reply, ServerHello, split_addres
 from ._errors import ClientError, ConnectionLost, DeadlineExceeded, ServerError
 from ._retry import RetryPolicy
 from ._shards import ClaimRounds, Rotation, ShardDelivery, ShardMap
+from ._sockets import closed_by_peer
 
 T = TypeVar("T")
 RECEIVE_CHUNK = 1 << 16
@@ -198,7 +199,9 @@ class Connection:
         if self._closed:
             raise ConnectionLost("the client was closed")
         if self._sock is not None:
-            return self._sock
+            if not closed_by_peer(self._sock.fileno()):
+                return self._sock
+            self._drop()  # idled out by the server: nothing was sent on it, reconnect
         host, port = split_address(self.address)
         protocol = ClientProtocol(client=self._client_name, token=self._token)
         try:

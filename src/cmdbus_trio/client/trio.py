@@ -38,6 +38,7 @@ from ._core import LOCAL_GRACE, ClientProtocol, Reply, ServerHello, split_addres
 from ._errors import ClientError, ConnectionLost, DeadlineExceeded, ServerError
 from ._retry import RetryPolicy
 from ._shards import ClaimRounds, Rotation, ShardDelivery, ShardMap
+from ._sockets import closed_by_peer
 
 T = TypeVar("T")
 RECEIVE_CHUNK = 1 << 16
@@ -159,7 +160,12 @@ class Connection:
             if self._closed:
                 raise ConnectionLost("the client was closed")
             if self._stream is not None:
-                return self._stream
+                transport = self._transport
+                idle = not self._pending and not self._reading
+                if not (idle and transport and closed_by_peer(transport.socket.fileno())):
+                    return self._stream
+                # Idled out by the server: nothing was sent on it, reconnect.
+                self._break(ConnectionLost(f"{self.address} closed the idle connection"))
             host, port = split_address(self.address)
             protocol = ClientProtocol(client=self._client_name, token=self._token)
             try:
