@@ -157,6 +157,36 @@ async def test_a_closed_connection_releases_its_leases_at_once(
     assert claims.take(ALL, staying) == Delivery(2, SHARED, True, 2)
 
 
+async def test_leases_are_kept_per_owner(
+    claims: Claims, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A connection's leases are found without walking everyone's: release, and whether
+    a connection holds any (it is then not idle)."""
+    claims.add_many([(n, SHARED) for n in range(1, 7)])
+    a, b = object(), object()
+    for owner in (a, b, a, b, a, b):
+        claims.take(ALL, owner)
+    assert claims.holds(a) and claims.holds(b)
+    assert claims.begin_ack(1, a)
+    claims.finish_ack(1)
+    assert claims.nack(3, a) and claims.give_back(5, a)
+    assert not claims.holds(a)  # every way a lease ends takes it off its owner
+    assert claims.release(b) == 3 and not claims.holds(b)
+    await trio.sleep(claims.ack_wait + 1)
+    assert claims.leased == 0
+
+
+async def test_an_expired_lease_leaves_its_owner(
+    claims: Claims, autojump_clock: trio.testing.MockClock
+) -> None:
+    claims.add_many([(1, SHARED)])
+    owner = object()
+    claims.take(ALL, owner)
+    await trio.sleep(claims.ack_wait + 1)
+    assert not claims.holds(owner)
+    assert claims.release(owner) == 0
+
+
 async def test_max_deliver_parks_dead_letters(
     claims: Claims, autojump_clock: trio.testing.MockClock
 ) -> None:

@@ -130,3 +130,42 @@ async def test_an_idle_connection_with_nothing_asked_is_still_closed(
         async with frame_client(ports["cmd_claim"]) as client:
             await trio.sleep(0.6)  # longer than CMDBUS_IDLE_TIMEOUT_MS
             assert await client.receive() is None
+
+
+async def test_a_worker_mid_command_is_not_idle(writer: tuple[Path, dict[str, str]]) -> None:
+    """A worker holds a lease and says nothing for longer than the idle timeout (its
+    command runs): the connection stays, and its ack lands. The lease has its own timer."""
+    _, ports = writer
+    with trio.fail_after(10):
+        await publish_later(ports, "cmd_ingest", "mid_command", 0)
+        async with frame_client(ports["cmd_claim"]) as client:
+            reply = await client.request("next", filter="commands.mid_command.>", timeout_ms=0)
+            sort_key = reply["delivery"]["sort_key"]
+            await trio.sleep(IDLE)  # the command runs
+            assert (await client.request("ack", sort_key=sort_key))["acked"] is True
+            await trio.sleep(IDLE)  # holding nothing now: idle, so closed
+            assert await client.receive() is None
+
+
+@pytest.mark.parametrize("dialect", ["v1", "v2"])
+async def test_a_quiet_subscriber_is_not_idle(
+    writer: tuple[Path, dict[str, str]], dialect: str
+) -> None:
+    _, ports = writer
+    pool = f"quiet_{dialect}"
+    with trio.fail_after(10):
+        cursor = await publish_later(ports, "evt_ingest", pool, 0)
+        async with frame_client(ports["evt_subscribe"], v2=dialect == "v2") as client:
+            if dialect == "v1":
+                await client.send(json.dumps({"shard": 0, "cursor": cursor}).encode())
+            else:
+                await client.send(
+                    json.dumps(
+                        {"id": 1, "op": "subscribe", "from": cursor, "filter": f"events.{pool}"}
+                    ).encode()
+                )
+            sort_key = await publish_later(ports, "evt_ingest", pool, IDLE)
+            frame = await client.receive()
+    assert frame is not None, "the writer closed a quiet subscriber"
+    records = json.loads(frame) if dialect == "v1" else json.loads(frame)["records"]
+    assert [r["sort_key"] for r in records] == [sort_key]

@@ -61,6 +61,7 @@ class Claims:
         self._fresh: dict[str, deque[int]] = defaultdict(deque)
         self._again: dict[str, list[int]] = defaultdict(list)  # heaps: oldest first
         self._leases: dict[int, _Lease] = {}
+        self._owned: dict[object, set[int]] = {}  # owner -> its leased sort keys
         self._settling: dict[int, str] = {}  # acks being made durable: not redeliverable
         self._deliveries: dict[int, int] = {}
         self._delayed: list[tuple[float, int, str]] = []  # (ready_at, sort_key, subject)
@@ -132,6 +133,7 @@ class Claims:
         self._deliveries[sort_key] = deliveries
         deadline = trio.current_time() + self.ack_wait
         self._leases[sort_key] = _Lease(owner, subject, deadline)
+        self._owned.setdefault(owner, set()).add(sort_key)
         heapq.heappush(self._expiries, (deadline, sort_key))
         self._timer_added(deadline)
         redelivered = deliveries > 1  # not a record given back undelivered
@@ -172,10 +174,9 @@ class Claims:
     def give_back(self, sort_key: int, owner: object) -> bool:
         """Undo a :meth:`take` whose record never reached its consumer (its body could
         not be read): the record is offered again, and that delivery does not count."""
-        lease = self._leases.get(sort_key)
-        if lease is None or lease.owner is not owner:
+        lease = self._end_lease(sort_key, owner)
+        if lease is None:
             return False
-        del self._leases[sort_key]
         deliveries = self._deliveries.pop(sort_key, 1) - 1
         if deliveries:
             self._deliveries[sort_key] = deliveries
@@ -193,13 +194,28 @@ class Claims:
 
     # --- settling --------------------------------------------------------------------------
 
+    def _end_lease(self, sort_key: int, owner: object | None = None) -> _Lease | None:
+        """Remove the record's lease (only if ``owner`` holds it, when given)."""
+        lease = self._leases.get(sort_key)
+        if lease is None or (owner is not None and lease.owner is not owner):
+            return None
+        del self._leases[sort_key]
+        owned = self._owned[lease.owner]
+        owned.discard(sort_key)
+        if not owned:
+            del self._owned[lease.owner]
+        return lease
+
+    def holds(self, owner: object) -> bool:
+        """``owner`` holds a lease."""
+        return owner in self._owned
+
     def begin_ack(self, sort_key: int, owner: object) -> bool:
         """Start an ack by the record's lease owner; the caller makes it durable, then
         calls :meth:`finish_ack` (or :meth:`abort_ack` if that failed)."""
-        lease = self._leases.get(sort_key)
-        if lease is None or lease.owner is not owner:
+        lease = self._end_lease(sort_key, owner)
+        if lease is None:
             return False
-        del self._leases[sort_key]
         self._settling[sort_key] = lease.subject
         return True
 
@@ -212,10 +228,9 @@ class Claims:
         self._redeliver(sort_key, self._settling.pop(sort_key))
 
     def nack(self, sort_key: int, owner: object, delay: float = 0.0) -> bool:
-        lease = self._leases.get(sort_key)
-        if lease is None or lease.owner is not owner:
+        lease = self._end_lease(sort_key, owner)
+        if lease is None:
             return False
-        del self._leases[sort_key]
         if delay > 0:
             ready_at = trio.current_time() + delay
             heapq.heappush(self._delayed, (ready_at, sort_key, lease.subject))
@@ -234,9 +249,10 @@ class Claims:
         return True
 
     def release(self, owner: object) -> int:
-        """Every lease of ``owner`` (a connection that closed) ends now."""
-        mine = [key for key, lease in self._leases.items() if lease.owner is owner]
-        for sort_key in mine:
+        """Every lease of ``owner`` (a connection that closed) ends now; the cost is its
+        own leases, not everyone's."""
+        mine = self._owned.pop(owner, set())
+        for sort_key in sorted(mine):
             self._end_delivery(sort_key, self._leases.pop(sort_key).subject)
         return len(mine)
 
@@ -276,7 +292,7 @@ class Claims:
                 _, sort_key = heapq.heappop(self._expiries)
                 lease = self._leases.get(sort_key)
                 if lease is not None and lease.deadline <= now:  # else acked or extended
-                    del self._leases[sort_key]
+                    self._end_lease(sort_key)
                     self._end_delivery(sort_key, lease.subject)
             while self._delayed and self._delayed[0][0] <= now:
                 _, sort_key, subject = heapq.heappop(self._delayed)

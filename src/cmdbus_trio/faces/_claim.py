@@ -75,6 +75,9 @@ class ClaimHandler:
             self._resolved[group] = claims  # groups are never removed
         return claims
 
+    def holding(self) -> bool:
+        return any(claims.holds(self) for claims in self._used.values())
+
     def closed(self) -> None:
         for claims in self._used.values():
             claims.release(self)  # this connection's leases redeliver at once

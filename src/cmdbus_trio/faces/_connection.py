@@ -157,6 +157,11 @@ class FaceHandler(Protocol):
         an error answer."""
         ...
 
+    def holding(self) -> bool:
+        """The connection holds work that has timers of its own (claim leases): it is
+        not idle while it does, even when it asks nothing."""
+        ...
+
     def closed(self) -> None:
         """The connection ended (whatever the reason): let go of what it held."""
         ...
@@ -344,6 +349,8 @@ class _Connection:
                 finally:
                     self._idle_wait = None
             if waited.cancelled_caught:
+                if not self.decoder.in_partial_frame and self.handler.holding():
+                    continue  # a worker mid-command: its leases time themselves
                 self._end("idle_timeout")
                 return
             self.decoder.receive_data(data)

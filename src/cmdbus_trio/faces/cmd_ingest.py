@@ -45,6 +45,9 @@ class IngestHandler:
             raise CloseConnection("unavailable") from None
         return V1Reply("publish", published[0].sort_key.to_bytes(8, "big"))
 
+    def holding(self) -> bool:
+        return False
+
     def closed(self) -> None:
         pass  # stateless: one handler serves every connection
 

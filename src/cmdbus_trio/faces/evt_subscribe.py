@@ -39,7 +39,9 @@ FrameOf = Callable[[Sequence[bytes]], bytes]
 
 
 class SubscribeHandler:
-    gated_ops = frozenset({"subscribe"})
+    gated_ops: frozenset[str] = frozenset()
+    """A subscription takes a Gate lease per catch-up page, never for its life: a live
+    subscriber holds no intake place."""
 
     def __init__(self, ctx: FaceContext, bus: Bus, hub: Hub, send: Sender) -> None:
         self.ctx = ctx
@@ -47,6 +49,9 @@ class SubscribeHandler:
         self.bus = bus
         self.hub = hub
         self.send = send
+
+    def holding(self) -> bool:
+        return False
 
     def closed(self) -> None:
         pass  # a subscription holds nothing once its connection is gone

@@ -72,6 +72,9 @@ class TierHandler:
             return V1Reply(request.op, self._v1_text(text), error.code.value)
         return V1Reply(request.op, encode_frame(body))
 
+    def holding(self) -> bool:
+        return False
+
     def closed(self) -> None:
         pass  # stateless: one handler serves every connection
 
