@@ -169,3 +169,30 @@ async def test_a_quiet_subscriber_is_not_idle(
     assert frame is not None, "the writer closed a quiet subscriber"
     records = json.loads(frame) if dialect == "v1" else json.loads(frame)["records"]
     assert [r["sort_key"] for r in records] == [sort_key]
+
+
+async def test_parked_consumers_hold_no_intake_place(writer: tuple[Path, dict[str, str]]) -> None:
+    """More parked `next`s than the claim Gate has slots and queue places (64 + 512): a
+    worker with one of them in flight still has its other requests taken in at once,
+    instead of being held back for shed_after (1 s) as if the face were flooded."""
+    _, ports = writer
+    parked = 0
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            clients = [await FrameClient.connect(ports["cmd_claim"]) for _ in range(20)]
+            for client in clients:
+                await client.hello()
+                for n in range(31):  # one fewer than a connection may have in flight
+                    body = {"id": n + 1, "op": "next", "filter": "commands.nobody.>"}
+                    await client.send(json.dumps(body).encode())
+                    parked += 1
+            assert parked > 64 + 512
+            worker = clients[0]
+            await trio.sleep(0.5)  # every frame read and parked
+            with trio.fail_after(0.9):
+                await worker.send(json.dumps({"id": 99, "op": "dead", "limit": 1}).encode())
+                reply = await worker.receive_json()
+            assert reply == {"id": 99, "ok": True, "records": []}
+            for client in clients:
+                await client.aclose()
+            nursery.cancel_scope.cancel()
