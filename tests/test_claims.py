@@ -290,3 +290,150 @@ async def test_low_water_is_the_lowest_unsettled_sort_key(
     claims.begin_ack(2, owner)
     claims.finish_ack(2)
     assert claims.low_water() == 4  # all settled: one past the last seen
+
+
+# --- nothing costs in proportion to the crowd ----------------------------------------------
+
+
+class CountingMatches:
+    """Counts the subject/filter comparisons the coordinator makes."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from cmdbus_trio.bus import claims as module
+
+        self.calls = 0
+        real = module.matches
+
+        def counting(filter_tokens: tuple[str, ...], subject: str) -> bool:
+            self.calls += 1
+            return real(filter_tokens, subject)
+
+        monkeypatch.setattr(module, "matches", counting)
+
+
+async def park(claims: Claims, nursery: trio.Nursery, filter: str, got: list[Delivery]) -> None:
+    async def consumer() -> None:
+        got.append(await claims.next(parse_filter(filter), object()))
+
+    nursery.start_soon(consumer)
+
+
+async def test_a_record_goes_to_the_oldest_matching_waiter_only(
+    claims: Claims, autojump_clock: trio.testing.MockClock
+) -> None:
+    first: list[Delivery] = []
+    later: list[Delivery] = []
+    other: list[Delivery] = []
+    async with trio.open_nursery() as nursery:
+        await park(claims, nursery, "commands.>", first)
+        await trio.testing.wait_all_tasks_blocked()
+        for _ in range(3):
+            await park(claims, nursery, "commands.shared.>", later)
+        await park(claims, nursery, "commands.system.>", other)
+        await trio.testing.wait_all_tasks_blocked()
+        claims.add(1, SHARED)
+        await trio.testing.wait_all_tasks_blocked()
+        assert [d.sort_key for d in first] == [1] and later == []  # the oldest matching
+        claims.add_many([(2, SHARED), (3, SHARED)])
+        await trio.testing.wait_all_tasks_blocked()
+        assert sorted(d.sort_key for d in later) == [2, 3] and other == []
+        assert claims.leased == 3
+        nursery.cancel_scope.cancel()
+
+
+async def test_waiters_on_other_filters_cost_a_record_nothing(
+    claims: Claims, autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """1,000 consumers parked on other pools (and 1,000 on one other filter): a record
+    for the shared pool is compared with the few filters in use, not with the waiters."""
+    got: list[Delivery] = []
+    async with trio.open_nursery() as nursery:
+        for n in range(1000):
+            await park(claims, nursery, f"commands.pool{n % 10}.>", [])
+            await park(claims, nursery, "commands.crowd.>", [])
+        await park(claims, nursery, "commands.shared.>", got)
+        await trio.testing.wait_all_tasks_blocked()
+        counting = CountingMatches(monkeypatch)
+        claims.add(1, SHARED)
+        first_record = counting.calls
+        for key in range(2, 102):
+            claims.add(key, SHARED)
+        await trio.testing.wait_all_tasks_blocked()
+        assert first_record <= 12  # the 12 filters in use, once for the new subject
+        assert counting.calls == first_record  # then nothing per record
+        assert [d.sort_key for d in got] == [1]
+        nursery.cancel_scope.cancel()
+
+
+async def test_take_does_not_walk_every_subject(
+    claims: Claims, autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """100,000 subjects ever seen, most of them settled: a next is not a walk of them."""
+    owner = object()
+    claims.add_many((n, f"events.type_{n}") for n in range(1, 100_001))
+    for _ in range(100_000):  # every subject drained
+        delivery = claims.take(ALL, owner)
+        assert delivery is not None and claims.begin_ack(delivery.sort_key, owner)
+        claims.finish_ack(delivery.sort_key)
+    claims.add(100_001, SHARED)
+    counting = CountingMatches(monkeypatch)
+    assert claims.take(parse_filter("commands.>"), owner) == Delivery(100_001, SHARED, False, 1)
+    assert counting.calls <= 2  # the new filter's index: built from the one live subject
+    assert claims.total == 1
+
+
+async def test_a_lease_has_one_timer_entry_however_often_extended(
+    claims: Claims, autojump_clock: trio.testing.MockClock
+) -> None:
+    claims.add(1, SHARED)
+    owner = object()
+    claims.take(ALL, owner)
+    for _ in range(1000):
+        await trio.sleep(0.01)
+        assert claims.extend(1, owner)
+    assert len(claims._expiries) == 1
+    await trio.sleep(claims.ack_wait - 1)  # still within the last extension
+    assert claims.leased == 1
+    await trio.sleep(2)  # past it: redelivered
+    assert claims.take(ALL, object()) == Delivery(1, SHARED, True, 2)
+
+
+async def test_a_record_handed_to_a_waiter_that_left_goes_to_the_next(
+    claims: Claims, autojump_clock: trio.testing.MockClock
+) -> None:
+    got: list[Delivery] = []
+    async with trio.open_nursery() as nursery:
+        leaving = trio.CancelScope()
+        nursery.start_soon(_wait_in, claims, leaving, got)
+        await trio.testing.wait_all_tasks_blocked()
+        await park(claims, nursery, ">", got)
+        await trio.testing.wait_all_tasks_blocked()
+        claims.add(1, SHARED)  # handed to the first waiter...
+        leaving.cancel()  # ...which leaves before it runs
+        await trio.testing.wait_all_tasks_blocked()
+        assert got == [Delivery(1, SHARED, False, 1)]  # given back, then to the next
+        nursery.cancel_scope.cancel()
+
+
+async def _wait_in(claims: Claims, scope: trio.CancelScope, got: list[Delivery]) -> None:
+    with scope:
+        got.append(await claims.next(ALL, object()))
+
+
+async def test_filter_indexes_stay_bounded(
+    claims: Claims, autojump_clock: trio.testing.MockClock
+) -> None:
+    """An index nobody takes from (a filter used once) does not grow with the traffic,
+    and filters used once are forgotten beyond a bound."""
+    claims.has(parse_filter("commands.>"))  # used once, never again
+    owner = object()
+    for n in range(1, 5001):
+        claims.add(n, f"commands.shared.shard.{n % 7}")
+        delivery = claims.take(parse_filter("commands.shared.>"), owner)
+        assert delivery is not None and claims.begin_ack(delivery.sort_key, owner)
+        claims.finish_ack(delivery.sort_key)
+    stale = claims._indexes[parse_filter("commands.>")]
+    assert len(stale.fresh) <= 2 * 7 + 64
+    for n in range(1000):
+        claims.has(parse_filter(f"commands.once{n}.>"))
+    assert len(claims._indexes) <= 256 + 1

@@ -13,7 +13,7 @@ import pytest
 import trio
 
 from cmdbus_trio.admission import ThreadBatcher
-from cmdbus_trio.bus.committer import GroupCommitter, Ticket
+from cmdbus_trio.bus.committer import Committed, GroupCommitter, Ticket
 from cmdbus_trio.protocol import FieldError
 from cmdbus_trio.protocol.bus import BusKind, PublishRecord, SubjectRule
 from cmdbus_trio.storage import StoreUnavailable
@@ -47,7 +47,7 @@ async def settle_all(committer: GroupCommitter, tickets: list[Ticket]) -> None:
 
 async def test_batches_settle_in_order_and_a_bad_ticket_only_fails_itself(log: BusLog) -> None:
     committer = GroupCommitter(log, SubjectRule(BusKind.COMMANDS), max_batch=2)
-    batches: list[list[Ticket]] = []
+    batches: list[list[Committed]] = []
     committer.listeners.append(batches.append)
     order: list[int] = []
     tickets = [
@@ -56,7 +56,8 @@ async def test_batches_settle_in_order_and_a_bad_ticket_only_fails_itself(log: B
     ]
     await settle_all(committer, tickets)
     assert order == list(range(7))
-    assert [len(batch) for batch in batches] == [2, 2, 2, 1]  # max_batch records each
+    # max_batch tickets a batch; the listeners get the records committed (not the bad one)
+    assert [[c.sort_key for c in batch] for batch in batches] == [[1, 2], [3], [4, 5], [6]]
     assert isinstance(tickets[2].error, FieldError)
     keys = [t.published[0].sort_key for t in tickets if t.published is not None]
     assert keys == [1, 2, 3, 4, 5, 6]

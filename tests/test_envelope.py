@@ -186,3 +186,14 @@ def test_record_fragment_is_the_json_of_the_record(
         }
     )
     assert record_fragment(sequence, execution_id, transaction_id, byte_len, payload) == expected
+
+
+def test_json_whitespace_around_a_value_is_skipped_and_only_json_whitespace() -> None:
+    """A megabyte of spaces around a value (under every cap, before any auth) is skipped
+    in the regex engine, not a Python loop; other white space is not JSON."""
+    padding = b" \t\r\n" * (1 << 18)
+    assert loads(padding + b'{"a": 1}' + padding) == {"a": 1}
+    assert detect_dialect(padding + b'{"hello": {"protocol": 2}}') is not None
+    with pytest.raises(RemoteProtocolError):
+        loads(b"\x0b{}")
+    assert detect_dialect(b"\x0c{}") is None  # not JSON white space: a v1 frame

@@ -15,6 +15,7 @@ from __future__ import annotations
 import heapq
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import attrs
 import trio
@@ -24,7 +25,7 @@ from cmdbus_trio.admission import GateClosed, run_in_thread
 from cmdbus_trio.protocol.subjects import matches
 from cmdbus_trio.storage.buslog import BusLog
 
-from .committer import GroupCommitter, Ticket
+from .committer import Committed, GroupCommitter, Ticket
 
 
 @attrs.frozen
@@ -42,9 +43,45 @@ class _Lease:
     deadline: float
 
 
+@attrs.define(eq=False)
+class _Waiter:
+    """A consumer parked in :meth:`Claims.next`: a record is leased to it and handed
+    over (``delivery``), or it is woken by :meth:`Claims.close` (``delivery`` None)."""
+
+    seq: int
+    owner: object
+    filter: tuple[str, ...]
+    woken: trio.Event = attrs.field(factory=trio.Event)
+    delivery: Delivery | None = None
+    gone: bool = False  # cancelled while parked: skipped, and dropped when met
+
+
+@attrs.define
+class _Index:
+    """One filter's view of the subjects with records to deliver: heaps of
+    ``(head sort key, subject)``, pushed whenever a matching subject's head changes and
+    checked against the subject's real head when popped (an old entry is skipped), so
+    taking the oldest matching record never walks every subject."""
+
+    again: list[tuple[int, str]] = attrs.field(factory=list)
+    fresh: list[tuple[int, str]] = attrs.field(factory=list)
+    waiters: deque[_Waiter] = attrs.field(factory=deque)
+
+
+MAX_IDLE_FILTERS = 256
+"""Filters with no waiter whose index is kept (the most recently used); one used again
+after it was dropped has its index rebuilt once (a walk of the subjects with records)."""
+
+
 class Claims:
     """One consumer group's view of a bus. ``on_dead`` is called with
-    ``(sort_key, subject, deliveries)`` for each record parked as dead, to make it durable."""
+    ``(sort_key, subject, deliveries)`` for each record parked as dead, to make it durable.
+
+    Nothing here costs in proportion to the crowd: a record goes to the oldest waiter
+    whose filter matches it (one waiter, found through the filters, not by visiting the
+    waiters), a ``next`` finds its record through its filter's index, a closing
+    connection's release walks its own leases, a lease has one timer entry however often
+    it is extended, and the backlog total is kept as it changes."""
 
     def __init__(
         self,
@@ -58,16 +95,21 @@ class Claims:
         self.ack_wait = ack_wait
         self.max_deliver = max_deliver
         self._on_dead = on_dead
-        self._fresh: dict[str, deque[int]] = defaultdict(deque)
-        self._again: dict[str, list[int]] = defaultdict(list)  # heaps: oldest first
+        # Per subject, only while it has records to deliver:
+        self._fresh: dict[str, deque[int]] = {}
+        self._again: dict[str, list[int]] = {}  # heaps: oldest first
         self._leases: dict[int, _Lease] = {}
         self._owned: dict[object, set[int]] = {}  # owner -> its leased sort keys
         self._settling: dict[int, str] = {}  # acks being made durable: not redeliverable
         self._deliveries: dict[int, int] = {}
         self._delayed: list[tuple[float, int, str]] = []  # (ready_at, sort_key, subject)
-        self._expiries: list[tuple[float, int]] = []  # (deadline, sort_key)
+        self._expiries: list[tuple[float, int]] = []  # (deadline, sort_key): one per lease
         self._backlog: dict[str, int] = defaultdict(int)
-        self._changed = trio.Event()  # set when a record becomes available
+        self._total = 0
+        self._changed: set[str] = set()  # subjects whose backlog changed since sampled
+        self._indexes: dict[tuple[str, ...], _Index] = {}  # most recently used last
+        self._matching: dict[str, list[_Index]] = {}  # subject -> the indexes it matches
+        self._seq = 0
         self._timers_changed = trio.Event()
         self._timers_at = float("inf")  # when the timers task wakes next, unless woken
         self._closed = False
@@ -82,53 +124,122 @@ class Claims:
         self.add_many([(sort_key, subject)])
 
     def add_many(self, records: Iterable[tuple[int, str]], *, seen_through: int = 0) -> None:
-        """New records in sort-key order; waiting consumers are woken once for them all
-        (a reload of a million records must not make a million wake-ups).
-        ``seen_through``: every record up to it has now been offered to the group (those
-        not among ``records`` were settled already), so the low-water mark may pass it."""
-        added = False
+        """New records in sort-key order; each goes to a waiting consumer whose filter
+        matches, if there is one. ``seen_through``: every record up to it has now been
+        offered to the group (those not among ``records`` were settled already), so the
+        low-water mark may pass it."""
+        arrived: set[str] = set()
         for sort_key, subject in records:
-            self._fresh[subject].append(sort_key)
-            self._backlog[subject] += 1
+            queue = self._fresh.get(subject)
+            if queue is None:
+                self._fresh[subject] = deque([sort_key])
+                self._indexed(subject, "fresh", sort_key)
+            else:
+                queue.append(sort_key)
+            self._count(subject, +1)
             self._last_added = max(self._last_added, sort_key)
-            added = True
+            arrived.add(subject)
         self._last_added = max(self._last_added, seen_through)
-        if added:
-            self._wake()
+        for subject in arrived:
+            self._hand_over(subject)
 
-    def _wake(self) -> None:
-        self._changed.set()
-        self._changed = trio.Event()
+    def _count(self, subject: str, change: int) -> None:
+        self._backlog[subject] += change
+        self._total += change
+        self._changed.add(subject)
+
+    # --- the per-filter indexes --------------------------------------------------------------
+
+    def _index(self, filter_tokens: tuple[str, ...]) -> _Index:
+        """The filter's index, built on first use (one walk of the subjects with
+        records), kept while used."""
+        index = self._indexes.pop(filter_tokens, None)
+        if index is None:
+            index = _Index()
+            for subject, keys in self._fresh.items():
+                if matches(filter_tokens, subject):
+                    index.fresh.append((keys[0], subject))
+            for subject, heap in self._again.items():
+                if matches(filter_tokens, subject):
+                    index.again.append((heap[0], subject))
+            heapq.heapify(index.fresh)
+            heapq.heapify(index.again)
+            self._matching.clear()  # subjects learn of the new filter when next met
+            self._forget_idle_filters()
+        self._indexes[filter_tokens] = index  # most recently used last
+        return index
+
+    def _forget_idle_filters(self) -> None:
+        idle = [f for f, index in self._indexes.items() if not index.waiters]
+        for filter_tokens in idle[: max(0, len(idle) - MAX_IDLE_FILTERS)]:
+            del self._indexes[filter_tokens]
+            self._matching.clear()
+
+    def _indexes_of(self, subject: str) -> list[_Index]:
+        found = self._matching.get(subject)
+        if found is None:
+            if len(self._matching) > 4 * (len(self._fresh) + len(self._again)) + 1024:
+                self._matching.clear()  # bounded by the subjects with records
+            found = self._matching[subject] = [
+                index for f, index in self._indexes.items() if matches(f, subject)
+            ]
+        return found
+
+    def _indexed(self, subject: str, kind: str, head: int) -> None:
+        """``subject``'s head of ``kind`` (fresh or again) is now ``head``."""
+        for index in self._indexes_of(subject):
+            heap = index.fresh if kind == "fresh" else index.again
+            heapq.heappush(heap, (head, subject))
+            if len(heap) > 2 * (len(self._fresh) + len(self._again)) + 64:
+                self._compact(heap, self._fresh if kind == "fresh" else self._again)
+
+    @staticmethod
+    def _compact(heap: list[tuple[int, str]], queues: dict[str, Any]) -> None:
+        """Drop the entries that no longer are a subject's head (kept in place)."""
+        heap[:] = [(key, s) for key, s in heap if s in queues and queues[s][0] == key]
+        heapq.heapify(heap)
+
+    def _oldest(self, index: _Index) -> tuple[int, str, bool] | None:
+        """The oldest record the index's filter matches: redeliveries first."""
+        for heap, queues, again in (
+            (index.again, self._again, True),
+            (index.fresh, self._fresh, False),
+        ):
+            while heap:
+                key, subject = heap[0]
+                queue = queues.get(subject)
+                if queue is not None and queue[0] == key:
+                    return key, subject, again
+                heapq.heappop(heap)  # an old head
+        return None
 
     # --- delivering ----------------------------------------------------------------------
 
     def has(self, filter_tokens: tuple[str, ...]) -> bool:
         """A record matching the filter can be taken now."""
-        return any(
-            keys and matches(filter_tokens, subject)
-            for subjects in (self._again, self._fresh)
-            for subject, keys in subjects.items()
-        )
+        return self._oldest(self._index(filter_tokens)) is not None
 
     def take(self, filter_tokens: tuple[str, ...], owner: object) -> Delivery | None:
         """Lease the next matching record to ``owner``: records to redeliver first (oldest
         first), then fresh ones (oldest first). ``None`` when none matches."""
-        best: tuple[int, str, bool] | None = None
-        for subjects, again in ((self._again, True), (self._fresh, False)):
-            for subject, keys in subjects.items():
-                if keys and matches(filter_tokens, subject):
-                    head = keys[0]
-                    if best is None or head < best[0]:
-                        best = (head, subject, again)
-            if best is not None:
-                break  # redeliveries go first
-        if best is None:
+        oldest = self._oldest(self._index(filter_tokens))
+        if oldest is None:
             return None
-        sort_key, subject, again = best
+        sort_key, subject, again = oldest
         if again:
-            heapq.heappop(self._again[subject])
+            heap = self._again[subject]
+            heapq.heappop(heap)
+            if heap:
+                self._indexed(subject, "again", heap[0])
+            else:
+                del self._again[subject]
         else:
-            self._fresh[subject].popleft()
+            queue = self._fresh[subject]
+            queue.popleft()
+            if queue:
+                self._indexed(subject, "fresh", queue[0])
+            else:
+                del self._fresh[subject]
         deliveries = self._deliveries.get(sort_key, 0) + 1
         self._deliveries[sort_key] = deliveries
         deadline = trio.current_time() + self.ack_wait
@@ -141,39 +252,58 @@ class Claims:
             metrics.REDELIVERIES.labels(subject=subject).inc()
         return Delivery(sort_key, subject, redelivered, deliveries)
 
-    async def wait_for(self, filter_tokens: tuple[str, ...]) -> None:
-        """Return once a record matching the filter can be taken (it may be gone again
-        by the time the caller takes it: another consumer may be quicker). Waiting costs
-        no thread and no polling: new and returned records wake the waiters.
+    async def next(self, filter_tokens: tuple[str, ...], owner: object) -> Delivery:
+        """Wait for a matching record, leased to ``owner`` when it is handed over. Waiting
+        costs no thread, no polling and no visit per record: a record goes to the oldest
+        waiter whose filter matches it.
 
-        Cancellation: safe; nothing is held.
+        Cancellation: nothing is leased when cancelled while waiting (a record handed
+        over just before is given back).
 
         Error handling: raises :class:`GateClosed` once :meth:`close` was called (the
         writer is draining): a waiting consumer must not hold up the drain.
         """
-        while True:
-            if self._closed:
-                raise GateClosed(f"{self.group}: the writer is draining")
-            if self.has(filter_tokens):
+        if self._closed:
+            raise GateClosed(f"{self.group}: the writer is draining")
+        delivery = self.take(filter_tokens, owner)
+        if delivery is not None:
+            return delivery
+        self._seq += 1
+        waiter = _Waiter(self._seq, owner, filter_tokens)
+        self._index(filter_tokens).waiters.append(waiter)
+        try:
+            await waiter.woken.wait()
+        except BaseException:
+            waiter.gone = True
+            if waiter.delivery is not None:
+                self.give_back(waiter.delivery.sort_key, owner)
+            raise
+        if waiter.delivery is None:
+            raise GateClosed(f"{self.group}: the writer is draining")
+        return waiter.delivery
+
+    def _hand_over(self, subject: str) -> None:
+        """``subject`` has records: lease them to waiting consumers whose filter matches,
+        oldest waiter first, while both last."""
+        while subject in self._fresh or subject in self._again:
+            oldest: _Waiter | None = None
+            for index in self._indexes_of(subject):
+                while index.waiters and index.waiters[0].gone:
+                    index.waiters.popleft()
+                if index.waiters and (oldest is None or index.waiters[0].seq < oldest.seq):
+                    oldest = index.waiters[0]
+            if oldest is None:
                 return
-            await self._changed.wait()
-
-    async def next(self, filter_tokens: tuple[str, ...], owner: object) -> Delivery:
-        """Wait for a matching record and lease it to ``owner``.
-
-        Cancellation: nothing is leased when cancelled while waiting.
-
-        Error handling: as :meth:`wait_for`.
-        """
-        while True:
-            await self.wait_for(filter_tokens)
-            delivery = self.take(filter_tokens, owner)
-            if delivery is not None:
-                return delivery
+            self._index(oldest.filter).waiters.popleft()
+            oldest.delivery = self.take(oldest.filter, oldest.owner)
+            oldest.woken.set()
+            if oldest.delivery is None:  # cannot be: the subject matched its filter
+                raise AssertionError(f"{self.group}: index of {oldest.filter} out of step")
 
     def give_back(self, sort_key: int, owner: object) -> bool:
-        """Undo a :meth:`take` whose record never reached its consumer (its body could
-        not be read): the record is offered again, and that delivery does not count."""
+        """Undo a :meth:`take` whose record never reached its consumer (no Gate slot for
+        it, its body could not be read, its consumer left): the record is offered again,
+        and that delivery does not count."""
         lease = self._end_lease(sort_key, owner)
         if lease is None:
             return False
@@ -190,7 +320,9 @@ class Claims:
     def close(self) -> None:
         """Lease nothing more; waiting consumers get :class:`GateClosed` at once."""
         self._closed = True
-        self._wake()
+        for index in self._indexes.values():
+            while index.waiters:
+                index.waiters.popleft().woken.set()
 
     # --- settling --------------------------------------------------------------------------
 
@@ -222,7 +354,7 @@ class Claims:
     def finish_ack(self, sort_key: int) -> None:
         subject = self._settling.pop(sort_key)
         self._deliveries.pop(sort_key, None)
-        self._backlog[subject] -= 1
+        self._count(subject, -1)
 
     def abort_ack(self, sort_key: int) -> None:
         self._redeliver(sort_key, self._settling.pop(sort_key))
@@ -243,9 +375,10 @@ class Claims:
         lease = self._leases.get(sort_key)
         if lease is None or lease.owner is not owner:
             return False
+        # The lease keeps its one timer entry: when that comes due, a lease that was
+        # extended meanwhile is pushed again for its new deadline (one entry a lease,
+        # however often a client extends it).
         lease.deadline = trio.current_time() + self.ack_wait
-        heapq.heappush(self._expiries, (lease.deadline, sort_key))  # the old entry is skipped
-        self._timer_added(lease.deadline)
         return True
 
     def release(self, owner: object) -> int:
@@ -261,15 +394,18 @@ class Claims:
         deliveries = self._deliveries.get(sort_key, 0)
         if self.max_deliver and deliveries >= self.max_deliver:
             self._deliveries.pop(sort_key, None)
-            self._backlog[subject] -= 1
+            self._count(subject, -1)
             metrics.DEAD.labels(subject=subject).inc()
             self._on_dead(sort_key, subject, deliveries)
             return
         self._redeliver(sort_key, subject)
 
     def _redeliver(self, sort_key: int, subject: str) -> None:
-        heapq.heappush(self._again[subject], sort_key)
-        self._wake()
+        heap = self._again.setdefault(subject, [])
+        heapq.heappush(heap, sort_key)
+        if heap[0] == sort_key:
+            self._indexed(subject, "again", sort_key)
+        self._hand_over(subject)
 
     # --- timers ----------------------------------------------------------------------------
 
@@ -291,9 +427,13 @@ class Claims:
             while self._expiries and self._expiries[0][0] <= now:
                 _, sort_key = heapq.heappop(self._expiries)
                 lease = self._leases.get(sort_key)
-                if lease is not None and lease.deadline <= now:  # else acked or extended
-                    self._end_lease(sort_key)
-                    self._end_delivery(sort_key, lease.subject)
+                if lease is None:
+                    continue  # acked, nacked or released meanwhile
+                if lease.deadline > now:  # extended: its one entry goes back in
+                    heapq.heappush(self._expiries, (lease.deadline, sort_key))
+                    continue
+                self._end_lease(sort_key)
+                self._end_delivery(sort_key, lease.subject)
             while self._delayed and self._delayed[0][0] <= now:
                 _, sort_key, subject = heapq.heappop(self._delayed)
                 self._end_delivery(sort_key, subject)
@@ -316,6 +456,17 @@ class Claims:
         }
 
     @property
+    def total(self) -> int:
+        """The whole backlog (kept as it changes: no walk of the subjects)."""
+        return self._total
+
+    def changed_backlog(self) -> dict[str, int]:
+        """The backlog of each subject whose backlog changed since the last call (a
+        sampler sets only those gauges)."""
+        changed, self._changed = self._changed, set()
+        return {subject: self._backlog[subject] for subject in changed}
+
+    @property
     def leased(self) -> int:
         return len(self._leases)
 
@@ -323,8 +474,8 @@ class Claims:
         """The lowest sort key not yet settled (acked or dead) by this group: every record
         below it is settled. Only known records count, so it never passes a record the
         group has not seen."""
-        pending = [keys[0] for keys in self._fresh.values() if keys]
-        pending += [keys[0] for keys in self._again.values() if keys]
+        pending = [keys[0] for keys in self._fresh.values()]
+        pending += [keys[0] for keys in self._again.values()]
         pending += self._leases.keys()
         pending += self._settling.keys()
         pending += [sort_key for _, sort_key, _ in self._delayed]
@@ -338,14 +489,14 @@ async def sample_lag(
     period: float = 1.0,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Publish the command backlog per subject every ``period`` seconds, so a scrape
-    never computes it. Subjects are sorted; one that empties stays, at 0."""
+    """Publish the command backlog every ``period`` seconds, so a scrape never computes
+    it: the gauge of each subject whose backlog changed (one that empties stays, at 0),
+    and the total."""
     task_status.started()
     while True:
-        lag = claims.lag()
-        for subject, count in lag.items():
+        for subject, count in claims.changed_backlog().items():
             metrics.FEED_SUBJECT_LAG.labels(subject=subject).set(count)
-        metrics.FEED_TOTAL_LAG.set(sum(lag.values()))
+        metrics.FEED_TOTAL_LAG.set(claims.total)
         persist_low_water(claims, committer)
         await trio.sleep(period)
 
@@ -417,13 +568,8 @@ class _LiveFeed:
         self.through = through
         self._held: list[tuple[int, str]] | None = []
 
-    def __call__(self, batch: list[Ticket]) -> None:
-        records = [
-            (published.sort_key, published.subject)
-            for ticket in batch
-            for published in ticket.published or ()
-            if not published.duplicate and published.sort_key > self.through
-        ]
+    def __call__(self, committed: list[Committed]) -> None:
+        records = [(c.sort_key, c.subject) for c in committed if c.sort_key > self.through]
         if self._held is None:
             self.claims.add_many(records)
         else:

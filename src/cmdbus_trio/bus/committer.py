@@ -33,6 +33,16 @@ MAX_BATCHES_PER_HOP = 16
 """Batches one worker-thread call commits back to back before it returns to the loop."""
 
 
+@attrs.frozen
+class Committed:
+    """A record a batch appended (not a duplicate), as the listeners get it."""
+
+    sort_key: int
+    subject: str
+    record: str
+    """The record as stored (JSON text)."""
+
+
 @attrs.define(eq=False)
 class Ticket:
     """One publish request's records, and what became of them."""
@@ -79,9 +89,11 @@ class GroupCommitter:
         self._batches = ThreadBatcher(
             self._take, self._commit_in_thread, self._settle, max_batches=MAX_BATCHES_PER_HOP
         )
-        self.listeners: list[Callable[[list[Ticket]], None]] = []
-        """Called on the loop with each settled batch (the claim coordinators learn of new
-        records this way: an in-memory signal, no polling of the database)."""
+        self.listeners: list[Callable[[list[Committed]], None]] = []
+        """Called on the loop with the records each batch committed, when it committed
+        any (the claim coordinators and the subscriptions learn of new records this way:
+        an in-memory signal, no polling of the database). A batch of acks alone calls
+        nobody."""
 
     def enqueue(self, ticket: Ticket) -> None:
         """Queue a ticket; never blocks (the caller's Gate lease bounds the queue)."""
@@ -112,9 +124,16 @@ class GroupCommitter:
             event(log, logging.ERROR, "commit_failed", store=self.bus.name, exc_info=outcome)
             for ticket in batch:
                 ticket.error = ticket.error or outcome
-        for listener in self.listeners:
+        committed = [
+            Committed(published.sort_key, published.subject, record)
+            for ticket in batch
+            if ticket.published
+            for published, record in zip(ticket.published, ticket.stored, strict=True)
+            if not published.duplicate
+        ]
+        for listener in self.listeners if committed else ():
             try:
-                listener(batch)
+                listener(committed)
             except Exception as exc:
                 event(log, logging.ERROR, "commit_listener_failed", exc_info=exc)
         for ticket in batch:

@@ -18,7 +18,7 @@ from cmdbus_trio import metrics
 from cmdbus_trio.protocol import dumps_str
 from cmdbus_trio.protocol.subjects import matches
 
-from .committer import Ticket
+from .committer import Committed
 
 
 def fragment(sort_key: int, subject: str, record: str) -> bytes:
@@ -68,43 +68,71 @@ class Subscription:
 
 
 class Hub:
+    """The live subscriptions, kept by filter: a committed record is compared with the
+    filters in use (once per subject, remembered), not with every subscriber, and is
+    encoded only when some subscriber wants it."""
+
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._subscriptions: set[Subscription] = set()
+        self._by_filter: dict[tuple[str, ...] | None, set[Subscription]] = {}
+        self._matching: dict[str, list[set[Subscription]]] = {}  # subject -> its sets
+        self._count = 0
         self._closed = False
-        metrics.SUBSCRIBERS.set_function(lambda: len(self._subscriptions))
+        metrics.SUBSCRIBERS.set_function(lambda: self._count)
 
     @contextmanager
     def subscribe(self, filter_tokens: tuple[str, ...] | None) -> Iterator[Subscription]:
         subscription = Subscription(filter_tokens, self.capacity)
         if self._closed:
             subscription.end()
-        self._subscriptions.add(subscription)
+        same = self._by_filter.get(filter_tokens)
+        if same is None:
+            same = self._by_filter[filter_tokens] = set()
+            self._matching.clear()  # subjects learn of the new filter when next met
+        same.add(subscription)
+        self._count += 1
         try:
             yield subscription
         finally:
-            self._subscriptions.discard(subscription)
+            same.discard(subscription)
+            self._count -= 1
+            if not same:
+                del self._by_filter[filter_tokens]
+                self._matching.clear()
             subscription.end()
 
-    def feed(self, batch: list[Ticket]) -> None:
+    def _subscribers_of(self, subject: str) -> list[set[Subscription]]:
+        found = self._matching.get(subject)
+        if found is None:
+            if len(self._matching) > 100_000:
+                self._matching.clear()  # bounded, whatever the subjects
+            found = self._matching[subject] = [
+                same
+                for filter_tokens, same in self._by_filter.items()
+                if filter_tokens is None or matches(filter_tokens, subject)
+            ]
+        return found
+
+    def feed(self, committed: list[Committed]) -> None:
         """A committer listener: push each newly committed record to its subscribers."""
-        if not self._subscriptions:
+        if not self._count:
             return
-        for ticket in batch:
-            for published, record in zip(ticket.published or (), ticket.stored, strict=False):
-                if published.duplicate:
-                    continue
-                pushed = Pushed(
-                    published.sort_key,
-                    published.subject,
-                    fragment(published.sort_key, published.subject, record),
-                )
-                for subscription in list(self._subscriptions):
-                    if subscription.filter is None or matches(subscription.filter, pushed.subject):
-                        subscription.offer(pushed)
+        for record in committed:
+            wanted = [same for same in self._subscribers_of(record.subject) if same]
+            if not wanted:
+                continue
+            pushed = Pushed(
+                record.sort_key,
+                record.subject,
+                fragment(record.sort_key, record.subject, record.record),
+            )
+            for same in wanted:
+                for subscription in list(same):
+                    subscription.offer(pushed)
 
     def close(self) -> None:
         """End every subscription (the writer is draining)."""
         self._closed = True
-        for subscription in self._subscriptions:
-            subscription.end()
+        for same in self._by_filter.values():
+            for subscription in same:
+                subscription.end()

@@ -204,30 +204,31 @@ class ClaimHandler:
         *,
         patient: bool = False,
     ) -> tuple[Delivery, StoredRecord]:
-        """Wait for a matching record, then lease it and read its body under a Gate lease.
+        """Wait for a matching record, then read its body under a Gate lease.
 
         The wait for a record is the client's (``timeout_ms``, or unbounded): the Gate
-        and the request's budget see the request only once a record is there, so a
-        parked consumer holds no slot, and its budget is not spent by waiting. A record
-        is leased only after a slot was granted: a shed ``next`` has cost the record
-        nothing (no delivery counted, no redelivery).
+        and the request's budget see the request only once a record is handed to it, so
+        a parked consumer holds no slot, and its budget is not spent by waiting. A
+        ``next`` that is then shed gives its record back as if it had never been
+        delivered (its delivery count restored, not ``redelivered``).
 
         Error handling: :class:`Shed` when admission refuses, unless ``patient`` (v1,
         which has no way to say ``busy``): then it waits ``retry_after`` and tries again.
         """
         while True:
-            await claims.wait_for(filter_tokens)
+            delivery = await claims.next(filter_tokens, self)
             try:
                 lease = await self.gate.acquire("next", budget=budget)
             except Shed as shed:
+                claims.give_back(delivery.sort_key, self)
                 if not patient:
                     raise
                 await trio.sleep((shed.retry_after_ms or 1000 * self.gate.shed_after) / 1000)
                 continue
+            except BaseException:
+                claims.give_back(delivery.sort_key, self)
+                raise
             with lease:
-                delivery = claims.take(filter_tokens, self)
-                if delivery is None:
-                    continue  # another consumer was quicker: wait again
                 try:
                     # A record leased is read whatever else is cancelled (a batch takes a
                     # hop, not a client's patience).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, Final, TypeGuard
 
 import attrs
@@ -31,6 +32,9 @@ class Request:
     """Every member but ``id``, ``op`` and ``deadline_ms``; the op's decoder checks them."""
 
 
+_LEADING_WHITESPACE = re.compile(rb"[ \t\n\r]*")  # JSON's own, in C (no copy of the frame)
+
+
 def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -43,7 +47,8 @@ def detect_dialect(first_frame: bytes) -> Hello | None:
     fatal :class:`RemoteProtocolError`; answer it with :func:`encode_error` (``id`` null)
     and close.
     """
-    if not first_frame.lstrip().startswith(b"{"):
+    start = _LEADING_WHITESPACE.match(first_frame)
+    if start is None or not first_frame.startswith(b"{", start.end()):
         return None
     try:
         value = loads(first_frame)
