@@ -1,11 +1,21 @@
-"""Idle connections: does a crowd of idle clients slow a working one?
+"""Idle crowds: does a crowd of idle clients, waiters, subscribers, groups or subjects
+slow a working one?
 
-    python benchmarks/idle.py                   # 2,000 idle connections
-    python benchmarks/idle.py --idle 500 --requests 500
+    python benchmarks/idle.py                   # both parts below
+    python benchmarks/idle.py --only connections --idle 500 --requests 500
+    python benchmarks/idle.py --only crowd --requests 300
 
-Measures one client's append + read_execution round trips on the tier face, first alone,
-then with --idle connections open and idle (v2 hello done, spread over every data face),
-in the same run against the same writer. Target: p50 and p99 at most 2x the baseline.
+connections: one client's append + read_execution round trips on the tier face, first
+alone, then with --idle connections open and idle (v2 hello done, spread over every data
+face), in the same run against the same writer. Target: p50 and p99 at most 2x.
+
+crowd: one worker's publish + next + ack round trips (commands; on the event bus for the
+event crowds), first alone, then beside each crowd, each on a fresh writer: 1,000 `next`s
+parked on 1,000 other pools, 1,000 parked on one other filter, 1,000 subscribers of other
+event types, 100 more consumer groups, 100,000 distinct subjects with a backlog, and
+1,000 consumers holding 50,000 leases that disconnect at once (with /livez probed
+meanwhile). Target: p50 and p99 within 1.5x of the lone worker's (DESIGN.md: waiting is
+free).
 """
 
 from __future__ import annotations
@@ -70,7 +80,18 @@ def main() -> None:
     )
     parser.add_argument("--idle", type=int, default=2000)
     parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--only", choices=("connections", "crowd"))
     args = parser.parse_args()
+    print(f"machine: {os.cpu_count()} CPUs; python {sys.version.split()[0]}")
+    if args.only != "crowd":
+        connections(args)
+    if args.only != "connections":
+        from _crowd import run_crowds
+
+        run_crowds(min(args.requests, 500))
+
+
+def connections(args: argparse.Namespace) -> None:
     raise_fd_limit(args.idle + 1000)
     workdir = Path(tempfile.mkdtemp(prefix="cmdbus-idle-"))
     process, ports = spawn_writer(
@@ -85,7 +106,6 @@ def main() -> None:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=60)
     base, loaded = result["baseline"], result["with_idle"]
-    print(f"machine: {os.cpu_count()} CPUs; python {sys.version.split()[0]}")
     print(f"append + read round trip, {args.requests} each, ms (p50 / p99):")
     print(f"  alone:                   {base['p50']:.3f} / {base['p99']:.3f}")
     print(f"  with {args.idle} idle connections: {loaded['p50']:.3f} / {loaded['p99']:.3f}")
