@@ -22,7 +22,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -277,11 +277,14 @@ def run(
     bursts: int = 8,
     burst: int = 16,
     seed: int = 1,
+    workers: int = 1,
     env: dict[str, str] | None = None,
+    log: Callable[[str], None] = lambda _: None,
 ) -> Outcome:
     """Run the deployment: two servers (trio and blocking clients) publishing ``bursts``
-    bursts of ``burst`` commands each with idle gaps of :data:`GAP`; workers per pool in
-    v1 (NoETL's dialect) and v2 (trio and blocking clients), two of them SIGKILLed
+    bursts of ``burst`` commands each with idle gaps of :data:`GAP`; ``workers`` workers
+    of each kind per pool in v1 (NoETL's dialect) and v2 (trio and blocking clients), two
+    of them SIGKILLed
     mid-command and replaced; the three default event groups and two more created
     mid-run from the beginning; a push subscriber that resumes from its cursor once; a
     reader of finished executions. With ``faults``, the writer is SIGKILLed and restarted
@@ -303,12 +306,12 @@ def run(
                     gap=GAP,
                     seed=rng.randrange(1 << 30),
                 )
+            kinds = [("shared", "v1"), ("shared", "trio"), ("shared", "blocking")]
+            kinds += [("system", "v1"), ("system", "trio")]
             workers = {
-                "worker-shared-v1": ("shared", "v1"),
-                "worker-shared-trio": ("shared", "trio"),
-                "worker-shared-blocking": ("shared", "blocking"),
-                "worker-system-v1": ("system", "v1"),
-                "worker-system-trio": ("system", "trio"),
+                f"worker-{pool}-{dialect}" + (f".{n}" if n else ""): (pool, dialect)
+                for n in range(workers)
+                for pool, dialect in kinds
             }
             for name, (pool, dialect) in workers.items():
                 deployment.start_actor(
@@ -327,14 +330,18 @@ def run(
                 [(run_for * 0.3, "worker"), (run_for * 0.6, "worker")]
                 + ([(run_for * 0.4, "writer"), (run_for * 0.75, "writer")] if faults else [])
             )
+            log(f"running: {bursts} bursts of {burst} commands from each of two servers")
             for at, what in chaos:
                 time.sleep(max(0.0, started + at - time.time()))
                 if what == "writer":
                     down = deployment.kill_writer()
                     restarts.append((down, deployment.start_writer()))
+                    log(f"{down - started:.1f} s: writer SIGKILLed and restarted")
                 else:
                     killed.add(_kill_a_worker_mid_command(deployment, rng, workers))
-            _wait_for_servers(deployment)
+                    log(f"{time.time() - started:.1f} s: a worker SIGKILLed mid-command")
+            _wait_for_servers(deployment, timeout=run_for + 120)
+            log(f"{time.time() - started:.1f} s: the servers are done; draining")
             quiet = _wait_until_consumed(deployment)
         metrics = deployment.metrics()
         tier = _read_tier(deployment)
