@@ -4,7 +4,8 @@
 
     Writer.run
     └── control nursery        heartbeat, control face             (stops last)
-        └── background nursery shed-burst watchers (later: committers, samplers)
+        └── background nursery shed-burst watchers, committers, body readers, claim
+            │                  timers, lag samplers, consumer groups
             └── data nursery   one supervised child nursery per data face
 """
 
