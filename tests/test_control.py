@@ -1,14 +1,16 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
+from cmdbus_trio.client import blocking
 from cmdbus_trio.config import Config
 
-from .helpers import get, http_connection, running_writer
+from .helpers import get, http_connection, metrics_text, running_writer, serving
 
 
 async def test_probes_answer_when_serving(make_config: Callable[..., Config]) -> None:
@@ -154,3 +156,27 @@ async def test_probes_keep_answering_while_threads_are_busy(
                 )
             for _ in range(10):
                 assert (await get(addresses["control"], "/healthz")).status == 200
+
+
+def test_counters_exist_at_zero_from_the_start(tmp_path: Path) -> None:
+    """A fresh writer's scrape already has the counters a dashboard sums: a `sum()` of
+    them reads 0, not "no data"; a subject's redelivery and dead-letter counters exist
+    once the subject is seen."""
+    with serving(tmp_path) as (_, ports):
+        text = metrics_text(ports)
+        for sample in (
+            'cmdbus_loop_blocking_calls_total{entry="BusLog.commit"} 0.0',
+            'cmdbus_loop_blocking_calls_total{entry="TierStore.append"} 0.0',
+            'cmdbus_shed_total{face="tier",op="read_execution",reason="waiters_full"} 0.0',
+            'cmdbus_shed_total{face="cmd_ingest",op="publish",reason="queue_timeout"} 0.0',
+            'cmdbus_shed_total{face="evt_claim",op="next",reason="deadline"} 0.0',
+            'cmdbus_shed_total{face="evt_subscribe",op="subscribe",reason="waiters_full"} 0.0',
+            'cmdbus_face_crashes_total{face="cmd_claim"} 0.0',
+        ):
+            assert sample in text.splitlines(), sample
+        with blocking.IngestClient.connect(ports["cmd_ingest"]) as ingest:
+            ingest.publish({"execution_id": 1, "payload": "{}"})
+        text = metrics_text(ports)
+        subject = 'subject="commands.shared.shard.0"'
+        assert f"cmdbus_dead_total{{{subject}}} 0.0" in text.splitlines()
+        assert f"cmdbus_redeliveries_total{{{subject}}} 0.0" in text.splitlines()

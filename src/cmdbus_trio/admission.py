@@ -18,7 +18,7 @@ import math
 import threading
 from collections import Counter as _Tally
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Generic, NoReturn, TypeVar, TypeVarTuple
 
@@ -246,6 +246,9 @@ class Gate:
     ``queue_timeout`` (waited ``shed_after``) or ``deadline`` (the budget ran out first,
     or was already spent on arrival). Each is counted under the face and op.
 
+    ``ops``: the ops that ask this Gate for leases, whose shed counters exist from the
+    start (at 0), so that a dashboard's ``sum()`` reads 0 rather than no data.
+
     At most ``max_threads`` (default: ``max_inflight``) leases run a worker thread at
     once; a face whose slots are mostly not threads (the claim faces: deliveries whose
     body a batched read fetches) keeps its thread work to the CPU quota this way.
@@ -260,6 +263,7 @@ class Gate:
         shed_after: float,
         default_budget: float,
         max_threads: int | None = None,
+        ops: Iterable[str] = (),
     ) -> None:
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
@@ -288,6 +292,9 @@ class Gate:
         self._admitted_total = 0
         self._shed_total: _Tally[str] = _Tally({reason.value: 0 for reason in ShedReason})
         self._bursts = ShedBursts(face)
+        for op in ops:  # every shed series exists from the start, at 0
+            for reason in ShedReason:
+                metrics.SHED.labels(face=face, op=op, reason=reason.value)
         metrics.CAPACITY.labels(face=face).set(max_inflight)
         metrics.INFLIGHT.labels(face=face).set_function(lambda: self._limiter.borrowed_tokens)
         metrics.WAITERS.labels(face=face).set_function(lambda: len(self._waiting))

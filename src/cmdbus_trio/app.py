@@ -95,6 +95,17 @@ CLAIM_MAX_READS = 64
 each at most max_request_bytes, are in memory for reads)."""
 
 
+ADMITTED_OPS: Mapping[str, tuple[str, ...]] = {
+    "tier": ("append", "append_batch", "read_execution", "scan"),
+    "cmd_ingest": ("publish", "publish_batch"),
+    "evt_ingest": ("publish", "publish_batch"),
+    "cmd_claim": ("next", "dead"),
+    "evt_claim": ("next", "dead"),
+    "evt_subscribe": ("subscribe",),
+}
+"""The ops that ask each face's Gate for a lease (their shed counters start at 0)."""
+
+
 def gate_for(face: str, config: Config) -> Gate:
     """The Gate of a data face: the tier face's from its settings; an ingest face's slots
     are publishes pending a group commit; a claim face's, deliveries whose body is being
@@ -104,7 +115,12 @@ def gate_for(face: str, config: Config) -> Gate:
         # Slots are publishes queued for or in a group commit (see bus/committer.py).
         pending = config.ingest_max_pending
         return Gate(
-            face, max_inflight=pending, max_waiters=pending, shed_after=1.0, default_budget=budget
+            face,
+            max_inflight=pending,
+            max_waiters=pending,
+            shed_after=1.0,
+            default_budget=budget,
+            ops=ADMITTED_OPS[face],
         )
     if face == "tier":
         return Gate(
@@ -113,6 +129,7 @@ def gate_for(face: str, config: Config) -> Gate:
             max_waiters=config.tier_max_waiters,
             shed_after=config.tier_shed_after_ms / 1000,
             default_budget=budget,
+            ops=ADMITTED_OPS[face],
         )
     quota = cpu_quota()
     if face in ("cmd_claim", "evt_claim"):
@@ -126,10 +143,16 @@ def gate_for(face: str, config: Config) -> Gate:
             shed_after=1.0,
             default_budget=budget,
             max_threads=quota,
+            ops=ADMITTED_OPS[face],
         )
     # evt_subscribe: every slot is a catch-up page read in a thread.
     return Gate(
-        face, max_inflight=quota, max_waiters=8 * quota, shed_after=1.0, default_budget=budget
+        face,
+        max_inflight=quota,
+        max_waiters=8 * quota,
+        shed_after=1.0,
+        default_budget=budget,
+        ops=ADMITTED_OPS[face],
     )
 
 
@@ -250,6 +273,7 @@ class Writer:
         bind = self.config.bind(face)
         assert bind is not None
         gate = gate_for(face, self.config)
+        metrics.FACE_CRASHES.labels(face=face)  # the series exists from the start, at 0
         self.health.gates[face] = gate
         background.start_soon(gate.watch_sheds)
         ctx = FaceContext(face, bind, self.config, gate, self._draining, self._stores)

@@ -144,6 +144,9 @@ class Claims:
             self._hand_over(subject)
 
     def _count(self, subject: str, change: int) -> None:
+        if subject not in self._backlog:  # a new subject's counters exist from now, at 0
+            metrics.REDELIVERIES.labels(subject=subject)
+            metrics.DEAD.labels(subject=subject)
         self._backlog[subject] += change
         self._total += change
         self._changed.add(subject)

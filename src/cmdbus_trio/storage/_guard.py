@@ -42,6 +42,7 @@ def refuses_loop_thread(func: Callable[P, R]) -> Callable[P, R]:
     """Decorate a storage entry point: on a loop thread it is counted in
     ``cmdbus_loop_blocking_calls_total{entry}`` and raises :class:`LoopThreadError`."""
     entry = func.__qualname__
+    LOOP_BLOCKING_CALLS.labels(entry=entry)  # every entry point's series exists, at 0
 
     @functools.wraps(func)
     def guarded(*args: P.args, **kwargs: P.kwargs) -> R:
