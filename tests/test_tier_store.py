@@ -5,6 +5,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -180,6 +181,30 @@ def test_contended_when_a_writer_waits_past_the_threshold(tmp_path: Path) -> Non
     assert store.statistics().write_lock_waits_over_threshold == 1
     now[0] = 20.0
     assert store.state is StoreState.OK
+    store.close()
+
+
+def test_contended_while_a_writer_is_still_waiting(tmp_path: Path) -> None:
+    """A writer stuck behind the lock shows as contended while it waits, not only once
+    it got the lock."""
+    now = [0.0]
+    store = TierStore.open(tmp_path / "t.sqlite3", contention_threshold=0.5, clock=lambda: now[0])
+    store._write_lock.acquire()
+    waiting = threading.Thread(target=store.append, args=("eventlog", "e", rec()))
+    waiting.start()
+    while not store._asking:
+        time.sleep(0.001)
+    assert store.state is StoreState.OK  # waited 0 s so far
+    now[0] = 0.4
+    assert store.state is StoreState.OK  # below the threshold
+    now[0] = 1.0  # still waiting, past the threshold
+    assert store.state is StoreState.CONTENDED
+    store._write_lock.release()
+    waiting.join()
+    assert store.state is StoreState.CONTENDED  # remembered for contention_memory
+    now[0] = 20.0
+    assert store.state is StoreState.OK
+    assert read_all(store, "eventlog", "e") == [1]
     store.close()
 
 

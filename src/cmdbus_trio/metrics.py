@@ -123,8 +123,9 @@ LOOP_BLOCKING_CALLS = Counter(
 )
 STORE_STATE = Gauge(
     "cmdbus_store_state",
-    "1 for the store's current state, 0 for the others: ok; contended (a writer waited "
-    "longer than the contention threshold for the write lock within the last 10 s); "
+    "1 for the store's current state, 0 for the others: ok; contended (a writer is "
+    "waiting, or waited within the last 10 s, longer than the contention threshold for "
+    "the write lock); "
     "poisoned (a write failed leaving the disk state unknown: writes are refused until "
     "restart). Read from memory; a scrape never waits for the store.",
     ["store", "state"],

@@ -65,6 +65,7 @@ class SqliteStore:
         self._poisoned: str | None = None
         self._contended_at = -float("inf")
         self._contended_waits = 0
+        self._asking: dict[object, float] = {}  # writers waiting for the lock: since when
         self.before_commit: Callable[[], None] | None = None
         """Test hook: called inside each write transaction, before COMMIT."""
 
@@ -130,7 +131,13 @@ class SqliteStore:
         """Never blocks: plain attribute reads, safe from a metrics scrape."""
         if self._poisoned is not None:
             return StoreState.POISONED
-        if self._clock() - self._contended_at < self._contention_memory:
+        now = self._clock()
+        if now - self._contended_at < self._contention_memory:
+            return StoreState.CONTENDED
+        # A writer still waiting counts as soon as it has waited past the threshold: one
+        # stuck behind the lock must not read "ok" until it gets it. (list() of a dict's
+        # values is one step under the GIL: safe beside the writers' threads.)
+        if now - min(list(self._asking.values()), default=now) > self._contention_threshold:
             return StoreState.CONTENDED
         return StoreState.OK
 
@@ -156,12 +163,20 @@ class SqliteStore:
         if self._closed:
             raise StoreUnavailable(f"{self.name} store is closed")
         asked = self._clock()
-        with self._write_lock:
+        token = object()
+        self._asking[token] = asked  # seen by `state` while it waits
+        try:
+            self._write_lock.acquire()
+        finally:
+            del self._asking[token]
+        try:
             if self._clock() - asked > self._contention_threshold:
                 self._contended_at = self._clock()
                 self._contended_waits += 1
             with self._connection() as connection:
                 return self._transaction(connection, work)
+        finally:
+            self._write_lock.release()
 
     def _transaction(
         self, connection: sqlite3.Connection, work: Callable[[sqlite3.Connection], T]
