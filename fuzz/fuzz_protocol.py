@@ -10,6 +10,7 @@ as crash-<hash> for a regression test.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 
@@ -56,7 +57,8 @@ def client_replies(data: bytes) -> None:
 
 def test_one_input(data: bytes) -> None:
     provider = atheris.FuzzedDataProvider(data)
-    target = provider.ConsumeIntInRange(0, 6)
+    target = provider.ConsumeIntInRange(0, 7)
+    depth = provider.ConsumeIntInRange(0, 100_000) if target == 7 else 0
     body = provider.ConsumeBytes(provider.remaining_bytes())
     try:
         if target == 0:
@@ -81,6 +83,13 @@ def test_one_input(data: bytes) -> None:
                     parse_filter(fields.get("filter"))
         elif target == 5:
             client_replies(body)
+        elif target == 7:  # deep nesting, around whatever else was given
+            text = "[" * depth + body.decode("utf-8", "surrogateescape") + "]" * depth
+            parse_request(text.encode("utf-8", "surrogateescape"))
+            for kind in (bus.BusKind.COMMANDS, bus.BusKind.EVENTS):
+                with contextlib.suppress(RemoteProtocolError):
+                    bus.SubjectRule(kind).subject(bus.PublishRecord(1, text))
+            tier.payload_event_id(text)
         else:
             try:
                 value = json.loads(body)

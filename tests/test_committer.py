@@ -8,6 +8,7 @@ import threading
 from collections import deque
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -162,3 +163,57 @@ async def test_a_lingering_thread_takes_what_comes_after_its_queue_emptied() -> 
 def test_a_thread_batcher_checks_its_settings(settings: dict[str, float], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ThreadBatcher(list, len, print, **settings)  # type: ignore[arg-type]
+
+
+async def commit_together(committer: GroupCommitter, tickets: list[Ticket]) -> None:
+    """Queue every ticket before the committer starts: one batch."""
+    for ticket in tickets:
+        committer.enqueue(ticket)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(committer.run)
+            for ticket in tickets:
+                await ticket.settled.wait()
+            nursery.cancel_scope.cancel()
+
+
+async def test_one_record_that_cannot_be_stored_fails_alone(
+    log: BusLog, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A record whose preparation raises something unforeseen, and a record the store
+    refuses in the commit itself: each fails its own ticket, and the honest records of
+    the same batch commit (they used to fail with it, answered `internal`)."""
+    rule = SubjectRule(BusKind.COMMANDS)
+
+    class Buggy:  # the subject rule, meeting a bug on one record
+        def subject(self, record: PublishRecord, field: str = "record") -> str:
+            if record.execution_id == 2:
+                raise RuntimeError("a bug this record alone meets")
+            return rule.subject(record, field)
+
+    committer = GroupCommitter(log, Buggy())  # type: ignore[arg-type]
+    real_commit = log.commit
+
+    def commit(entries: Any, *args: Any, **kwargs: Any) -> Any:
+        if any("poison" in entry.record for entry in entries):
+            raise ValueError("the store refuses this record")
+        return real_commit(entries, *args, **kwargs)
+
+    monkeypatch.setattr(log, "commit", commit)
+    records = [PublishRecord(1, "{}"), PublishRecord(2, "{}"), PublishRecord(3, '"poison"')]
+    records += [PublishRecord(n, "{}") for n in (4, 5)]
+    tickets = [Ticket([(record, None, "record")]) for record in records]
+    await commit_together(committer, tickets)
+    assert isinstance(tickets[1].error, RuntimeError)
+    assert isinstance(tickets[2].error, ValueError)
+    assert [t.published[0].sort_key for t in tickets if t.published] == [1, 2, 3]
+    assert [t.error for t in (tickets[0], tickets[3], tickets[4])] == [None, None, None]
+    assert any("commit_isolating" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_failing_store_fails_the_batch_without_isolating(log: BusLog) -> None:
+    committer = GroupCommitter(log, SubjectRule(BusKind.COMMANDS))
+    await trio.to_thread.run_sync(log.close)
+    tickets = [publish(), publish()]
+    await commit_together(committer, tickets)
+    assert all(isinstance(t.error, StoreUnavailable) for t in tickets)

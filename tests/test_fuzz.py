@@ -239,3 +239,34 @@ def test_after_the_fuzzing_nothing_failed_and_everyone_is_served(writer: dict[st
 
     with TierClient.connect(writer["tier"]) as tier_client:
         assert tier_client.health()["status"] == "ok"
+
+
+# Deep nesting and lone surrogates: inputs a careless or hostile client sends under every
+# size cap, which once made one client's record fail every record of its group commit.
+nested_texts = st.integers(0, 3000).flatmap(
+    lambda n: st.sampled_from(
+        ["[" * n + "]" * n, '{"a":' * n + "1" + "}" * n, "[" * n, '["' + "]" * n + '",' + "[" * n]
+    )
+)
+surrogate_texts = st.text(
+    alphabet=st.characters(min_codepoint=0xD7F0, max_codepoint=0xE010), max_size=8
+)
+payload_texts = nested_texts | surrogate_texts | st.builds(json.dumps, json_values)
+
+
+@given(payload_texts, payload_texts)
+def test_payload_and_text_checks_raise_only_protocol_errors(payload: str, text: str) -> None:
+    for kind in (bus.BusKind.COMMANDS, bus.BusKind.EVENTS):
+        with contextlib.suppress(RemoteProtocolError):
+            bus.SubjectRule(kind).subject(bus.PublishRecord(1, payload))
+    with contextlib.suppress(RemoteProtocolError):
+        tier.payload_event_id(payload)
+    with contextlib.suppress(RemoteProtocolError):
+        bus.decode_op("publish", {"record": {"execution_id": 1, "payload": "{}"}, "msg_id": text})
+    with contextlib.suppress(RemoteProtocolError):
+        bus.decode_record({"execution_id": 1, "payload": "{}", "transaction_id": text})
+    stored = bus.PublishRecord(1, payload, text or None).stored()  # never raises
+    # as JSON would carry it (a lone surrogate as its escape; a pair as its character)
+    assert json.loads(stored)["payload"] == json.loads(json.dumps(payload))
+    with contextlib.suppress(RemoteProtocolError):
+        parse_request(("[" * len(payload)).encode() + payload.encode("utf-8", "replace"))

@@ -23,8 +23,8 @@ import trio
 from cmdbus_trio import metrics
 from cmdbus_trio.admission import ThreadBatcher
 from cmdbus_trio.logs import event
-from cmdbus_trio.protocol import FieldError
 from cmdbus_trio.protocol.bus import PublishRecord, SubjectRule
+from cmdbus_trio.storage import StoreUnavailable
 from cmdbus_trio.storage.buslog import BusEntry, BusLog, Published
 
 log = logging.getLogger(__name__)
@@ -63,6 +63,8 @@ class Ticket:
     published: list[Published] | None = None
     stored: list[str] = attrs.field(factory=list)
     """The records as stored (JSON text), set in the commit thread, for the listeners."""
+    entries: list[BusEntry] = attrs.field(factory=list)
+    """What the commit thread appends for the records (set there)."""
     error: Exception | None = None
 
     async def wait(self) -> list[Published]:
@@ -145,28 +147,53 @@ class GroupCommitter:
                     event(log, logging.ERROR, "settle_callback_failed", exc_info=exc)
 
     def _commit_in_thread(self, batch: list[Ticket]) -> None:
-        entries: list[BusEntry] = []
-        accepted: list[tuple[Ticket, int]] = []
-        acks = [ack for ticket in batch for ack in ticket.acks]
-        dead = [parked for ticket in batch for parked in ticket.dead]
-        positions = [mark for ticket in batch for mark in ticket.positions]
-        for ticket in batch:
-            try:
-                mine = [
-                    BusEntry(self.rule.subject(record, field), record.stored(), msg_id)
-                    for record, msg_id, field in ticket.records
-                ]
-            except FieldError as exc:
-                ticket.error = exc  # refused whole; the other tickets go on
-                continue
-            accepted.append((ticket, len(entries)))
-            ticket.stored = [entry.record for entry in mine]
-            entries += mine
+        """Commit the batch in one transaction. A ticket whose records cannot be stored
+        fails alone (``invalid`` naming the record, or whatever else it raised); should
+        the commit still fail for a reason that is not the store's (one record the store
+        refuses), each ticket is committed on its own, so that only its own fails."""
+        accepted = [ticket for ticket in batch if self._prepare(ticket)]
+        try:
+            self._commit(accepted)
+        except StoreUnavailable:
+            raise  # the store failed: every ticket learns it (and it is poisoned)
+        except Exception:
+            if len(accepted) == 1:
+                raise
+            event(log, logging.WARNING, "commit_isolating", tickets=len(accepted))
+            for ticket in accepted:
+                try:
+                    self._commit([ticket])
+                except StoreUnavailable:
+                    raise
+                except Exception as exc:
+                    ticket.error = exc
+
+    def _prepare(self, ticket: Ticket) -> bool:
+        """Check the ticket's records and what will be stored of them; False (with the
+        ticket's error set) when it is refused."""
+        try:
+            ticket.entries = [
+                BusEntry(self.rule.subject(record, field), record.stored(), msg_id)
+                for record, msg_id, field in ticket.records
+            ]
+        except Exception as exc:  # FieldError, or a bug met by this input alone
+            ticket.error = exc
+            return False
+        ticket.stored = [entry.record for entry in ticket.entries]
+        return True
+
+    def _commit(self, tickets: list[Ticket]) -> None:
+        entries = [entry for ticket in tickets for entry in ticket.entries]
+        acks = [ack for ticket in tickets for ack in ticket.acks]
+        dead = [parked for ticket in tickets for parked in ticket.dead]
+        positions = [mark for ticket in tickets for mark in ticket.positions]
         if not (entries or acks or dead or positions):
             return
         published = self.bus.commit(entries, acks, dead, positions)
-        for ticket, start in accepted:
+        start = 0
+        for ticket in tickets:
             ticket.published = published[start : start + len(ticket.records)]
+            start += len(ticket.records)
 
 
 def _size(ticket: Ticket) -> int:

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from typing import Any, Final, TypeGuard
 
 from ._errors import ErrorCode, RemoteProtocolError
-from ._json import loads
+from ._json import MAX_DEPTH, loads
 
 MAX_TRANSACTION_ID: Final = 256
 _EXECUTION_ID = re.compile(r"[A-Za-z0-9_.:+-]{1,128}")
@@ -48,6 +48,18 @@ def transaction_id(value: Any, field: str = "transaction_id") -> str:
         return ""
     if not isinstance(value, str) or len(value) > MAX_TRANSACTION_ID:
         raise FieldError(field, f"expected a string of at most {MAX_TRANSACTION_ID} characters")
+    return storable_text(value, field)
+
+
+_SURROGATE: Final = re.compile("[\ud800-\udfff]")
+
+
+def storable_text(value: str, field: str) -> str:
+    """``value``, which is stored as text as it is: refused if it holds a lone surrogate
+    (JSON can escape one, ``"\\ud800"``; UTF-8 cannot hold it, so storing it would fail
+    the whole transaction it joined)."""
+    if _SURROGATE.search(value):
+        raise FieldError(field, "expected Unicode text; a lone surrogate (\\ud800-\\udfff) is not")
     return value
 
 
@@ -58,8 +70,10 @@ def payload_text(value: Any, field: str = "payload") -> str:
 
 
 def payload_json(payload: str, field: str = "payload") -> Any:
-    """The payload's JSON value. Runs in a worker thread: it parses the whole payload."""
+    """The payload's JSON value, at most :data:`MAX_DEPTH` levels deep. Runs in a worker
+    thread: it parses the whole payload."""
     try:
-        return loads(payload.encode())
-    except RemoteProtocolError:
-        raise FieldError(field, "not valid JSON text") from None
+        return loads(payload.encode("utf-8", "surrogatepass"), max_depth=MAX_DEPTH)
+    except RemoteProtocolError as exc:
+        why = exc.hint.removeprefix("frame is not UTF-8 JSON: ")
+        raise FieldError(field, f"not valid JSON text: {why}") from None

@@ -14,6 +14,7 @@ from ._fields import (
     execution_id,
     payload_json,
     payload_text,
+    storable_text,
     transaction_id,
 )
 from ._json import dumps, loads
@@ -86,6 +87,8 @@ def decode_op(op: str, fields: dict[str, Any]) -> Publish | PublishBatch:
             not isinstance(msg_id, str) or not 1 <= len(msg_id) <= MAX_MSG_ID
         ):
             raise FieldError("msg_id", f"expected a string of 1 to {MAX_MSG_ID} characters")
+        if msg_id is not None:
+            storable_text(msg_id, "msg_id")
         return Publish(decode_record(fields.get("record")), msg_id)
     if op == "publish_batch":
         if unknown := sorted(set(fields) - {"records"}):

@@ -19,7 +19,8 @@ SHARED_POOL: Final = "shared"
 UNKNOWN_EVENT: Final = "unknown"
 _I64_TEXT = re.compile(r"[+-]?[0-9]+")
 _I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
-_BAD_POOL = re.compile(r"[.*>\s]")
+_BAD_POOL = re.compile("[.*>\\s\ud800-\udfff]")  # a lone surrogate cannot be stored as text
+_BAD_EVENT_TYPE = re.compile("[*>\\s\ud800-\udfff]")
 
 
 class SubjectError(RemoteProtocolError):
@@ -56,7 +57,8 @@ def pool_of(payload: Any) -> str:
         return SHARED_POOL
     if not isinstance(pool, str) or _BAD_POOL.search(pool):
         raise SubjectError(
-            "payload.execution_pool: expected a string without '.', '*', '>' or whitespace"
+            "payload.execution_pool: expected a string without '.', '*', '>', whitespace or "
+            "a lone surrogate"
         )
     return pool
 
@@ -71,8 +73,11 @@ def event_subject(payload: Any) -> str:
     event_type = payload.get("event_type") if isinstance(payload, dict) else None
     if event_type is None or event_type == "":
         return f"events.{UNKNOWN_EVENT}"
-    if not isinstance(event_type, str) or re.search(r"[*>\s]", event_type):
-        raise SubjectError("payload.event_type: expected a string without '*', '>' or whitespace")
+    if not isinstance(event_type, str) or _BAD_EVENT_TYPE.search(event_type):
+        raise SubjectError(
+            "payload.event_type: expected a string without '*', '>', whitespace or a lone "
+            "surrogate"
+        )
     return "events." + event_type.replace(".", "_")
 
 
