@@ -75,8 +75,7 @@ def event_subject(payload: Any) -> str:
         return f"events.{UNKNOWN_EVENT}"
     if not isinstance(event_type, str) or _BAD_EVENT_TYPE.search(event_type):
         raise SubjectError(
-            "payload.event_type: expected a string without '*', '>', whitespace or a lone "
-            "surrogate"
+            "payload.event_type: expected a string without '*', '>', whitespace or a lone surrogate"
         )
     return "events." + event_type.replace(".", "_")
 
