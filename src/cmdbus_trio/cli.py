@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import trio
 
-from . import __version__, app, logs
+from . import __version__, app, descriptors, logs
 from .commands import bench, client, diagnose
 from .commands._output import leaves
 from .config import SETTINGS, ConfigError, load
@@ -67,6 +67,11 @@ def _serve(flags: dict[str, str | None]) -> int:
         )
         return 2
     logs.configure(config.log_format, config.log_level)
+    try:
+        config = descriptors.fit(config)
+    except ConfigError as exc:
+        print(f"cmdbus-trio: {exc}", file=sys.stderr)
+        return 2
     try:
         trio.run(app.serve_until_signalled, config)
     except BaseExceptionGroup as group:

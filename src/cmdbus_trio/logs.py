@@ -10,6 +10,7 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 _FIELDS = "cmdbus_fields"
@@ -55,8 +56,36 @@ class ConsoleFormatter(logging.Formatter):
         return line + (f"\n{traceback}" if traceback else "")
 
 
+class OncePerBurst(logging.Filter):
+    """Lets one record through per ``period`` seconds and drops the rest, counting them;
+    the next one let through says how many were dropped. Trio's listeners log every
+    failed accept (EMFILE: out of descriptors) at error level, ten times a second."""
+
+    def __init__(self, period: float = 10.0, clock: Callable[[], float] = time.monotonic):
+        super().__init__()
+        self.period = period
+        self._clock = clock
+        self._last = -float("inf")
+        self.dropped = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        now = self._clock()
+        if now - self._last < self.period:
+            self.dropped += 1
+            return False
+        self._last = now
+        if self.dropped:
+            record.msg = f"{record.msg} (and {self.dropped} more like it, not logged)"
+            self.dropped = 0
+        return True
+
+
 def configure(log_format: str, level: str) -> None:
-    """Send every ``cmdbus_trio`` and ``hypercorn`` log line to stderr in ``log_format``."""
+    """Send every ``cmdbus_trio`` and ``hypercorn`` log line to stderr in ``log_format``;
+    trio's failed-accept lines once per burst."""
+    listeners = logging.getLogger("trio.serve_listeners")
+    if not any(isinstance(f, OncePerBurst) for f in listeners.filters):
+        listeners.addFilter(OncePerBurst())
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if log_format == "json" else ConsoleFormatter())
     root = logging.getLogger()
