@@ -232,15 +232,25 @@ class Writer:
                     )
                 await self._open_stores(wanted)
                 async with trio.open_nursery() as background:
-                    for store in self._stores.values():
+                    for name, store in self._stores.items():
                         if isinstance(store, Bus):
-                            await background.start(store.committer.run)
-                            await background.start(store.bodies.run)
+                            await self._start_task(
+                                background, f"{name}.committer", store.committer.run
+                            )
+                            await self._start_task(background, f"{name}.bodies", store.bodies.run)
                             if store.claims is not None:
-                                await background.start(store.claims.run_timers)
-                                await background.start(sample_lag, store.claims, store.committer)
+                                await self._start_task(
+                                    background, f"{name}.claim_timers", store.claims.run_timers
+                                )
+                                await self._start_task(
+                                    background,
+                                    f"{name}.lag_sampler",
+                                    partial(sample_lag, store.claims, store.committer),
+                                )
                             if store.groups is not None:
-                                await background.start(store.groups.run)
+                                await self._start_task(
+                                    background, f"{name}.groups", store.groups.run
+                                )
                     async with trio.open_nursery() as data:
                         for face in wanted:
                             if face in self._faces:
@@ -275,7 +285,7 @@ class Writer:
         gate = gate_for(face, self.config)
         metrics.FACE_CRASHES.labels(face=face)  # the series exists from the start, at 0
         self.health.gates[face] = gate
-        background.start_soon(gate.watch_sheds)
+        await self._start_task(background, f"{face}.shed_watcher", gate.watch_sheds)
         ctx = FaceContext(face, bind, self.config, gate, self._draining, self._stores)
         await self._start(data, face, bind, partial(self._supervise, ctx))
 
@@ -341,28 +351,25 @@ class Writer:
         self, ctx: FaceContext, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
     ) -> None:
         """Run one face in its own nursery; a crash after start-up stays inside it."""
-        started = False
-        try:
-            async with trio.open_nursery() as face_nursery:
-                address = await face_nursery.start(partial(self._faces[ctx.name], ctx))
-                started = True
-                task_status.started(address)
-        except Exception as exc:
-            if not started:
-                raise
-            metrics.FACE_CRASHES.labels(face=ctx.name).inc()
-            self.health.face_crashed(ctx.name)
-            leaf = _leaf(exc)
-            event(
-                log,
-                logging.ERROR,
-                "face_crashed",
-                face=ctx.name,
-                error=f"{type(leaf).__name__}: {leaf}",
-                exc_info=exc,
-            )
-        else:
+        if await _supervised(partial(self._faces[ctx.name], ctx), task_status, "face", ctx.name):
             self.health.faces[ctx.name] = FaceState.STOPPED
+            return
+        metrics.FACE_CRASHES.labels(face=ctx.name).inc()
+        self.health.face_crashed(ctx.name)
+
+    async def _start_task(self, nursery: trio.Nursery, name: str, run: StartFn) -> None:
+        """Start a background task, supervised like a face: a crash after start-up is
+        logged, counted (``cmdbus_task_crashes_total``), named by ``/readyz``, fails
+        ``/livez`` after the liveness window, and takes nothing else down (the control
+        face goes on answering). Nothing restarts it: the pod's restart does."""
+        metrics.TASK_CRASHES.labels(task=name)  # the series exists from the start, at 0
+
+        async def supervise(*, task_status: trio.TaskStatus[None]) -> None:
+            if not await _supervised(run, task_status, "task", name):
+                metrics.TASK_CRASHES.labels(task=name).inc()
+                self.health.task_crashed(name)
+
+        await nursery.start(supervise)
 
     async def _serve_control(
         self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
@@ -414,6 +421,29 @@ class Writer:
                     store.hub.close()  # subscriptions end; their connections close
         self._draining.set()
         data.cancel_scope.deadline = trio.current_time() + budget
+
+
+async def _supervised(
+    run: StartFn, task_status: trio.TaskStatus[Any], kind: str, name: str
+) -> bool:
+    """Run ``run`` (a ``task_status`` function) in a nursery of its own; returns True when
+    it ended, False when it crashed after it started (logged as ``<kind>_crashed``).
+
+    Error handling: an error before it started is raised (a start-up failure)."""
+    started = False
+    try:
+        async with trio.open_nursery() as nursery:
+            value = await nursery.start(run)
+            started = True
+            task_status.started(value)
+    except Exception as exc:
+        if not started:
+            raise
+        leaf = _leaf(exc)
+        error = f"{type(leaf).__name__}: {leaf}"
+        event(log, logging.ERROR, f"{kind}_crashed", **{kind: name}, error=error, exc_info=exc)
+        return False
+    return True
 
 
 def _limits(gate: Gate) -> dict[str, Any]:

@@ -84,6 +84,8 @@ class ControlApp:
             return _json(503, {"status": "stalled", "reason": loop.reason})
         if dead := self.health.dead_faces():
             return _json(503, {"status": "face_crashed", "reason": "; ".join(dead)})
+        if dead := self.health.dead_tasks():
+            return _json(503, {"status": "task_crashed", "reason": "; ".join(dead)})
         return _json(200, {"status": "ok"})
 
     async def _readyz(self) -> tuple[int, bytes, bytes]:

@@ -44,6 +44,7 @@ class Health:
         self.draining = False
         self.faces: dict[str, FaceState] = {}
         self.crashed_at: dict[str, float] = {}
+        self.tasks_crashed_at: dict[str, float] = {}  # background tasks that crashed
         self.addresses: dict[str, str] = {}
         self.gates: dict[str, Gate] = {}
         self.stores: dict[str, Store] = {}
@@ -62,6 +63,9 @@ class Health:
         self.faces[face] = FaceState.CRASHED
         self.crashed_at[face] = trio.current_time()
 
+    def task_crashed(self, task: str) -> None:
+        self.tasks_crashed_at.setdefault(task, trio.current_time())
+
     def dead_faces(self) -> list[str]:
         """Faces crashed for longer than the liveness window. Readiness has failed all that
         while; failing liveness too makes Kubernetes restart the pod, which a crashed face
@@ -71,6 +75,16 @@ class Health:
             f"face {face} crashed {now - at:.1f} s ago"
             for face, at in sorted(self.crashed_at.items())
             if self.faces.get(face) is FaceState.CRASHED and now - at > self.heartbeat.window
+        ]
+
+    def dead_tasks(self) -> list[str]:
+        """Background tasks (committers, timers, samplers, groups) crashed for longer than
+        the liveness window: as for a face, only a restart brings one back."""
+        now = trio.current_time()
+        return [
+            f"task {task} crashed {now - at:.1f} s ago"
+            for task, at in sorted(self.tasks_crashed_at.items())
+            if now - at > self.heartbeat.window
         ]
 
     def readiness(self) -> Readiness:
@@ -84,6 +98,7 @@ class Health:
             for face, state in sorted(self.faces.items())
             if state is not FaceState.LISTENING and not self.draining
         ]
+        reasons += [f"task {task} crashed" for task in sorted(self.tasks_crashed_at)]
         reasons += [
             f"store {name} poisoned: {store.poisoned_reason}"
             for name, store in sorted(self.stores.items())

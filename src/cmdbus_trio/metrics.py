@@ -101,6 +101,14 @@ FACE_CRASHES = Counter(
     ["face"],
     registry=REGISTRY,
 )
+TASK_CRASHES = Counter(
+    "cmdbus_task_crashes_total",
+    "Times a background task (a bus's committer or body reader, claim timers, lag "
+    "sampler, consumer groups, a face's shed watcher) died with an unexpected error (the "
+    "traceback is logged; /readyz names it, /livez fails after the liveness window).",
+    ["task"],
+    registry=REGISTRY,
+)
 COMMIT_BATCH = Histogram(
     "cmdbus_commit_batch_records",
     "Records appended per group-commit transaction (one fsync each) of a bus log.",
