@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from typing import Any, Final, TypeGuard
 
 from ._errors import ErrorCode, RemoteProtocolError
-from ._json import MAX_DEPTH, loads
+from ._json import MAX_DEPTH, TooDeep, loads
 
 MAX_TRANSACTION_ID: Final = 256
 _EXECUTION_ID = re.compile(r"[A-Za-z0-9_.:+-]{1,128}")
@@ -74,6 +74,7 @@ def payload_json(payload: str, field: str = "payload") -> Any:
     thread: it parses the whole payload."""
     try:
         return loads(payload.encode("utf-8", "surrogatepass"), max_depth=MAX_DEPTH)
-    except RemoteProtocolError as exc:
-        why = exc.hint.removeprefix("frame is not UTF-8 JSON: ")
-        raise FieldError(field, f"not valid JSON text: {why}") from None
+    except TooDeep as exc:
+        raise FieldError(field, exc.hint) from None
+    except RemoteProtocolError:
+        raise FieldError(field, "not valid JSON text") from None

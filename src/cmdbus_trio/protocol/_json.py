@@ -23,6 +23,10 @@ one nested 100,000 deep (200 KB, under every cap) used to end in a RecursionErro
 which failed every other record of the group commit it had joined."""
 
 
+class TooDeep(RemoteProtocolError):
+    """A text nested deeper than the ``max_depth`` it was read with."""
+
+
 def loads(body: bytes, *, max_depth: int | None = None) -> Any:
     """Strict JSON from a frame body or a payload: UTF-8 only, no NaN/Infinity, and at
     most ``max_depth`` levels deep when given. Raises a fatal :class:`RemoteProtocolError`
@@ -32,9 +36,9 @@ def loads(body: bytes, *, max_depth: int | None = None) -> Any:
     1,000 levels): what is deeper is answered like any unparseable frame, never a crash.
     (Checking frames as payloads are checked would cost a third of the parse of a large
     batch, for a frame that is never stored.)"""
+    if max_depth is not None and _too_deep(body, max_depth):
+        raise TooDeep(f"nested deeper than {max_depth} levels", fatal=True)
     try:
-        if max_depth is not None and _too_deep(body, max_depth):
-            raise ValueError(f"nested deeper than {max_depth} levels")
         text = body.decode("utf-8")
         value, end = _decoder.raw_decode(text, _skip_ws(text, 0))
         if _skip_ws(text, end) != len(text):
