@@ -13,17 +13,24 @@ RUFF = "ruff==0.17.6"
 MYPY = "mypy==2.4.1"
 
 
+SYSTEM_ONCE = ["-m", "not system"]
+"""The system tests (tests/system: a whole deployment in processes, about a minute each)
+run in the first Python's session only: they test the deployment, not the interpreter,
+and four runs of them would take CI past half an hour."""
+
+
 @nox.session(python=PYTHONS)
 def tests(session: nox.Session) -> None:
     session.install(".[test]")
-    session.run("pytest", *session.posargs)
+    once = [] if session.python == PYTHONS[0] else SYSTEM_ONCE
+    session.run("pytest", *once, *session.posargs)
 
 
 @nox.session(name="tests-lowest", python=PYTHONS[0])
 def tests_lowest(session: nox.Session) -> None:
     """The suite against the lowest versions pyproject declares for direct dependencies."""
     session.install("-c", "constraints-lowest.txt", ".[test]")
-    session.run("pytest", *session.posargs)
+    session.run("pytest", *SYSTEM_ONCE, *session.posargs)
 
 
 @nox.session
