@@ -33,7 +33,7 @@ class RacingLog(BusLog):
     racing = False
     _started: set[str]
 
-    def unsettled(self, consumer: str, *args: Any, **kwargs: Any) -> list[tuple[int, str]]:
+    def unsettled(self, consumer: str, *args: Any, **kwargs: Any) -> list[tuple[int, str, int]]:
         if not self.racing:
             return super().unsettled(consumer, *args, **kwargs)
         if consumer not in self._started:
@@ -158,7 +158,7 @@ async def test_a_slow_history_load_holds_up_no_other_group(tmp_path: Path) -> No
         held = trio.Event()
         release = False
 
-        def unsettled(self, consumer: str, *args: Any, **kwargs: Any) -> list[tuple[int, str]]:
+        def unsettled(self, consumer: str, *args: Any, **kwargs: Any) -> list[tuple[int, str, int]]:
             if consumer == "slow":
                 trio.from_thread.run_sync(self.held.set)
                 while not self.release:

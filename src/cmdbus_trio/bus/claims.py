@@ -75,7 +75,12 @@ after it was dropped has its index rebuilt once (a walk of the subjects with rec
 
 class Claims:
     """One consumer group's view of a bus. ``on_dead`` is called with
-    ``(sort_key, subject, deliveries)`` for each record parked as dead, to make it durable.
+    ``(sort_key, subject, deliveries)`` for each record parked as dead, to make it durable;
+    ``on_count`` with ``(sort_key, deliveries)`` for each delivery that ended without an
+    ack (nacked, its lease expired, its consumer gone), to make the count durable, so
+    that ``max_deliver`` holds across a restart (a delivery still leased when the writer
+    dies is the one that may go uncounted). The happy path, delivered then acked, writes
+    no count.
 
     Nothing here costs in proportion to the crowd: a record goes to the oldest waiter
     whose filter matches it (one waiter, found through the filters, not by visiting the
@@ -90,11 +95,13 @@ class Claims:
         ack_wait: float,
         max_deliver: int = 0,
         on_dead: Callable[[int, str, int], None] = lambda *_: None,
+        on_count: Callable[[int, int], None] = lambda *_: None,
     ) -> None:
         self.group = group
         self.ack_wait = ack_wait
         self.max_deliver = max_deliver
         self._on_dead = on_dead
+        self._on_count = on_count
         # Per subject, only while it has records to deliver:
         self._fresh: dict[str, deque[int]] = {}
         self._again: dict[str, list[int]] = {}  # heaps: oldest first
@@ -142,6 +149,10 @@ class Claims:
         self._last_added = max(self._last_added, seen_through)
         for subject in arrived:
             self._hand_over(subject)
+
+    def restore_deliveries(self, counts: Iterable[tuple[int, int]]) -> None:
+        """Deliveries recorded before a restart, as ``(sort_key, deliveries)``."""
+        self._deliveries.update((key, count) for key, count in counts if count)
 
     def _count(self, subject: str, change: int) -> None:
         if subject not in self._backlog:  # a new subject's counters exist from now, at 0
@@ -401,6 +412,8 @@ class Claims:
             metrics.DEAD.labels(subject=subject).inc()
             self._on_dead(sort_key, subject, deliveries)
             return
+        if deliveries:
+            self._on_count(sort_key, deliveries)
         self._redeliver(sort_key, subject)
 
     def _redeliver(self, sort_key: int, subject: str) -> None:
@@ -542,7 +555,10 @@ async def open_claims(
     def park(sort_key: int, _subject: str, deliveries: int) -> None:
         committer.enqueue(Ticket(dead=[(group, sort_key, deliveries)]))
 
-    claims = Claims(group, ack_wait=ack_wait, max_deliver=max_deliver, on_dead=park)
+    def count(sort_key: int, deliveries: int) -> None:
+        committer.enqueue(Ticket(counts=[(group, sort_key, deliveries)]))
+
+    claims = Claims(group, ack_wait=ack_wait, max_deliver=max_deliver, on_dead=park, on_count=count)
     # No await between reading the newest key and attaching: a record at or below it is
     # committed (so the history query sees it), one above it is settled later (so the
     # feed sees it).
@@ -553,7 +569,8 @@ async def open_claims(
         while page := await run_in_thread(
             log.unsettled, group, after, RELOAD_PAGE, feed.through, limiter=limiter
         ):
-            claims.add_many(page)
+            claims.add_many((key, subject) for key, subject, _ in page)
+            claims.restore_deliveries((key, count) for key, _, count in page)
             after = page[-1][0]
     except BaseException:
         committer.listeners.remove(feed)

@@ -55,6 +55,9 @@ class Ticket:
     """(consumer, sort_key, deliveries): records parked as dead letters."""
     positions: Sequence[tuple[str, int]] = ()
     """(consumer, settled_below): low-water marks of the claim groups."""
+    counts: Sequence[tuple[str, int, int]] = ()
+    """(consumer, sort_key, deliveries): deliveries of a record that ended without an
+    ack, so that ``CMDBUS_MAX_DELIVER`` holds across a restart."""
     settled: trio.Event = attrs.field(factory=trio.Event)
     on_settled: Callable[[Ticket], None] | None = None
     """Called on the loop once the ticket is settled, for a waiter that is not a task (a
@@ -187,9 +190,10 @@ class GroupCommitter:
         acks = [ack for ticket in tickets for ack in ticket.acks]
         dead = [parked for ticket in tickets for parked in ticket.dead]
         positions = [mark for ticket in tickets for mark in ticket.positions]
-        if not (entries or acks or dead or positions):
+        counts = [count for ticket in tickets for count in ticket.counts]
+        if not (entries or acks or dead or positions or counts):
             return
-        published = self.bus.commit(entries, acks, dead, positions)
+        published = self.bus.commit(entries, acks, dead, positions, counts)
         start = 0
         for ticket in tickets:
             ticket.published = published[start : start + len(ticket.records)]
@@ -197,6 +201,7 @@ class GroupCommitter:
 
 
 def _size(ticket: Ticket) -> int:
-    """A ticket's weight in a batch: its records, acks, dead letters and positions (at
-    least 1)."""
-    return max(1, len(ticket.records) + len(ticket.acks) + len(ticket.dead) + len(ticket.positions))
+    """A ticket's weight in a batch: its records, acks, dead letters, positions and
+    counts (at least 1)."""
+    parts = (ticket.records, ticket.acks, ticket.dead, ticket.positions, ticket.counts)
+    return max(1, sum(map(len, parts)))

@@ -108,6 +108,12 @@ class BusLog(SqliteStore):
                 deliveries INTEGER NOT NULL,
                 PRIMARY KEY (consumer, sort_key)
             ) WITHOUT ROWID;
+            CREATE TABLE IF NOT EXISTS deliveries (
+                consumer TEXT NOT NULL,
+                sort_key INTEGER NOT NULL,
+                deliveries INTEGER NOT NULL,
+                PRIMARY KEY (consumer, sort_key)
+            ) WITHOUT ROWID;
             """
         )
         row = connection.execute(
@@ -132,14 +138,23 @@ class BusLog(SqliteStore):
         acks: Sequence[tuple[str, int]] = (),
         dead: Sequence[tuple[str, int, int]] = (),
         positions: Sequence[tuple[str, int]] = (),
+        counts: Sequence[tuple[str, int, int]] = (),
     ) -> list[Published]:
         """One transaction (one fsync): append ``entries``, record ``acks`` as
-        ``(consumer, sort_key)``, dead letters as ``(consumer, sort_key, deliveries)``, and
-        ``positions`` as ``(consumer, settled_below)``: every record below it is acked or
-        dead for that consumer, so its acks there are no longer needed and are pruned.
-        A consumer is a claim group ("commands" for the command bus)."""
+        ``(consumer, sort_key)``, dead letters as ``(consumer, sort_key, deliveries)``,
+        delivery ``counts`` of unsettled records as ``(consumer, sort_key, deliveries)``,
+        and ``positions`` as ``(consumer, settled_below)``: every record below it is acked
+        or dead for that consumer, so its acks and counts there are no longer needed and
+        are pruned. A consumer is a claim group ("commands" for the command bus)."""
 
         def write(connection: sqlite3.Connection) -> list[Published]:
+            if counts:
+                connection.executemany("INSERT OR REPLACE INTO deliveries VALUES (?, ?, ?)", counts)
+            settled = [*acks, *((consumer, key) for consumer, key, _ in dead)]
+            if settled:  # a settled record's count is no longer needed
+                connection.executemany(
+                    "DELETE FROM deliveries WHERE consumer = ? AND sort_key = ?", settled
+                )
             if acks:
                 connection.executemany("INSERT OR IGNORE INTO acks VALUES (?, ?)", acks)
             for consumer, settled_below in positions:
@@ -148,10 +163,11 @@ class BusLog(SqliteStore):
                     "SET settled_below = MAX(settled_below, excluded.settled_below)",
                     (consumer, settled_below),
                 )
-                connection.execute(
-                    "DELETE FROM acks WHERE consumer = ? AND sort_key < ?",
-                    (consumer, settled_below),
-                )
+                for table in ("acks", "deliveries"):
+                    connection.execute(
+                        f"DELETE FROM {table} WHERE consumer = ? AND sort_key < ?",
+                        (consumer, settled_below),
+                    )
             if dead:
                 connection.executemany("INSERT OR REPLACE INTO dead VALUES (?, ?, ?)", dead)
             if not entries:
@@ -251,23 +267,26 @@ class BusLog(SqliteStore):
     @refuses_loop_thread
     def unsettled(
         self, consumer: str, after: int, limit: int, through: int | None = None
-    ) -> list[tuple[int, str]]:
-        """``(sort_key, subject)`` of records after ``after`` (and up to ``through``, when
-        given) that ``consumer`` has neither acked nor parked as dead, ascending: what a
-        claim coordinator loads. Starts at the consumer's settled position when that is
-        further on."""
+    ) -> list[tuple[int, str, int]]:
+        """``(sort_key, subject, deliveries)`` of records after ``after`` (and up to
+        ``through``, when given) that ``consumer`` has neither acked nor parked as dead,
+        ascending, with the deliveries recorded for them (0: none): what a claim
+        coordinator loads. Starts at the consumer's settled position when that is further
+        on."""
         after = max(after, self.settled_below(consumer) - 1)
         through = (1 << 63) - 1 if through is None else through
         with self._connection() as connection:
             rows = connection.execute(
-                "SELECT sort_key, subject FROM records r WHERE sort_key > ? AND sort_key <= ? "
+                "SELECT r.sort_key, r.subject, COALESCE(c.deliveries, 0) FROM records r "
+                "LEFT JOIN deliveries c ON c.consumer = ? AND c.sort_key = r.sort_key "
+                "WHERE r.sort_key > ? AND r.sort_key <= ? "
                 "AND NOT EXISTS (SELECT 1 FROM acks a WHERE a.consumer = ? "
                 "AND a.sort_key = r.sort_key) "
                 "AND NOT EXISTS (SELECT 1 FROM dead d WHERE d.consumer = ? "
-                "AND d.sort_key = r.sort_key) ORDER BY sort_key LIMIT ?",
-                (after, through, consumer, consumer, limit),
+                "AND d.sort_key = r.sort_key) ORDER BY r.sort_key LIMIT ?",
+                (consumer, after, through, consumer, consumer, limit),
             ).fetchall()
-        return [(int(key), str(subject)) for key, subject in rows]
+        return [(int(key), str(subject), int(count)) for key, subject, count in rows]
 
     @refuses_loop_thread
     def dead_letters(self, consumer: str, limit: int) -> list[DeadRecord]:
