@@ -144,9 +144,73 @@ def test_assess_from_scrapes_alone() -> None:
     assert "scan shed 10.0/s (queue_timeout)" in findings[0].summary
 
 
-def test_a_crashed_face_is_not_ready() -> None:
-    document = {"not_ready_reasons": ["face tier crashed", "store tier poisoned: x"]}
+def test_a_crashed_face_or_task_is_named() -> None:
+    """A crashed face (and a crashed background task) has a verdict of its own, above
+    "not ready": only a restart brings it back. (It used to be reported as "not ready".)"""
+    reasons = ["face tier crashed", "task events.committer crashed", "store tier poisoned: x"]
+    document = {"not_ready_reasons": reasons}
     empty = Scrape("")
     findings = assess((document, document), empty, empty, 3.0)
-    assert [f.verdict for f in findings] == ["not ready"]
+    assert [f.verdict for f in findings] == ["face crashed", "task crashed"]
     assert "face tier crashed" in findings[0].summary and "store" not in findings[0].summary
+    assert "events.committer" in findings[1].summary
+    starting = {"not_ready_reasons": ["starting: faces or stores not open yet"]}
+    assert [f.verdict for f in assess((starting, starting), empty, empty, 3.0)] == ["not ready"]
+
+
+def test_a_backlog_nobody_takes_from_is_stuck(tmp_path: Path) -> None:
+    """800 commands waiting in a pool with no worker, not growing: not healthy."""
+    with serving(tmp_path) as (_, ports):
+        records = [
+            {"execution_id": n, "payload": json.dumps({"execution_pool": "system"})}
+            for n in range(800)
+        ]
+        with blocking.IngestClient.connect(ports["cmd_ingest"]) as ingest:
+            ingest.publish_batch(records)
+        time.sleep(1.2)  # the lag sampler has published it
+        code, findings = diagnose(ports)
+    assert code == 1 and [f["verdict"] for f in findings] == ["backlog stuck"], findings
+    assert "subject commands.system.shard.0 (pool system): 800 waiting" in findings[0]["summary"]
+    assert any("cmdbus_deliveries_total" in line for line in findings[0]["evidence"])
+
+
+def test_a_backlog_being_worked_is_not_stuck(tmp_path: Path) -> None:
+    with serving(tmp_path) as (_, ports):
+        with blocking.IngestClient.connect(ports["cmd_ingest"]) as ingest:
+            ingest.publish_batch([{"execution_id": n, "payload": "{}"} for n in range(400)])
+
+        def work(stop: threading.Event) -> None:
+            with blocking.ClaimClient.connect(ports["cmd_claim"]) as claim:
+                while not stop.is_set():
+                    delivery = claim.next("commands.>", wait=0.2)
+                    if delivery is not None:
+                        claim.ack(delivery.sort_key)
+                        time.sleep(0.02)  # slower than the backlog: it stays
+
+        time.sleep(1.2)
+        with background(work):
+            _, findings = diagnose(ports)
+    assert "backlog stuck" not in [f["verdict"] for f in findings], findings
+
+
+def test_slow_commits_are_a_slow_disk(tmp_path: Path) -> None:
+    env = {"CMDBUS_DEBUG_HOOKS": "true"}
+    with serving(tmp_path, **env) as (_, ports):
+        slow = urllib.request.Request(
+            f"http://{ports['control']}/debug/slow-commits?store=commands&seconds=0.4",
+            method="POST",
+        )
+        with urllib.request.urlopen(slow, timeout=10) as response:
+            assert response.status == 202
+
+        def publish(stop: threading.Event) -> None:
+            with blocking.IngestClient.connect(ports["cmd_ingest"]) as ingest:
+                while not stop.is_set():
+                    ingest.publish({"execution_id": 1, "payload": "{}"}, timeout=10)
+
+        with background(publish):
+            code, findings = diagnose(ports)
+    assert code == 1 and findings[0]["verdict"] == "disk slow", findings
+    assert "store commands" in findings[0]["summary"]
+    assert any("cmdbus_commit_seconds" in line for line in findings[0]["evidence"])
+    assert "stalled" not in [f["verdict"] for f in findings]

@@ -335,7 +335,8 @@ SETTINGS: tuple[Setting, ...] = (
         "debug_hooks",
         "false",
         _bool,
-        "enable POST /debug/block-loop on the control face (for tests and drills; never in prod)",
+        "enable POST /debug/block-loop, /debug/fail-writes and /debug/slow-commits on the "
+        "control face (for tests and drills; never in prod)",
     ),
 )
 

@@ -152,7 +152,34 @@ class ControlApp:
         event(log, logging.WARNING, "debug_fail_writes", store=name, error=error)
         return _json(202, {"store": name, "error": error})
 
-    _DEBUG: ClassVar = {"/debug/block-loop": _block_loop, "/debug/fail-writes": _fail_writes}
+    def _slow_commits(self, scope: Scope) -> tuple[int, bytes, bytes]:
+        """Test and drill hook (``CMDBUS_DEBUG_HOOKS``): every later write transaction of
+        a store takes ``seconds`` longer before it commits, in its worker thread, as a
+        slow disk's fsync would (the loop is not blocked). ``seconds=0`` ends it."""
+        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        name = query.get("store", [""])[0]
+        try:
+            seconds = float(query.get("seconds", ["0.5"])[0])
+        except ValueError:
+            seconds = -1.0
+        store = self.health.stores.get(name)
+        if store is None or not 0 <= seconds <= MAX_BLOCK_SECONDS:
+            return _json(
+                400,
+                {
+                    "error": f"store must be one of {sorted(self.health.stores)}, seconds "
+                    f"in [0, {MAX_BLOCK_SECONDS}]"
+                },
+            )
+        store.before_commit = (lambda: time.sleep(seconds)) if seconds else None
+        event(log, logging.WARNING, "debug_slow_commits", store=name, seconds=seconds)
+        return _json(202, {"store": name, "slow_commits_s": seconds})
+
+    _DEBUG: ClassVar = {
+        "/debug/block-loop": _block_loop,
+        "/debug/fail-writes": _fail_writes,
+        "/debug/slow-commits": _slow_commits,
+    }
 
 
 _DISK_ERRORS = {

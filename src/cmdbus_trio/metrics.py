@@ -116,6 +116,21 @@ COMMIT_BATCH = Histogram(
     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
     registry=REGISTRY,
 )
+COMMIT_SECONDS = Histogram(
+    "cmdbus_commit_seconds",
+    "Duration of each group-commit transaction of a bus log, fsync included, as the "
+    "committer's thread measured it: a slow disk shows here first.",
+    ["store"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+    registry=REGISTRY,
+)
+DELIVERIES = Counter(
+    "cmdbus_deliveries",
+    "Records leased to a consumer (first deliveries and redeliveries), by subject: with "
+    "the backlog, says whether a backlog is being worked at all.",
+    ["subject"],
+    registry=REGISTRY,
+)
 LOOP_LAG = Histogram(
     "cmdbus_loop_lag_seconds",
     "How late the event loop's heartbeat woke up compared with when it asked to: time the "

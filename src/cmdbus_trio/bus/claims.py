@@ -155,9 +155,6 @@ class Claims:
         self._deliveries.update((key, count) for key, count in counts if count)
 
     def _count(self, subject: str, change: int) -> None:
-        if subject not in self._backlog:  # a new subject's counters exist from now, at 0
-            metrics.REDELIVERIES.labels(subject=subject)
-            metrics.DEAD.labels(subject=subject)
         self._backlog[subject] += change
         self._total += change
         self._changed.add(subject)
@@ -261,6 +258,7 @@ class Claims:
         self._owned.setdefault(owner, set()).add(sort_key)
         heapq.heappush(self._expiries, (deadline, sort_key))
         self._timer_added(deadline)
+        metrics.DELIVERIES.labels(subject=subject).inc()  # not child(): subjects are input
         redelivered = deliveries > 1  # not a record given back undelivered
         if redelivered:
             metrics.REDELIVERIES.labels(subject=subject).inc()

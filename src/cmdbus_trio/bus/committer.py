@@ -14,6 +14,7 @@ which waits for every lease, flushes it.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -94,6 +95,7 @@ class GroupCommitter:
         self._batches = ThreadBatcher(
             self._take, self._commit_in_thread, self._settle, max_batches=MAX_BATCHES_PER_HOP
         )
+        self._commit_seconds = metrics.COMMIT_SECONDS.labels(store=bus.name)
         self.listeners: list[Callable[[list[Committed]], None]] = []
         """Called on the loop with the records each batch committed, when it committed
         any (the claim coordinators and the subscriptions learn of new records this way:
@@ -193,7 +195,9 @@ class GroupCommitter:
         counts = [count for ticket in tickets for count in ticket.counts]
         if not (entries or acks or dead or positions or counts):
             return
+        started = time.monotonic()
         published = self.bus.commit(entries, acks, dead, positions, counts)
+        self._commit_seconds.observe(time.monotonic() - started)
         start = 0
         for ticket in tickets:
             ticket.published = published[start : start + len(ticket.records)]

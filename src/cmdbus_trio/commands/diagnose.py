@@ -7,10 +7,17 @@ and says which of these holds, worst first, each with the evidence lines that sh
 - **stalled**: the event loop is blocked. ``/healthz`` does not answer in time, or says
   the heartbeat was late; requests are *not* being shed, they are not being looked at;
 - **poisoned** / **contended**: a store refuses writes / waits for its write lock;
-- **not ready**: `/readyz` fails for another reason (starting, draining, a crashed face);
+- **face crashed** / **task crashed**: a data face or a background task (a committer,
+  claim timers, a sampler, the consumer groups) died; only a restart brings it back;
+- **not ready**: `/readyz` fails for another reason (starting, draining);
+- **disk slow**: a bus's group commits (fsync included) took long: p99 over the interval
+  from ``cmdbus_commit_seconds``, the same for every request of the store;
 - **saturated**: the loop is fine but a face sheds requests or queues them long: it
   has more work than its Gate admits (which face, which op, shed rate, queue wait);
-- **backlog growing**: a subject's lag rose between the scrapes (which subject, pool);
+- **backlog growing**: a subject's lag rose between the scrapes (which subject, pool;
+  and whether anything was delivered from it at all);
+- **backlog stuck**: a subject has a backlog and nothing was delivered from it between
+  the scrapes (no consumer takes from that pool): growing or not, nobody works it;
 - **healthy**: none of the above.
 
 "Saturated" and "stalled" look alike from outside (slow or failed requests) and need
@@ -36,6 +43,9 @@ from .client import fetch
 
 QUEUE_WAIT_SATURATED = 0.1
 """Seconds: a p99 queue wait above this, with requests waiting, counts as saturated."""
+COMMIT_SLOW = 0.25
+"""Seconds: a p99 group commit above this counts as a slow disk (a healthy fsync takes
+milliseconds; every publish and ack of the store waits for one)."""
 Labels = frozenset[tuple[str, str]]
 
 
@@ -50,10 +60,14 @@ SEVERITY = [
     "unreachable",
     "stalled",
     "poisoned",
+    "face crashed",
+    "task crashed",
     "not ready",
+    "disk slow",
     "saturated",
     "contended",
     "backlog growing",
+    "backlog stuck",
 ]
 
 
@@ -124,7 +138,9 @@ def assess(
     findings = [
         *_stalled(health, before, after),
         *_stores(health[1] or health[0] or {}),
+        *_crashed(health[1] or health[0] or {}),
         *_not_ready(health[1] or health[0] or {}),
+        *_disk_slow(before, after, interval),
         *_saturated(before, after, interval),
         *_backlog(before, after, interval),
     ]
@@ -197,10 +213,36 @@ def _stores(document: dict[str, Any]) -> list[Finding]:
     return findings
 
 
+def _crashed(document: dict[str, Any]) -> list[Finding]:
+    """Faces and background tasks that died: ``/readyz`` names them, ``/livez`` fails
+    once the liveness window has passed, and only a restart brings them back."""
+    findings = []
+    for kind in ("face", "task"):
+        reasons = [
+            r
+            for r in document.get("not_ready_reasons", [])
+            if r.startswith(f"{kind} ") and r.endswith(" crashed")
+        ]
+        if reasons:
+            findings.append(
+                Finding(
+                    f"{kind} crashed",
+                    "; ".join(reasons) + ": only a restart brings it back (/livez fails "
+                    "after the liveness window, so Kubernetes restarts the pod)",
+                    tuple(f"/healthz not_ready_reasons: {reason}" for reason in reasons),
+                )
+            )
+    return findings
+
+
 def _not_ready(document: dict[str, Any]) -> list[Finding]:
-    """Readiness failing for a reason other than a poisoned store (which has its own
-    finding): starting, draining, or a crashed face."""
-    reasons = [r for r in document.get("not_ready_reasons", []) if not r.startswith("store ")]
+    """Readiness failing for a reason that has no finding of its own (a poisoned store and
+    a crashed face or task have theirs): starting, draining."""
+    reasons = [
+        r
+        for r in document.get("not_ready_reasons", [])
+        if not r.startswith("store ") and not r.endswith(" crashed")
+    ]
     if not reasons:
         return []
     return [
@@ -249,14 +291,39 @@ def _saturated(before: Scrape, after: Scrape, interval: float) -> list[Finding]:
     return findings
 
 
+def _disk_slow(before: Scrape, after: Scrape, interval: float) -> list[Finding]:
+    findings = []
+    for (store,), buckets in sorted(
+        _histogram_deltas(before, after, "cmdbus_commit_seconds", ("store",)).items()
+    ):
+        p99 = _quantile(buckets, 0.99)
+        if p99 is None or p99 <= COMMIT_SLOW:
+            continue
+        commits = buckets.get(float("inf"), 0.0)
+        findings.append(
+            Finding(
+                "disk slow",
+                f"store {store}: group commits take {p99 * 1000:.0f} ms (p99): every publish "
+                "and ack waits for one; look at the volume's latency",
+                (
+                    f'cmdbus_commit_seconds{{store="{store}"}} p99 {p99 * 1000:.1f} ms over '
+                    f"{commits:.0f} commits in {interval:.1f} s",
+                ),
+            )
+        )
+    return findings
+
+
 def _backlog(before: Scrape, after: Scrape, interval: float) -> list[Finding]:
+    delivered = {
+        _label(labels, "subject"): count
+        for labels, count in _delta(before, after, "cmdbus_deliveries_total").items()
+    }
     findings = []
     for metric, key in (("ehdb_feed_subject_lag", "subject"), ("ehdb_events_group_lag", "group")):
         old = before.series(metric)
         for labels, value in sorted(after.series(metric).items(), key=lambda i: sorted(i[0])):
             grew = value - old.get(labels, 0.0)
-            if grew <= 0:
-                continue
             name = _label(labels, key)
             tokens = name.split(".")
             where = (
@@ -264,16 +331,29 @@ def _backlog(before: Scrape, after: Scrape, interval: float) -> list[Finding]:
                 if key == "subject" and len(tokens) > 1
                 else f"{key} {name}"
             )
-            findings.append(
-                Finding(
-                    "backlog growing",
-                    f"{where}: +{grew / interval:.1f}/s, now {value:.0f}: consumers do not keep up",
-                    (
-                        f"{_show(metric, labels)} {old.get(labels, 0.0):.0f} -> {value:.0f} "
-                        f"in {interval:.1f} s",
-                    ),
+            # Deliveries are counted by subject: whether a group's backlog is worked is not
+            # told apart from the other groups of the same subjects.
+            idle = key == "subject" and value > 0 and delivered.get(name, 0.0) == 0
+            shift = f"{_show(metric, labels)} {old.get(labels, 0.0):.0f} -> {value:.0f}"
+            none = f'cmdbus_deliveries_total{{subject="{name}"}} +0'
+            if grew > 0:
+                why = "no consumer takes from it" if idle else "consumers do not keep up"
+                findings.append(
+                    Finding(
+                        "backlog growing",
+                        f"{where}: +{grew / interval:.1f}/s, now {value:.0f}: {why}",
+                        (f"{shift} in {interval:.1f} s", *([none] if idle else [])),
+                    )
                 )
-            )
+            elif idle:
+                findings.append(
+                    Finding(
+                        "backlog stuck",
+                        f"{where}: {value:.0f} waiting and none delivered in {interval:.1f} s: "
+                        "no consumer takes from it",
+                        (f"{shift} in {interval:.1f} s", none),
+                    )
+                )
     return findings
 
 
