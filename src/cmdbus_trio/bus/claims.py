@@ -237,20 +237,16 @@ class Claims:
         if oldest is None:
             return None
         sort_key, subject, again = oldest
+        queues: dict[str, Any] = self._again if again else self._fresh
+        queue = queues[subject]
         if again:
-            heap = self._again[subject]
-            heapq.heappop(heap)
-            if heap:
-                self._indexed(subject, "again", heap[0])
-            else:
-                del self._again[subject]
+            heapq.heappop(queue)
         else:
-            queue = self._fresh[subject]
             queue.popleft()
-            if queue:
-                self._indexed(subject, "fresh", queue[0])
-            else:
-                del self._fresh[subject]
+        if queue:
+            self._indexed(subject, "again" if again else "fresh", queue[0])
+        else:
+            del queues[subject]
         deliveries = self._deliveries.get(sort_key, 0) + 1
         self._deliveries[sort_key] = deliveries
         deadline = trio.current_time() + self.ack_wait
@@ -299,14 +295,15 @@ class Claims:
         oldest waiter first, while both last."""
         while subject in self._fresh or subject in self._again:
             oldest: _Waiter | None = None
+            its_queue: deque[_Waiter] | None = None
             for index in self._indexes_of(subject):
                 while index.waiters and index.waiters[0].gone:
                     index.waiters.popleft()
                 if index.waiters and (oldest is None or index.waiters[0].seq < oldest.seq):
-                    oldest = index.waiters[0]
-            if oldest is None:
+                    oldest, its_queue = index.waiters[0], index.waiters
+            if oldest is None or its_queue is None:
                 return
-            self._index(oldest.filter).waiters.popleft()
+            its_queue.popleft()
             oldest.delivery = self.take(oldest.filter, oldest.owner)
             oldest.woken.set()
             if oldest.delivery is None:  # cannot be: the subject matched its filter

@@ -301,7 +301,7 @@ class _Connection:
         config = self.ctx.config
         async with out, trio.open_nursery() as reading:
             reading.start_soon(self._stop_reading_on_drain, reading.cancel_scope)
-            await self._read_loop(out, config.idle_timeout_ms, config.read_timeout_ms)
+            await self._read_loop(out, config.read_timeout_ms)
             reading.cancel_scope.cancel()
         if self.peer_gone:
             requests.cancel()  # nobody to answer: stop read work (started writes finish)
@@ -310,9 +310,7 @@ class _Connection:
         await self.ctx.draining.wait()
         reading.cancel()
 
-    async def _read_loop(
-        self, out: trio.MemorySendChannel[Batch], idle_ms: int, read_ms: int
-    ) -> None:
+    async def _read_loop(self, out: trio.MemorySendChannel[Batch], read_ms: int) -> None:
         batch: Batch = []
         while True:
             try:
