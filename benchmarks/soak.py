@@ -111,7 +111,7 @@ async def generate(
     sending = [False] * connections
 
     async def send(connection: int, frames: list[bytes]) -> None:
-        sending[connection] = True
+        sending[connection] = True  # (the open loop sets it already, when it spawns this)
         try:
             await streams[connection].stream.send_all(b"".join(frames))
         finally:
@@ -141,6 +141,10 @@ async def generate(
                         batches.setdefault(connection, []).append(frame(connection, sent))
                     sent += 1
                 for connection, frames in batches.items():
+                    # Marked busy now, not when the task first runs: under load this loop
+                    # can come round again before it has, and a second send on the same
+                    # stream is refused (BusyResourceError).
+                    sending[connection] = True
                     senders.start_soon(send, connection, frames)
                 await trio.sleep(0.005)
         with trio.move_on_after(30):  # the last replies

@@ -31,7 +31,11 @@ def test_max_deliver_holds_across_a_sigkill(tmp_path: Path) -> None:
                 await client.request("publish", record=record)
             first = await claim(ports)  # the worker dies: its connection closes
             second = await claim(ports)
-            await trio.sleep(0.3)  # the count is group-committed with the next batch
+            async with frame_client(ports["cmd_ingest"]) as client:
+                # The count went to the committer before this publish: once the publish
+                # is durable, so is the count (one committer, in order).
+                barrier = json.dumps({"execution_pool": "barrier"})
+                await client.request("publish", record={"execution_id": 2, "payload": barrier})
             return [first, second]
 
         first, second = trio.run(before)
@@ -41,13 +45,13 @@ def test_max_deliver_holds_across_a_sigkill(tmp_path: Path) -> None:
     with serving(tmp_path, **TIMERS) as (_, ports):
 
         async def after() -> tuple[dict[str, object], dict[str, object], dict[str, object]]:
-            third = await claim(ports)  # the third and last delivery
+            third = await claim(ports, "commands.shared.>")  # the third and last delivery
             async with frame_client(ports["cmd_claim"]) as client:
                 with trio.fail_after(5):
                     while not (await client.request("dead"))["records"]:
                         await trio.sleep(0.05)
                 dead = (await client.request("dead"))["records"][0]
-                nothing = await client.request("next", filter="commands.>", timeout_ms=500)
+                nothing = await client.request("next", filter="commands.shared.>", timeout_ms=500)
             return third, dead, nothing
 
         third, dead, nothing = trio.run(after)

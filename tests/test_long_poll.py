@@ -14,7 +14,15 @@ from typing import Any
 import pytest
 import trio
 
-from .helpers import FrameClient, frame_client, metric_sum, metrics_text, server_log, serving
+from .helpers import (
+    FrameClient,
+    frame_client,
+    get,
+    metric_sum,
+    metrics_text,
+    server_log,
+    serving,
+)
 
 TIMERS = {
     "CMDBUS_DEFAULT_BUDGET_MS": "300",
@@ -189,9 +197,10 @@ async def test_parked_consumers_hold_no_intake_place(writer: tuple[Path, dict[st
             assert parked > 64 + 512
             worker = clients[0]
             await trio.sleep(0.5)  # every frame read and parked
-            with trio.fail_after(0.9):
-                await worker.send(json.dumps({"id": 99, "op": "dead", "limit": 1}).encode())
-                reply = await worker.receive_json()
+            gates = (await get(ports["control"], "/healthz")).json()["gates"]
+            assert gates["cmd_claim"]["intake"] == 0  # the parked ones take no place
+            await worker.send(json.dumps({"id": 99, "op": "dead", "limit": 1}).encode())
+            reply = await worker.receive_json()
             assert reply == {"id": 99, "ok": True, "records": []}
             for client in clients:
                 await client.aclose()
