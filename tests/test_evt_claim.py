@@ -58,7 +58,7 @@ async def test_every_group_gets_every_record(server: dict[str, str]) -> None:
         assert await drain_group(client, "beta") == keys
         lag = await client.request("lag", group="alpha")
         assert lag["total"] == 0
-        assert (await client.request("lag", group="beta"))["subjects"] == {"events.step_done": 0}
+        assert (await client.request("lag", group="beta"))["subjects"] == {}
 
 
 async def test_members_of_a_group_compete(server: dict[str, str]) -> None:
@@ -139,3 +139,59 @@ async def test_a_restart_keeps_groups_and_their_acks(tmp_path: Path) -> None:
             assert await drain_group(client, "made-here") == keys[1:]  # no `from`: it exists
             assert await drain_group(client, "alpha") == keys[1:]
             assert await drain_group(client, "beta") == keys
+
+
+async def test_delete_group_forgets_the_group_and_all_it_recorded(tmp_path: Path) -> None:
+    settings = {**EVENTS_ONLY, "CMDBUS_EVT_MAX_GROUPS": "3"}
+    with serving(tmp_path, **settings) as (_, ports):
+        keys = await publish(ports, 5)
+        async with frame_client(ports["evt_claim"]) as client:
+            assert await drain_group(client, "gamma", **{"from": "beginning"}) == keys
+            refused = await client.request(
+                "next", filter="events.>", group="delta", **{"from": "tail"}
+            )
+            assert refused["error"]["code"] == "invalid"
+            assert "CMDBUS_EVT_MAX_GROUPS" in refused["error"]["message"]
+
+            async with frame_client(ports["evt_claim"]) as waiter:
+                async with trio.open_nursery() as nursery:
+                    answers: list[dict[str, Any]] = []
+
+                    async def wait() -> None:
+                        answers.append(
+                            await waiter.request(
+                                "next", filter="events.none", group="gamma", timeout_ms=30_000
+                            )
+                        )
+
+                    nursery.start_soon(wait)
+                    await trio.sleep(0.3)  # parked in next
+                    assert (await client.request("delete_group", group="gamma"))["deleted"]
+                assert answers[0]["ok"] is False and "deleted" in answers[0]["error"]["message"]
+
+            assert not (await client.request("delete_group", group="gamma"))["deleted"]
+            unknown = await client.request("lag", group="gamma")
+            assert unknown["error"]["code"] == "invalid"
+            # Room for one more group now; gamma anew has none of its old acks.
+            assert await drain_group(client, "gamma", **{"from": "beginning"}) == keys
+            assert (await client.request("delete_group", group="gamma"))["deleted"]
+        metrics = (await get(ports["control"], "/metrics")).body.decode()
+        assert 'ehdb_events_group_lag{group="gamma"}' not in metrics
+        assert "cmdbus_groups_deleted_total 2.0" in metrics
+        assert "cmdbus_groups_refused_total 1.0" in metrics
+
+    with serving(tmp_path, **settings) as (_, ports):  # restarted: still gone
+        async with frame_client(ports["evt_claim"]) as client:
+            unknown = await client.request("lag", group="gamma")
+            assert unknown["error"]["code"] == "invalid"
+            assert (await client.request("lag", group="alpha"))["total"] == 5
+
+
+async def test_the_command_face_has_no_delete_group(server: dict[str, str]) -> None:
+    async with frame_client(server["cmd_claim"]) as client:
+        reply = await client.request("delete_group", group="commands")
+        assert reply["error"]["code"] == "unsupported"
+    async with frame_client(server["evt_claim"]) as client:
+        assert not (await client.request("delete_group", group="nope"))["deleted"]
+        reply = await client.request("delete_group", group=7)
+        assert reply["error"]["code"] == "invalid" and "group" in reply["error"]["message"]

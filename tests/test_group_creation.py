@@ -25,24 +25,26 @@ def publish_ticket(n: int) -> Ticket:
 
 
 class RacingLog(BusLog):
-    """A bus log whose history reads let a record be committed right before a group's
-    first page is queried, and right after its last (empty) page was: the two moments a
-    group's history load can race with the committer."""
+    """A bus log whose history reads let a record be committed right before each page of
+    the tail's history is queried, right after its last (empty) page was, and while a
+    group's acks are read: the moments a group's load can race with the committer."""
 
     committer: GroupCommitter
     racing = False
-    _started: set[str]
 
-    def unsettled(self, consumer: str, *args: Any, **kwargs: Any) -> list[tuple[int, str, int]]:
+    def subjects_between(self, *args: Any, **kwargs: Any) -> list[tuple[int, str]]:
         if not self.racing:
-            return super().unsettled(consumer, *args, **kwargs)
-        if consumer not in self._started:
-            self._started.add(consumer)
-            trio.from_thread.run(self._commit_one)
-        page = super().unsettled(consumer, *args, **kwargs)
+            return super().subjects_between(*args, **kwargs)
+        trio.from_thread.run(self._commit_one)
+        page = super().subjects_between(*args, **kwargs)
         if not page:
             trio.from_thread.run(self._commit_one)
         return page
+
+    def group_state(self, *args: Any, **kwargs: Any) -> tuple[list[int], list[tuple[int, int]]]:
+        if self.racing:
+            trio.from_thread.run(self._commit_one)
+        return super().group_state(*args, **kwargs)
 
     async def _commit_one(self) -> None:
         ticket = publish_ticket(self.last_sort_key)
@@ -70,15 +72,15 @@ async def test_records_committed_around_every_history_page_reach_the_new_group(
 ) -> None:
     committer = GroupCommitter(log, SubjectRule(BusKind.EVENTS))
     log.committer = committer
-    log._started = set()
-    groups = ConsumerGroups(
-        log, committer, ack_wait=30, max_deliver=0, limiter=trio.CapacityLimiter(1)
-    )
     with trio.fail_after(20):
         async with trio.open_nursery() as nursery:
             await nursery.start(committer.run)
             for n in range(50):
                 await _publish(committer, n)
+            # Made after the history: the new group's tail is read back from the store.
+            groups = ConsumerGroups(
+                log, committer, ack_wait=30, max_deliver=0, limiter=trio.CapacityLimiter(1)
+            )
             log.racing = True
             beginning = await groups.get("from-beginning", "beginning")
             tail = await groups.get("from-tail", "tail")
@@ -158,13 +160,15 @@ async def test_a_slow_history_load_holds_up_no_other_group(tmp_path: Path) -> No
         held = trio.Event()
         release = False
 
-        def unsettled(self, consumer: str, *args: Any, **kwargs: Any) -> list[tuple[int, str, int]]:
+        def group_state(
+            self, consumer: str, *args: Any, **kwargs: Any
+        ) -> tuple[list[int], list[tuple[int, int]]]:
             if consumer == "slow":
                 trio.from_thread.run_sync(self.held.set)
                 while not self.release:
                     trio.from_thread.check_cancelled()
                     trio.from_thread.run(trio.sleep, 0.01)
-            return super().unsettled(consumer, *args, **kwargs)
+            return super().group_state(consumer, *args, **kwargs)
 
     log = await trio.to_thread.run_sync(SlowLog.open, tmp_path / "events.sqlite3")
     committer = GroupCommitter(log, SubjectRule(BusKind.EVENTS))
@@ -210,4 +214,4 @@ async def test_a_creation_whose_requester_left_still_completes(log: RacingLog) -
             await _publish(committer, 2)
             nursery.cancel_scope.cancel()
     assert drain(claims) == [1, 2]
-    assert len(committer.listeners) == 1  # one live feed for the one group
+    assert committer.listeners == [groups.tail]  # the one feed, shared by every group

@@ -220,6 +220,7 @@ class Writer:
         """
         config = self.config
         metrics.BUILD_INFO.info({"version": __version__})
+        metrics.SUBJECTS.limit = config.subject_series
         wanted = [face for face in DATA_FACE_NAMES if config.bind(face) is not None]
         if missing := [face for face in wanted if face not in self._faces]:
             event(log, logging.WARNING, "faces_not_built", faces=missing)
@@ -324,6 +325,7 @@ class Writer:
                     ack_wait=config.ack_wait_ms / 1000,
                     max_deliver=config.max_deliver,
                     limiter=self._maintenance,
+                    max_groups=config.evt_max_groups,
                 )
                 await groups.open(config.evt_groups)
                 hub = Hub(config.subscriber_buffer)

@@ -280,6 +280,18 @@ SETTINGS: tuple[Setting, ...] = (
         "event consumer groups, comma-separated",
     ),
     Setting(
+        "evt_max_groups",
+        "1000",
+        _int_range(1),
+        "event consumer groups the writer keeps; creating one more is refused (invalid)",
+    ),
+    Setting(
+        "subject_series",
+        "500",
+        _int_range(1),
+        "subjects exported with their own metric series; later ones count under _other",
+    ),
+    Setting(
         "subscriber_buffer", "10000", _int_range(1), "records buffered per subscriber before cut"
     ),
     Setting(
@@ -373,6 +385,8 @@ class Config:
     read_timeout_ms: int
     dedup_window_ms: int
     evt_groups: tuple[str, ...]
+    evt_max_groups: int
+    subject_series: int
     subscriber_buffer: int
     liveness_threshold_ms: int
     liveness_window_ms: int

@@ -205,6 +205,50 @@ READY = Gauge(
 )
 
 
+SUBJECT_FOLDS = Counter(
+    "cmdbus_subject_folds",
+    'Subject-labelled samples counted under subject="_other" because the writer already '
+    "exports CMDBUS_SUBJECT_SERIES subjects with their own series (subjects are client "
+    "data: each one would be a series held forever).",
+    registry=REGISTRY,
+)
+OTHER_SUBJECTS = "_other"
+GROUPS_REFUSED = Counter(
+    "cmdbus_groups_refused",
+    "Event consumer groups not created because CMDBUS_EVT_MAX_GROUPS exist already.",
+    registry=REGISTRY,
+)
+GROUPS_DELETED = Counter(
+    "cmdbus_groups_deleted",
+    "Event consumer groups deleted (delete_group), with everything they recorded.",
+    registry=REGISTRY,
+)
+
+
+class SubjectSeries:
+    """The label a subject is exported under: its own for the first ``limit`` distinct
+    subjects, then :data:`OTHER_SUBJECTS`. Memory and scrape size stay bounded whatever
+    pools or event types clients send; the subjects a deployment really has come first."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.named: set[str] = set()
+
+    def label(self, subject: str) -> str:
+        if subject in self.named:
+            return subject
+        if len(self.named) < self.limit:
+            self.named.add(subject)
+            return subject
+        SUBJECT_FOLDS.inc()
+        return OTHER_SUBJECTS
+
+
+SUBJECTS = SubjectSeries(500)
+"""The writer's one table of exported subjects (its limit set from CMDBUS_SUBJECT_SERIES
+at start)."""
+
+
 @functools.cache
 def child(family: MetricWrapperBase, *labels: str) -> Any:
     """``family.labels(*labels)``, remembered: on the request path the lookup cost as much

@@ -4,6 +4,12 @@ All in memory, on the loop; the store is only told what must survive a crash (ac
 dead letters, group-committed by the face) and asked for record bodies. Memory follows
 the backlog (records not yet acked or dead), never the history.
 
+Fresh records are held one of two ways. The command bus's single group keeps a queue per
+subject (a worker's filter names its pool, so a ``next`` finds its pool's oldest record
+without walking other pools). An event group is a cursor into the bus's shared
+:class:`~cmdbus_trio.bus.tail.Tail` plus what it has in flight, so its memory does not
+grow with the number of subjects (event types) and creating one copies nothing.
+
 A record is *fresh* until first delivered, then *leased* to one owner (a connection)
 until it is acked, nacked, its lease expires (``ack_wait``) or its owner goes away; then
 it waits to be *redelivered*, which goes before fresh records. A record whose lease ends
@@ -15,7 +21,7 @@ from __future__ import annotations
 import heapq
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
@@ -26,6 +32,9 @@ from cmdbus_trio.protocol.subjects import matches
 from cmdbus_trio.storage.buslog import BusLog
 
 from .committer import Committed, GroupCommitter, Ticket
+
+if TYPE_CHECKING:
+    from .tail import Tail
 
 
 @attrs.frozen
@@ -61,13 +70,20 @@ class _Index:
     """One filter's view of the subjects with records to deliver: heaps of
     ``(head sort key, subject)``, pushed whenever a matching subject's head changes and
     checked against the subject's real head when popped (an old entry is skipped), so
-    taking the oldest matching record never walks every subject."""
+    taking the oldest matching record never walks every subject. On a tail (an event
+    group), fresh records are found from ``position`` instead: every record before it
+    that the filter matches has been taken, so each record is looked at once."""
 
+    filter: tuple[str, ...]
     again: list[tuple[int, str]] = attrs.field(factory=list)
     fresh: list[tuple[int, str]] = attrs.field(factory=list)
     waiters: deque[_Waiter] = attrs.field(factory=deque)
+    position: int = 0
+    matched: dict[str, bool] = attrs.field(factory=dict)  # subject -> filter matches it
 
 
+MAX_MATCHED = 1024
+"""Subjects whose match against a filter is remembered (per filter, on a tail)."""
 MAX_IDLE_FILTERS = 256
 """Filters with no waiter whose index is kept (the most recently used); one used again
 after it was dropped has its index rebuilt once (a walk of the subjects with records)."""
@@ -96,6 +112,7 @@ class Claims:
         max_deliver: int = 0,
         on_dead: Callable[[int, str, int], None] = lambda *_: None,
         on_count: Callable[[int, int], None] = lambda *_: None,
+        tail: Tail | None = None,
     ) -> None:
         self.group = group
         self.ack_wait = ack_wait
@@ -111,7 +128,7 @@ class Claims:
         self._deliveries: dict[int, int] = {}
         self._delayed: list[tuple[float, int, str]] = []  # (ready_at, sort_key, subject)
         self._expiries: list[tuple[float, int]] = []  # (deadline, sort_key): one per lease
-        self._backlog: dict[str, int] = defaultdict(int)
+        self._backlog: dict[str, int] = {}
         self._total = 0
         self._changed: set[str] = set()  # subjects whose backlog changed since sampled
         self._indexes: dict[tuple[str, ...], _Index] = {}  # most recently used last
@@ -120,7 +137,15 @@ class Claims:
         self._timers_changed = trio.Event()
         self._timers_at = float("inf")  # when the timers task wakes next, unless woken
         self._closed = False
+        self._why_closed = "the writer is draining"
+        self.deleted = False
         self._last_added = 0
+        self._parked = 0  # waiters not yet handed a record (nor gone)
+        self._tail = tail
+        self.cursor = 0
+        """On a tail: every record before this position has been taken (leased, and
+        maybe settled or back for redelivery since)."""
+        self._taken: set[int] = set()  # sort keys taken past the cursor
         self.persisted_low_water = 0
         """The low-water mark last made durable (see :func:`persist_low_water`)."""
 
@@ -155,9 +180,84 @@ class Claims:
         self._deliveries.update((key, count) for key, count in counts if count)
 
     def _count(self, subject: str, change: int) -> None:
-        self._backlog[subject] += change
         self._total += change
-        self._changed.add(subject)
+        if self._tail is None:  # an event group's per-subject backlog is walked for
+            backlog = self._backlog.get(subject, 0) + change
+            if backlog:
+                self._backlog[subject] = backlog
+            else:  # memory follows the subjects with a backlog, not every subject seen
+                del self._backlog[subject]
+            self._changed.add(subject)
+
+    # --- on a tail (an event group) --------------------------------------------------------
+
+    def attach(self, after: int, settled: Iterable[int]) -> None:
+        """Start on the tail after sort key ``after``; ``settled``: the records after it
+        that are acked or dead already. The tail must hold every record after ``after``."""
+        tail = self._require_tail()
+        self.cursor = tail.position(after)
+        self._taken = {key for key in settled if key > after}
+        self._total = tail.end - self.cursor - len(self._taken)
+        self._advance()
+        tail.groups[self] = None
+
+    def delete(self) -> None:
+        """The group is gone (``delete_group``): its waiters are told so, its timers
+        stop, and the tail no longer feeds it (nor waits for it to trim)."""
+        self.deleted = True
+        self.close("the group was deleted")
+        if self._tail is not None:
+            self._tail.groups.pop(self, None)
+        self._timers_changed.set()
+
+    def arrived(self, start: int) -> None:
+        """The tail has new records from position ``start``."""
+        tail = self._require_tail()
+        self._total += tail.end - start
+        if self._parked:
+            for subject in dict.fromkeys(tail.subjects[start - tail.base :]):
+                self._hand_over(subject)
+
+    def _require_tail(self) -> Tail:
+        if self._tail is None:
+            raise TypeError(f"{self.group}: not a group on a tail")
+        return self._tail
+
+    def _advance(self) -> None:
+        tail = self._require_tail()
+        keys, base, end, taken = tail.keys, tail.base, tail.end, self._taken
+        while self.cursor < end and keys[self.cursor - base] in taken:
+            taken.discard(keys[self.cursor - base])
+            self.cursor += 1
+
+    def _oldest_on_tail(self, index: _Index) -> tuple[int, str] | None:
+        """The oldest fresh record the filter matches; ``index.position`` is left on it."""
+        tail = self._require_tail()
+        keys, subjects, base, end = tail.keys, tail.subjects, tail.base, tail.end
+        taken, matched, tokens = self._taken, index.matched, index.filter
+        position = max(index.position, self.cursor)
+        while position < end:
+            key, subject = keys[position - base], subjects[position - base]
+            if key not in taken:
+                hit = matched.get(subject)
+                if hit is None:
+                    if len(matched) >= MAX_MATCHED:
+                        matched.clear()
+                    hit = matched[subject] = matches(tokens, subject)
+                if hit:
+                    index.position = position
+                    return key, subject
+            position += 1
+        index.position = position
+        return None
+
+    def _take_from_tail(self, index: _Index, sort_key: int) -> None:
+        if index.position == self.cursor:
+            self.cursor += 1
+            self._advance()
+        else:
+            self._taken.add(sort_key)
+        index.position += 1
 
     # --- the per-filter indexes --------------------------------------------------------------
 
@@ -166,7 +266,7 @@ class Claims:
         records), kept while used."""
         index = self._indexes.pop(filter_tokens, None)
         if index is None:
-            index = _Index()
+            index = _Index(filter_tokens, position=self.cursor)
             for subject, keys in self._fresh.items():
                 if matches(filter_tokens, subject):
                     index.fresh.append((keys[0], subject))
@@ -222,6 +322,10 @@ class Claims:
                 if queue is not None and queue[0] == key:
                     return key, subject, again
                 heapq.heappop(heap)  # an old head
+        if self._tail is not None:
+            fresh = self._oldest_on_tail(index)
+            if fresh is not None:
+                return fresh[0], fresh[1], False
         return None
 
     # --- delivering ----------------------------------------------------------------------
@@ -233,20 +337,24 @@ class Claims:
     def take(self, filter_tokens: tuple[str, ...], owner: object) -> Delivery | None:
         """Lease the next matching record to ``owner``: records to redeliver first (oldest
         first), then fresh ones (oldest first). ``None`` when none matches."""
-        oldest = self._oldest(self._index(filter_tokens))
+        index = self._index(filter_tokens)
+        oldest = self._oldest(index)
         if oldest is None:
             return None
         sort_key, subject, again = oldest
-        queues: dict[str, Any] = self._again if again else self._fresh
-        queue = queues[subject]
-        if again:
-            heapq.heappop(queue)
+        if not again and self._tail is not None:
+            self._take_from_tail(index, sort_key)
         else:
-            queue.popleft()
-        if queue:
-            self._indexed(subject, "again" if again else "fresh", queue[0])
-        else:
-            del queues[subject]
+            queues: dict[str, Any] = self._again if again else self._fresh
+            queue = queues[subject]
+            if again:
+                heapq.heappop(queue)
+            else:
+                queue.popleft()
+            if queue:
+                self._indexed(subject, "again" if again else "fresh", queue[0])
+            else:
+                del queues[subject]
         deliveries = self._deliveries.get(sort_key, 0) + 1
         self._deliveries[sort_key] = deliveries
         deadline = trio.current_time() + self.ack_wait
@@ -254,10 +362,11 @@ class Claims:
         self._owned.setdefault(owner, set()).add(sort_key)
         heapq.heappush(self._expiries, (deadline, sort_key))
         self._timer_added(deadline)
-        metrics.DELIVERIES.labels(subject=subject).inc()  # not child(): subjects are input
+        label = metrics.SUBJECTS.label(subject)  # not child(): subjects are input
+        metrics.DELIVERIES.labels(subject=label).inc()
         redelivered = deliveries > 1  # not a record given back undelivered
         if redelivered:
-            metrics.REDELIVERIES.labels(subject=subject).inc()
+            metrics.REDELIVERIES.labels(subject=label).inc()
         return Delivery(sort_key, subject, redelivered, deliveries)
 
     async def next(self, filter_tokens: tuple[str, ...], owner: object) -> Delivery:
@@ -272,28 +381,31 @@ class Claims:
         writer is draining): a waiting consumer must not hold up the drain.
         """
         if self._closed:
-            raise GateClosed(f"{self.group}: the writer is draining")
+            raise GateClosed(f"{self.group}: {self._why_closed}")
         delivery = self.take(filter_tokens, owner)
         if delivery is not None:
             return delivery
         self._seq += 1
         waiter = _Waiter(self._seq, owner, filter_tokens)
         self._index(filter_tokens).waiters.append(waiter)
+        self._parked += 1
         try:
             await waiter.woken.wait()
         except BaseException:
             waiter.gone = True
             if waiter.delivery is not None:
                 self.give_back(waiter.delivery.sort_key, owner)
+            elif not waiter.woken.is_set():
+                self._parked -= 1
             raise
         if waiter.delivery is None:
-            raise GateClosed(f"{self.group}: the writer is draining")
+            raise GateClosed(f"{self.group}: {self._why_closed}")
         return waiter.delivery
 
     def _hand_over(self, subject: str) -> None:
         """``subject`` has records: lease them to waiting consumers whose filter matches,
         oldest waiter first, while both last."""
-        while subject in self._fresh or subject in self._again:
+        while self._parked:
             oldest: _Waiter | None = None
             its_queue: deque[_Waiter] | None = None
             for index in self._indexes_of(subject):
@@ -303,11 +415,13 @@ class Claims:
                     oldest, its_queue = index.waiters[0], index.waiters
             if oldest is None or its_queue is None:
                 return
+            delivery = self.take(oldest.filter, oldest.owner)
+            if delivery is None:  # the subject's records are taken: the waiter stays
+                return
             its_queue.popleft()
-            oldest.delivery = self.take(oldest.filter, oldest.owner)
+            self._parked -= 1
+            oldest.delivery = delivery
             oldest.woken.set()
-            if oldest.delivery is None:  # cannot be: the subject matched its filter
-                raise AssertionError(f"{self.group}: index of {oldest.filter} out of step")
 
     def give_back(self, sort_key: int, owner: object) -> bool:
         """Undo a :meth:`take` whose record never reached its consumer (no Gate slot for
@@ -326,9 +440,11 @@ class Claims:
     def closed(self) -> bool:
         return self._closed
 
-    def close(self) -> None:
+    def close(self, why: str = "the writer is draining") -> None:
         """Lease nothing more; waiting consumers get :class:`GateClosed` at once."""
         self._closed = True
+        self._why_closed = why
+        self._parked = 0
         for index in self._indexes.values():
             while index.waiters:
                 index.waiters.popleft().woken.set()
@@ -404,7 +520,7 @@ class Claims:
         if self.max_deliver and deliveries >= self.max_deliver:
             self._deliveries.pop(sort_key, None)
             self._count(subject, -1)
-            metrics.DEAD.labels(subject=subject).inc()
+            metrics.DEAD.labels(subject=metrics.SUBJECTS.label(subject)).inc()
             self._on_dead(sort_key, subject, deliveries)
             return
         if deliveries:
@@ -432,7 +548,7 @@ class Claims:
     ) -> None:
         """Expire leases and release delayed nacks, on time (in the background nursery)."""
         task_status.started()
-        while True:
+        while not self.deleted:
             self._timers_changed = trio.Event()
             now = trio.current_time()
             while self._expiries and self._expiries[0][0] <= now:
@@ -459,12 +575,63 @@ class Claims:
 
     def lag(self, filter_tokens: tuple[str, ...] | None = None) -> dict[str, int]:
         """Backlog per subject: undelivered + leased-unacked (dead letters are not
-        backlog). Sorted by subject."""
+        backlog), for the subjects that have one, sorted. On a tail this walks the
+        group's backlog: see :meth:`backlog`."""
+        if self._tail is not None:
+            counts = self._in_flight()
+            for _ in self._walk_tail(counts, max(1, len(self._tail.keys))):
+                pass
+            backlog = counts
+        else:
+            backlog = self._backlog
         return {
             subject: count
-            for subject, count in sorted(self._backlog.items())
+            for subject, count in sorted(backlog.items())
             if filter_tokens is None or matches(filter_tokens, subject)
         }
+
+    async def backlog(
+        self, filter_tokens: tuple[str, ...] | None = None, *, step: int = 20_000
+    ) -> dict[str, int]:
+        """:meth:`lag` for a request: an event group's walk of its backlog lets the loop
+        run every ``step`` records (records settled meanwhile may count or not: it is
+        a sample, like the gauges)."""
+        if self._tail is None:
+            return self.lag(filter_tokens)
+        counts = self._in_flight()
+        for _ in self._walk_tail(counts, step):
+            await trio.lowlevel.checkpoint()
+        return {
+            subject: count
+            for subject, count in sorted(counts.items())
+            if filter_tokens is None or matches(filter_tokens, subject)
+        }
+
+    def _in_flight(self) -> dict[str, int]:
+        counts: dict[str, int] = defaultdict(int)
+        for lease in self._leases.values():
+            counts[lease.subject] += 1
+        for subject in self._settling.values():
+            counts[subject] += 1
+        for subject, heap in self._again.items():
+            counts[subject] += len(heap)
+        for _, _, subject in self._delayed:
+            counts[subject] += 1
+        return counts
+
+    def _walk_tail(self, counts: dict[str, int], step: int) -> Iterable[None]:
+        """Count the untaken records from the cursor on, yielding every ``step``."""
+        tail = self._require_tail()
+        position = self.cursor
+        while position < tail.end:
+            position = max(position, self.cursor, tail.base)
+            stop = min(tail.end, position + step)
+            keys, subjects, base, taken = tail.keys, tail.subjects, tail.base, self._taken
+            for at in range(position - base, stop - base):
+                if keys[at] not in taken:
+                    counts[subjects[at]] += 1
+            position = stop
+            yield
 
     @property
     def total(self) -> int:
@@ -475,7 +642,11 @@ class Claims:
         """The backlog of each subject whose backlog changed since the last call (a
         sampler sets only those gauges)."""
         changed, self._changed = self._changed, set()
-        return {subject: self._backlog[subject] for subject in changed}
+        return {subject: self._backlog.get(subject, 0) for subject in changed}
+
+    def backlog_of(self, subject: str) -> int:
+        """One subject's backlog (0 on a tail, where it is not kept: see :meth:`lag`)."""
+        return self._backlog.get(subject, 0)
 
     @property
     def leased(self) -> int:
@@ -490,7 +661,13 @@ class Claims:
         pending += self._leases.keys()
         pending += self._settling.keys()
         pending += [sort_key for _, sort_key, _ in self._delayed]
-        return min(pending, default=self._last_added + 1)
+        last_seen = self._last_added
+        if self._tail is not None:
+            tail = self._tail
+            if self.cursor < tail.end:
+                pending.append(tail.keys[self.cursor - tail.base])
+            last_seen = tail.newest
+        return min(pending, default=last_seen + 1)
 
 
 async def sample_lag(
@@ -502,11 +679,22 @@ async def sample_lag(
 ) -> None:
     """Publish the command backlog every ``period`` seconds, so a scrape never computes
     it: the gauge of each subject whose backlog changed (one that empties stays, at 0),
-    and the total."""
+    and the total. Subjects past the exported ones (:class:`metrics.SubjectSeries`) are
+    summed into the ``_other`` series."""
     task_status.started()
     while True:
+        folded = False
         for subject, count in claims.changed_backlog().items():
-            metrics.FEED_SUBJECT_LAG.labels(subject=subject).set(count)
+            label = metrics.SUBJECTS.label(subject)
+            if label == metrics.OTHER_SUBJECTS:
+                folded = True
+            else:
+                metrics.FEED_SUBJECT_LAG.labels(subject=label).set(count)
+        if folded:
+            named = sum(claims.backlog_of(subject) for subject in metrics.SUBJECTS.named)
+            metrics.FEED_SUBJECT_LAG.labels(subject=metrics.OTHER_SUBJECTS).set(
+                claims.total - named
+            )
         metrics.FEED_TOTAL_LAG.set(claims.total)
         persist_low_water(claims, committer)
         await trio.sleep(period)
@@ -520,6 +708,21 @@ def persist_low_water(claims: Claims, committer: GroupCommitter) -> None:
     if mark > claims.persisted_low_water:
         claims.persisted_low_water = mark
         committer.enqueue(Ticket(positions=[(claims.group, mark)]))
+
+
+def durable_settlements(
+    committer: GroupCommitter, group: str
+) -> tuple[Callable[[int, str, int], None], Callable[[int, int], None]]:
+    """The ``on_dead`` and ``on_count`` callbacks of a group's :class:`Claims`: each
+    group-commits what it is told."""
+
+    def park(sort_key: int, _subject: str, deliveries: int) -> None:
+        committer.enqueue(Ticket(dead=[(group, sort_key, deliveries)]))
+
+    def count(sort_key: int, deliveries: int) -> None:
+        committer.enqueue(Ticket(counts=[(group, sort_key, deliveries)]))
+
+    return park, count
 
 
 RELOAD_PAGE = 10_000
@@ -547,12 +750,7 @@ async def open_claims(
     Cancellation: nothing is left behind (the feed is detached).
     """
 
-    def park(sort_key: int, _subject: str, deliveries: int) -> None:
-        committer.enqueue(Ticket(dead=[(group, sort_key, deliveries)]))
-
-    def count(sort_key: int, deliveries: int) -> None:
-        committer.enqueue(Ticket(counts=[(group, sort_key, deliveries)]))
-
+    park, count = durable_settlements(committer, group)
     claims = Claims(group, ack_wait=ack_wait, max_deliver=max_deliver, on_dead=park, on_count=count)
     # No await between reading the newest key and attaching: a record at or below it is
     # committed (so the history query sees it), one above it is settled later (so the

@@ -59,6 +59,8 @@ class Ticket:
     counts: Sequence[tuple[str, int, int]] = ()
     """(consumer, sort_key, deliveries): deliveries of a record that ended without an
     ack, so that ``CMDBUS_MAX_DELIVER`` holds across a restart."""
+    dropped: Sequence[str] = ()
+    """Consumer groups deleted, with their acks, dead letters, counts and position."""
     settled: trio.Event = attrs.field(factory=trio.Event)
     on_settled: Callable[[Ticket], None] | None = None
     """Called on the loop once the ticket is settled, for a waiter that is not a task (a
@@ -193,10 +195,11 @@ class GroupCommitter:
         dead = [parked for ticket in tickets for parked in ticket.dead]
         positions = [mark for ticket in tickets for mark in ticket.positions]
         counts = [count for ticket in tickets for count in ticket.counts]
-        if not (entries or acks or dead or positions or counts):
+        dropped = [group for ticket in tickets for group in ticket.dropped]
+        if not (entries or acks or dead or positions or counts or dropped):
             return
         started = time.monotonic()
-        published = self.bus.commit(entries, acks, dead, positions, counts)
+        published = self.bus.commit(entries, acks, dead, positions, counts, dropped)
         self._commit_seconds.observe(time.monotonic() - started)
         start = 0
         for ticket in tickets:

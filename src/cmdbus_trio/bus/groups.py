@@ -1,6 +1,10 @@
 """The event bus's named consumer groups: every record goes to every group; the members
 of one group compete for it (one :class:`Claims` per group).
 
+A group is a cursor into the bus's shared :class:`~cmdbus_trio.bus.tail.Tail` plus what it
+has in flight: its memory does not grow with the number of subjects, and creating one
+copies no backlog (the tail is extended back from the store once, for the earliest start).
+
 Groups are persisted with the position they start after, so a restart keeps them and
 their acks. A group is created from the configured defaults at start (from the
 beginning) or by a v2 client naming it with ``from``: ``beginning`` or ``tail`` (only
@@ -9,6 +13,7 @@ records published after its creation).
 
 from __future__ import annotations
 
+import contextlib
 import re
 from typing import Final
 
@@ -20,8 +25,9 @@ from cmdbus_trio.admission import GateClosed, run_in_thread
 from cmdbus_trio.protocol import FieldError
 from cmdbus_trio.storage.buslog import BusLog
 
-from .claims import Claims, open_claims, persist_low_water
-from .committer import GroupCommitter
+from .claims import Claims, durable_settlements, persist_low_water
+from .committer import GroupCommitter, Ticket
+from .tail import Tail
 
 GROUP_NAME: Final = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
@@ -41,23 +47,30 @@ class ConsumerGroups:
         ack_wait: float,
         max_deliver: int,
         limiter: trio.CapacityLimiter,
+        max_groups: int = 1000,
     ) -> None:
         self.log = log
+        self.max_groups = max_groups
         self.committer = committer
         self.ack_wait = ack_wait
         self.max_deliver = max_deliver
         self._limiter = limiter
         self.claims: dict[str, Claims] = {}
+        self.tail = Tail(log, limiter=limiter)
+        # No await since the tail read the newest sort key: it gets every record after.
+        committer.listeners.append(self.tail)
         self._creating: dict[str, _Creation] = {}  # groups whose history is loading
         self._nursery: trio.Nursery | None = None
         self._closed = False
 
     async def open(self, defaults: tuple[str, ...]) -> None:
         """Load the persisted groups and create the configured ones that are missing."""
-        for name, start_after in (
-            await run_in_thread(self.log.groups, limiter=self._limiter)
-        ).items():
-            await self._load(name, start_after)
+        persisted = await run_in_thread(self.log.groups, limiter=self._limiter)
+        with self.tail.pinned():
+            if persisted:  # the earliest start first: one read of the history for all
+                await self.tail.cover(min(persisted.values()))
+            for name, start_after in persisted.items():
+                await self._load(name, start_after)
         for name in defaults:
             if name not in self.claims:
                 await self.get(name, "beginning")
@@ -96,6 +109,13 @@ class ConsumerGroups:
             )
         if start not in ("beginning", "tail"):
             raise FieldError("from", "expected beginning or tail")
+        if len(self.claims) + len(self._creating) >= self.max_groups:
+            metrics.GROUPS_REFUSED.inc()
+            raise FieldError(
+                "group",
+                f"the writer keeps at most {self.max_groups} consumer groups "
+                "(CMDBUS_EVT_MAX_GROUPS); delete one with delete_group first",
+            )
         created = self._creating[name] = _Creation()
         wanted = 0 if start == "beginning" else self.log.last_sort_key
         if self._nursery is None:  # at start-up, before run(): nobody else to wait
@@ -122,20 +142,57 @@ class ConsumerGroups:
             created.done.set()
 
     async def _load(self, name: str, start_after: int) -> None:
-        claims = await open_claims(
-            self.log,
-            self.committer,
+        on_dead, on_count = durable_settlements(self.committer, name)
+        claims = Claims(
             name,
-            start_after=start_after,
             ack_wait=self.ack_wait,
             max_deliver=self.max_deliver,
-            limiter=self._limiter,
+            on_dead=on_dead,
+            on_count=on_count,
+            tail=self.tail,
         )
+        with self.tail.pinned():  # nothing after ``after`` is trimmed until attached
+            settled_below = await run_in_thread(self.log.settled_below, name, limiter=self._limiter)
+            after = max(start_after, settled_below - 1)
+            await self.tail.cover(after)
+            settled, counts = await run_in_thread(
+                self.log.group_state, name, after, limiter=self._limiter
+            )
+            claims.restore_deliveries(counts)
+            claims.attach(after, settled)
         self.claims[name] = claims
         if self._closed:  # created while draining: it leases nothing
             claims.close()
         if self._nursery is not None:
             self._nursery.start_soon(claims.run_timers)
+
+    async def delete(self, name: str) -> bool:
+        """Delete the group and all it recorded (acks, dead letters, counts, position),
+        durably before returning; False when there is no such group. Its waiting
+        consumers are told at once; a request naming it afterwards is ``invalid``
+        (unknown group) unless it creates the group anew.
+
+        Cancellation: once started, the deletion completes (it is committed in order
+        with the group's last acks); only the wait for it stops.
+        """
+        while name in self._creating:  # a creation (or deletion) under way ends first
+            await self._creating[name].done.wait()
+        claims = self.claims.pop(name, None)
+        if claims is None:
+            return False
+        claims.delete()
+        metrics.GROUPS_DELETED.inc()
+        with contextlib.suppress(KeyError):  # no series yet if never sampled
+            metrics.EVENTS_GROUP_LAG.remove(name)
+        deleting = self._creating[name] = _Creation()  # a re-creation waits for this
+        ticket = Ticket(dropped=[name])
+        self.committer.enqueue(ticket)  # after any ack of the group already enqueued
+        try:
+            await ticket.wait()
+        finally:
+            del self._creating[name]
+            deleting.done.set()
+        return True
 
     def release(self, owner: object) -> None:
         for claims in self.claims.values():
@@ -149,7 +206,10 @@ class ConsumerGroups:
     async def _sample_lag(self) -> None:
         while True:
             for name, claims in sorted(self.claims.items()):
+                if claims.deleted:  # while this pass went on
+                    continue
                 metrics.EVENTS_GROUP_LAG.labels(group=name).set(claims.total)
                 persist_low_water(claims, self.committer)
                 await trio.lowlevel.checkpoint()  # many groups: one at a time per loop turn
+            self.tail.trim()
             await trio.sleep(1.0)

@@ -221,6 +221,10 @@ def dead(
     )
 
 
+def delete_group(group: str) -> Call[bool]:
+    return Call("delete_group", {"group": group}, lambda r: bool(r["deleted"]), idempotent=True)
+
+
 # --- tier face ----------------------------------------------------------------------------
 
 

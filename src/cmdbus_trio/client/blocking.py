@@ -313,6 +313,11 @@ class ClaimClient(Connection):
     ) -> list[Delivery]:
         return self.call(calls.dead(filter, group, limit), timeout=timeout)
 
+    def delete_group(self, group: str, *, timeout: float | None = None) -> bool:
+        """Delete an event consumer group and all it recorded (event claim face only);
+        False when there is no such group."""
+        return self.call(calls.delete_group(group), timeout=timeout)
+
 
 class TierClient(Connection):
     """The tier face (:9110)."""

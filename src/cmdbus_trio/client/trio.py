@@ -356,6 +356,11 @@ class ClaimClient(Connection):
     ) -> list[Delivery]:
         return await self.call(calls.dead(filter, group, limit), timeout=timeout)
 
+    async def delete_group(self, group: str, *, timeout: float | None = None) -> bool:
+        """Delete an event consumer group and all it recorded (event claim face only);
+        False when there is no such group."""
+        return await self.call(calls.delete_group(group), timeout=timeout)
+
 
 class TierClient(Connection):
     """The tier face (:9110)."""

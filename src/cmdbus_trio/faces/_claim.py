@@ -43,8 +43,11 @@ from ._connection import CloseConnection, Deferred, V1Reply
 
 Resolve = Callable[[Any, Any], Awaitable[Claims]]
 """(group field, from field) -> the group's coordinator; raises FieldError."""
+Delete = Callable[[str], Awaitable[bool]]
+"""group name -> deleted (False: no such group)."""
 
 OPS = ("next", "ack", "nack", "extend", "lag", "dead")
+GROUP_OPS = (*OPS, "delete_group")
 _FIELDS: dict[str, frozenset[str]] = {
     "next": frozenset({"filter", "group", "from", "member", "timeout_ms"}),
     "ack": frozenset({"sort_key", "group"}),
@@ -52,6 +55,7 @@ _FIELDS: dict[str, frozenset[str]] = {
     "extend": frozenset({"sort_key", "group"}),
     "lag": frozenset({"filter", "group"}),
     "dead": frozenset({"filter", "group", "limit"}),
+    "delete_group": frozenset({"group"}),
 }
 MAX_DEAD_LIMIT = 1000
 
@@ -61,10 +65,13 @@ class ClaimHandler:
     """``next`` is not among them: it takes its Gate lease only once a record is there,
     so a consumer parked in ``next`` holds no intake place (see :meth:`_next`)."""
 
-    def __init__(self, ctx: FaceContext, bus: Bus, resolve: Resolve) -> None:
+    def __init__(
+        self, ctx: FaceContext, bus: Bus, resolve: Resolve, delete: Delete | None = None
+    ) -> None:
         self.gate = ctx.gate
         self.bus = bus
         self.resolve = resolve
+        self.delete = delete  # named groups only (the event claim face)
         self._used: dict[str, Claims] = {}  # the groups this connection claimed from
         self._resolved: dict[str | None, Claims] = {}  # group field -> its coordinator
 
@@ -72,7 +79,7 @@ class ClaimHandler:
         claims = await self.resolve(group, start)
         self._used[claims.group] = claims
         if start is None and (group is None or isinstance(group, str)):
-            self._resolved[group] = claims  # groups are never removed
+            self._resolved[group] = claims  # until it is deleted
         return claims
 
     def holding(self) -> bool:
@@ -136,8 +143,8 @@ class ClaimHandler:
 
     def v2(self, request: Request, arrival: float) -> Awaitable[bytes] | Deferred:
         known = _FIELDS.get(request.op)
-        if known is None:
-            raise UnsupportedOp(request.op, OPS)
+        if known is None or (request.op == "delete_group" and self.delete is None):
+            raise UnsupportedOp(request.op, OPS if self.delete is None else GROUP_OPS)
         if unknown := sorted(set(request.fields) - known):
             raise FieldError(unknown[0], "unknown field")
         # A group this connection has used already, and nothing to wait for: answered by
@@ -145,6 +152,9 @@ class ClaimHandler:
         fields = request.fields
         group = fields.get("group")
         claims = self._resolved.get(group) if group is None or isinstance(group, str) else None
+        if claims is not None and claims.deleted:
+            del self._resolved[group]
+            claims = None
         if claims is not None and request.op == "ack":
             return self._ack_deferred(request.id, claims, _sort_key(fields))
         budget = None if request.deadline_ms is None else request.deadline_ms / 1000
@@ -164,6 +174,11 @@ class ClaimHandler:
         budget: float | None,
         arrival: float,
     ) -> bytes:
+        if op == "delete_group":
+            group = fields.get("group")
+            if not isinstance(group, str) or self.delete is None:
+                raise FieldError("group", "expected the name of a consumer group")
+            return encode_ok(request_id, {"deleted": await self.delete(group)})
         claims = await self._claims(fields.get("group"), fields.get("from"))
         if op == "next":
             filter_tokens = parse_filter(fields.get("filter"))
@@ -175,7 +190,7 @@ class ClaimHandler:
             return encode_ok(request_id, {"delivery": result})
         if op == "lag":
             tokens = None if fields.get("filter") is None else parse_filter(fields["filter"])
-            subjects = claims.lag(tokens)
+            subjects = await claims.backlog(tokens)
             return encode_ok(request_id, {"subjects": subjects, "total": sum(subjects.values())})
         if op == "dead":
             return encode_ok(

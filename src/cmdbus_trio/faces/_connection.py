@@ -123,8 +123,8 @@ def as_face_error(exc: Exception) -> FaceError | None:
         return FaceError(ErrorCode.BUSY, exc.reason.value, exc.retry_after_ms)
     if isinstance(exc, DeadlineExceeded):
         return FaceError(ErrorCode.DEADLINE, "the request's budget ran out; read work stopped")
-    if isinstance(exc, GateClosed):
-        return FaceError(ErrorCode.UNAVAILABLE, "the writer is draining")
+    if isinstance(exc, GateClosed):  # draining, or the consumer group was deleted
+        return FaceError(ErrorCode.UNAVAILABLE, str(exc) or "the writer is draining")
     if isinstance(exc, StoreUnavailable):
         return FaceError(ErrorCode.UNAVAILABLE, str(exc))
     if isinstance(exc, RemoteProtocolError) and not exc.fatal:

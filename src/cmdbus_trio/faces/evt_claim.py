@@ -32,5 +32,7 @@ async def serve(
         return await groups.get(group, start)
 
     await serve_connections(
-        ctx, lambda _send: ClaimHandler(ctx, bus, resolve), task_status=task_status
+        ctx,
+        lambda _send: ClaimHandler(ctx, bus, resolve, groups.delete),
+        task_status=task_status,
     )

@@ -139,13 +139,16 @@ class BusLog(SqliteStore):
         dead: Sequence[tuple[str, int, int]] = (),
         positions: Sequence[tuple[str, int]] = (),
         counts: Sequence[tuple[str, int, int]] = (),
+        dropped: Sequence[str] = (),
     ) -> list[Published]:
         """One transaction (one fsync): append ``entries``, record ``acks`` as
         ``(consumer, sort_key)``, dead letters as ``(consumer, sort_key, deliveries)``,
         delivery ``counts`` of unsettled records as ``(consumer, sort_key, deliveries)``,
         and ``positions`` as ``(consumer, settled_below)``: every record below it is acked
         or dead for that consumer, so its acks and counts there are no longer needed and
-        are pruned. A consumer is a claim group ("commands" for the command bus)."""
+        are pruned. A consumer is a claim group ("commands" for the command bus).
+        ``dropped``: groups deleted, with all they recorded (after the rest of the
+        transaction, so an ack of theirs committed with it leaves nothing behind)."""
 
         def write(connection: sqlite3.Connection) -> list[Published]:
             if counts:
@@ -170,6 +173,10 @@ class BusLog(SqliteStore):
                     )
             if dead:
                 connection.executemany("INSERT OR REPLACE INTO dead VALUES (?, ?, ?)", dead)
+            for group in dropped:
+                connection.execute("DELETE FROM groups WHERE name = ?", (group,))
+                for table in ("acks", "dead", "deliveries", "positions"):
+                    connection.execute(f"DELETE FROM {table} WHERE consumer = ?", (group,))
             if not entries:
                 return []
             now = self._wall_clock()
@@ -287,6 +294,34 @@ class BusLog(SqliteStore):
                 (consumer, after, through, consumer, consumer, limit),
             ).fetchall()
         return [(int(key), str(subject), int(count)) for key, subject, count in rows]
+
+    @refuses_loop_thread
+    def subjects_between(self, after: int, through: int, limit: int) -> list[tuple[int, str]]:
+        """``(sort_key, subject)`` of up to ``limit`` records after ``after`` and up to
+        ``through``, ascending: what an event group's tail holds (no bodies)."""
+        with self._connection() as connection:
+            rows = connection.execute(
+                "SELECT sort_key, subject FROM records WHERE sort_key > ? AND sort_key <= ? "
+                "ORDER BY sort_key LIMIT ?",
+                (after, through, limit),
+            ).fetchall()
+        return [(int(key), str(subject)) for key, subject in rows]
+
+    @refuses_loop_thread
+    def group_state(self, consumer: str, after: int) -> tuple[list[int], list[tuple[int, int]]]:
+        """What an event group resumes with after ``after``: the sort keys it settled
+        (acked or dead), and ``(sort_key, deliveries)`` recorded for the others."""
+        with self._connection() as connection:
+            settled = connection.execute(
+                "SELECT sort_key FROM acks WHERE consumer = ? AND sort_key > ? "
+                "UNION SELECT sort_key FROM dead WHERE consumer = ? AND sort_key > ?",
+                (consumer, after, consumer, after),
+            ).fetchall()
+            counts = connection.execute(
+                "SELECT sort_key, deliveries FROM deliveries WHERE consumer = ? AND sort_key > ?",
+                (consumer, after),
+            ).fetchall()
+        return [int(row[0]) for row in settled], [(int(k), int(n)) for k, n in counts]
 
     @refuses_loop_thread
     def dead_letters(self, consumer: str, limit: int) -> list[DeadRecord]:
