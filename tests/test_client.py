@@ -142,7 +142,8 @@ async def test_ingest_claim_and_dead(server: dict[str, str]) -> None:
             assert third is not None and await claim.ack(third.sort_key)
             assert await claim.next("commands.clienttest.>", wait=0.05) is None
             dead = await claim.dead("commands.clienttest.>")
-            assert [d.sort_key for d in dead] == [second.sort_key]
+            assert [d.sort_key for d in dead.records] == [second.sort_key]
+            assert dead.next_after is None
             with pytest.raises(Invalid, match="group"):
                 await claim.lag(group="nope")
 
@@ -411,7 +412,7 @@ def test_blocking_every_face(server: dict[str, str]) -> None:
         nxt = claim.next("commands.blocking.>", wait=1)
         assert nxt is not None and claim.extend(nxt.sort_key) and claim.ack(nxt.sort_key)
         assert claim.next("commands.blocking.>", wait=0.05) is None
-        assert claim.dead("commands.blocking.>") == []
+        assert claim.dead("commands.blocking.>").records == ()
     event = {"execution_id": execution, "payload": json.dumps({"event_type": "blocking"})}
     with (
         blocking.IngestClient.connect(server["evt_ingest"]) as ingest,

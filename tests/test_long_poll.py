@@ -201,7 +201,7 @@ async def test_parked_consumers_hold_no_intake_place(writer: tuple[Path, dict[st
             assert gates["cmd_claim"]["intake"] == 0  # the parked ones take no place
             await worker.send(json.dumps({"id": 99, "op": "dead", "limit": 1}).encode())
             reply = await worker.receive_json()
-            assert reply == {"id": 99, "ok": True, "records": []}
+            assert reply == {"id": 99, "ok": True, "records": [], "next_after": None}
             for client in clients:
                 await client.aclose()
             nursery.cancel_scope.cancel()

@@ -99,8 +99,8 @@ ADMITTED_OPS: Mapping[str, tuple[str, ...]] = {
     "tier": ("append", "append_batch", "read_execution", "scan"),
     "cmd_ingest": ("publish", "publish_batch"),
     "evt_ingest": ("publish", "publish_batch"),
-    "cmd_claim": ("next", "dead"),
-    "evt_claim": ("next", "dead"),
+    "cmd_claim": ("next", "dead", "requeue", "purge"),
+    "evt_claim": ("next", "dead", "requeue", "purge"),
     "evt_subscribe": ("subscribe",),
 }
 """The ops that ask each face's Gate for a lease (their shed counters start at 0)."""

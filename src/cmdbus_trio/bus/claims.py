@@ -175,6 +175,15 @@ class Claims:
         for subject in arrived:
             self._hand_over(subject)
 
+    def requeue(self, records: Iterable[tuple[int, str]]) -> None:
+        """Dead letters back in the backlog (``requeue``, durable already), as
+        ``(sort_key, subject)``: delivered again before fresh records, with a fresh
+        delivery count."""
+        for sort_key, subject in records:
+            self._deliveries.pop(sort_key, None)
+            self._count(subject, +1)
+            self._redeliver(sort_key, subject)
+
     def restore_deliveries(self, counts: Iterable[tuple[int, int]]) -> None:
         """Deliveries recorded before a restart, as ``(sort_key, deliveries)``."""
         self._deliveries.update((key, count) for key, count in counts if count)
@@ -758,6 +767,9 @@ async def open_claims(
     feed = _LiveFeed(claims, through=log.last_sort_key)
     committer.listeners.append(feed)
     try:
+        settled_below = await run_in_thread(log.settled_below, group, limiter=limiter)
+        below = max(start_after, settled_below - 1)  # `unsettled` starts there too
+        claims.requeue(await run_in_thread(log.owed, group, below, limiter=limiter))
         after = start_after
         while page := await run_in_thread(
             log.unsettled, group, after, RELOAD_PAGE, feed.through, limiter=limiter

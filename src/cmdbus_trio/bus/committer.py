@@ -61,6 +61,11 @@ class Ticket:
     ack, so that ``CMDBUS_MAX_DELIVER`` holds across a restart."""
     dropped: Sequence[str] = ()
     """Consumer groups deleted, with their acks, dead letters, counts and position."""
+    dead_moves: Sequence[tuple[str, int, bool]] = ()
+    """(consumer, sort_key, requeue): dead letters requeued (True) or purged (False)."""
+    moved: list[tuple[str, int]] = attrs.field(factory=list)
+    """Of ``dead_moves``, the (consumer, sort_key) that were still dead (set in the commit
+    thread): only those are requeued in memory."""
     settled: trio.Event = attrs.field(factory=trio.Event)
     on_settled: Callable[[Ticket], None] | None = None
     """Called on the loop once the ticket is settled, for a waiter that is not a task (a
@@ -196,10 +201,18 @@ class GroupCommitter:
         positions = [mark for ticket in tickets for mark in ticket.positions]
         counts = [count for ticket in tickets for count in ticket.counts]
         dropped = [group for ticket in tickets for group in ticket.dropped]
-        if not (entries or acks or dead or positions or counts or dropped):
+        dead_moves = [move for ticket in tickets for move in ticket.dead_moves]
+        if not (entries or acks or dead or positions or counts or dropped or dead_moves):
             return
         started = time.monotonic()
-        published = self.bus.commit(entries, acks, dead, positions, counts, dropped)
+        moved: list[tuple[str, int]] = []
+        published = self.bus.commit(
+            entries, acks, dead, positions, counts, dropped, dead_moves, moved
+        )
+        if moved:
+            done = set(moved)
+            for ticket in tickets:
+                ticket.moved = [m[:2] for m in ticket.dead_moves if m[:2] in done]
         self._commit_seconds.observe(time.monotonic() - started)
         start = 0
         for ticket in tickets:
@@ -210,5 +223,12 @@ class GroupCommitter:
 def _size(ticket: Ticket) -> int:
     """A ticket's weight in a batch: its records, acks, dead letters, positions and
     counts (at least 1)."""
-    parts = (ticket.records, ticket.acks, ticket.dead, ticket.positions, ticket.counts)
+    parts = (
+        ticket.records,
+        ticket.acks,
+        ticket.dead,
+        ticket.positions,
+        ticket.counts,
+        ticket.dead_moves,
+    )
     return max(1, sum(map(len, parts)))

@@ -158,8 +158,10 @@ class ConsumerGroups:
             settled, counts = await run_in_thread(
                 self.log.group_state, name, after, limiter=self._limiter
             )
+            owed = await run_in_thread(self.log.owed, name, after, limiter=self._limiter)
             claims.restore_deliveries(counts)
             claims.attach(after, settled)
+            claims.requeue(owed)
         self.claims[name] = claims
         if self._closed:  # created while draining: it leases nothing
             claims.close()

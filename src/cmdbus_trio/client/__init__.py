@@ -44,6 +44,7 @@ __all__ = [
     "ClientError",
     "Conflict",
     "ConnectionLost",
+    "DeadPage",
     "DeadlineExceeded",
     "Delivery",
     "InternalError",

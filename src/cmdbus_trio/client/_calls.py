@@ -3,7 +3,7 @@ typed result. Both transports run these; nothing here does I/O."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Generic, TypeVar
 
 import attrs
@@ -42,6 +42,15 @@ class Delivery:
     redelivered: bool
     deliveries: int
     record: Record
+
+
+@attrs.frozen
+class DeadPage:
+    """One page of dead letters; ask again with ``after=next_after`` until it is
+    ``None``."""
+
+    records: tuple[Delivery, ...]
+    next_after: int | None
 
 
 @attrs.frozen
@@ -211,12 +220,28 @@ def lag(filter: str | None = None, group: str | None = None) -> Call[Lag]:
 
 
 def dead(
-    filter: str | None = None, group: str | None = None, limit: int | None = None
-) -> Call[list[Delivery]]:
+    filter: str | None = None,
+    group: str | None = None,
+    limit: int | None = None,
+    after: int | None = None,
+) -> Call[DeadPage]:
     return Call(
         "dead",
-        _options(filter=filter, group=group, limit=limit),
-        lambda r: [delivery(d) for d in r["records"]],
+        _options(filter=filter, group=group, limit=limit, after=after),
+        lambda r: DeadPage(tuple(delivery(d) for d in r["records"]), r["next_after"]),
+        idempotent=True,
+    )
+
+
+def move_dead(
+    op: str, sort_keys: Sequence[int] | None, filter: str | None, group: str | None
+) -> Call[int]:
+    """``requeue`` or ``purge``: safe to repeat (a dead letter moves once)."""
+    keys = None if sort_keys is None else list(sort_keys)
+    return Call(
+        op,
+        _options(sort_keys=keys, filter=filter, group=group),
+        lambda r: int(r[f"{op}d"]),
         idempotent=True,
     )
 

@@ -25,6 +25,7 @@ from ._calls import (
     Appended,
     BatchAppended,
     Call,
+    DeadPage,
     Delivery,
     Lag,
     Page,
@@ -309,9 +310,37 @@ class ClaimClient(Connection):
         *,
         group: str | None = None,
         limit: int | None = None,
+        after: int | None = None,
         timeout: float | None = None,
-    ) -> list[Delivery]:
-        return self.call(calls.dead(filter, group, limit), timeout=timeout)
+    ) -> DeadPage:
+        """A page of dead letters (up to ``limit``, 100 by default), oldest first; page
+        on with ``after=page.next_after`` until it is ``None``."""
+        return self.call(calls.dead(filter, group, limit, after), timeout=timeout)
+
+    def requeue(
+        self,
+        sort_keys: Sequence[int] | None = None,
+        *,
+        filter: str | None = None,
+        group: str | None = None,
+        timeout: float | None = None,
+    ) -> int:
+        """Put dead letters back in the queue, with a fresh delivery count: those of
+        ``sort_keys`` (at most 1,000), or every one matching ``filter``. Returns how many
+        were requeued, durably."""
+        return self.call(calls.move_dead("requeue", sort_keys, filter, group), timeout=timeout)
+
+    def purge(
+        self,
+        sort_keys: Sequence[int] | None = None,
+        *,
+        filter: str | None = None,
+        group: str | None = None,
+        timeout: float | None = None,
+    ) -> int:
+        """Drop dead letters for good (selected as for :meth:`requeue`). Returns how many
+        were purged, durably."""
+        return self.call(calls.move_dead("purge", sort_keys, filter, group), timeout=timeout)
 
     def delete_group(self, group: str, *, timeout: float | None = None) -> bool:
         """Delete an event consumer group and all it recorded (event claim face only);

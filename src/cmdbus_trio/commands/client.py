@@ -83,6 +83,21 @@ def add_parser(commands: Any) -> None:
         parser.add_argument("--addr", help="claim face (default :9101, or :9104 with --group)")
         parser.add_argument("--filter", help="subject filter")
         parser.add_argument("--group", help="an event consumer group")
+        if name == "dead":
+            move = parser.add_mutually_exclusive_group()
+            move.add_argument(
+                "--requeue",
+                action="store_true",
+                help="put them back in the queue with a fresh delivery count",
+            )
+            move.add_argument("--purge", action="store_true", help="drop them for good")
+            parser.add_argument(
+                "--sort-key",
+                type=int,
+                action="append",
+                dest="sort_keys",
+                help="with --requeue or --purge: only this one (repeatable; else --filter's)",
+            )
 
     health_help = "the writer's /healthz (exit 1 when degraded)"
     health = ops.add_parser("health", help=health_help, description=health_help)
@@ -243,10 +258,26 @@ def _lag(args: argparse.Namespace, output: Output) -> int:
 
 
 def _dead(args: argparse.Namespace, output: Output) -> int:
+    """List every dead letter (all pages), or requeue or purge them."""
+    if args.sort_keys and not (args.requeue or args.purge):
+        raise ValueError("--sort-key goes with --requeue or --purge")
     with blocking.ClaimClient.connect(_claim_address(args), **_options(args)) as claim:
-        for delivery in claim.dead(args.filter, group=args.group, limit=1000, timeout=CALL_TIMEOUT):
-            output.row(delivery)
-    return 0
+        if args.requeue or args.purge:
+            move = claim.requeue if args.requeue else claim.purge
+            filter = None if args.sort_keys else (args.filter or ">")
+            moved = move(args.sort_keys, filter=filter, group=args.group, timeout=CALL_TIMEOUT)
+            output.row({"requeued" if args.requeue else "purged": moved})
+            return 0
+        after = None
+        while True:
+            page = claim.dead(
+                args.filter, group=args.group, limit=1000, after=after, timeout=CALL_TIMEOUT
+            )
+            for delivery in page.records:
+                output.row(delivery)
+            if page.next_after is None:
+                return 0
+            after = page.next_after
 
 
 def fetch(url: str, timeout: float = 5.0) -> tuple[int, bytes]:

@@ -15,7 +15,9 @@ task: the same steps, without waiting.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import trio
@@ -25,6 +27,7 @@ from cmdbus_trio.bus import Bus
 from cmdbus_trio.bus.claims import Claims, Delivery
 from cmdbus_trio.bus.committer import Ticket
 from cmdbus_trio.protocol import (
+    ErrorCode,
     FieldError,
     Request,
     UnsupportedOp,
@@ -34,19 +37,20 @@ from cmdbus_trio.protocol import (
     is_int,
     loads,
 )
-from cmdbus_trio.protocol.subjects import matches, parse_filter
+from cmdbus_trio.protocol.subjects import parse_filter
+from cmdbus_trio.protocol.tier import reply_size, with_records
 from cmdbus_trio.storage import StoreUnavailable
-from cmdbus_trio.storage.buslog import StoredRecord
+from cmdbus_trio.storage.buslog import DEAD_KEYS_PAGE, DeadRecord, StoredRecord
 
 from . import FaceContext
-from ._connection import CloseConnection, Deferred, V1Reply
+from ._connection import CloseConnection, Deferred, FaceError, V1Reply
 
 Resolve = Callable[[Any, Any], Awaitable[Claims]]
 """(group field, from field) -> the group's coordinator; raises FieldError."""
 Delete = Callable[[str], Awaitable[bool]]
 """group name -> deleted (False: no such group)."""
 
-OPS = ("next", "ack", "nack", "extend", "lag", "dead")
+OPS = ("next", "ack", "nack", "extend", "lag", "dead", "requeue", "purge")
 GROUP_OPS = (*OPS, "delete_group")
 _FIELDS: dict[str, frozenset[str]] = {
     "next": frozenset({"filter", "group", "from", "member", "timeout_ms"}),
@@ -54,14 +58,16 @@ _FIELDS: dict[str, frozenset[str]] = {
     "nack": frozenset({"sort_key", "group", "delay_ms"}),
     "extend": frozenset({"sort_key", "group"}),
     "lag": frozenset({"filter", "group"}),
-    "dead": frozenset({"filter", "group", "limit"}),
+    "dead": frozenset({"filter", "group", "after", "limit"}),
+    "requeue": frozenset({"sort_keys", "filter", "group"}),
+    "purge": frozenset({"sort_keys", "filter", "group"}),
     "delete_group": frozenset({"group"}),
 }
 MAX_DEAD_LIMIT = 1000
 
 
 class ClaimHandler:
-    gated_ops = frozenset({"dead"})
+    gated_ops = frozenset({"dead", "requeue", "purge"})
     """``next`` is not among them: it takes its Gate lease only once a record is there,
     so a consumer parked in ``next`` holds no intake place (see :meth:`_next`)."""
 
@@ -69,6 +75,7 @@ class ClaimHandler:
         self, ctx: FaceContext, bus: Bus, resolve: Resolve, delete: Delete | None = None
     ) -> None:
         self.gate = ctx.gate
+        self.max_reply = ctx.config.max_reply_bytes
         self.bus = bus
         self.resolve = resolve
         self.delete = delete  # named groups only (the event claim face)
@@ -193,9 +200,10 @@ class ClaimHandler:
             subjects = await claims.backlog(tokens)
             return encode_ok(request_id, {"subjects": subjects, "total": sum(subjects.values())})
         if op == "dead":
-            return encode_ok(
-                request_id, {"records": await self._dead(claims, fields, budget, arrival)}
-            )
+            return await self._dead(request_id, claims, fields, budget, arrival)
+        if op in ("requeue", "purge"):
+            moved = await self._move_dead(claims, op, fields, budget, arrival)
+            return encode_ok(request_id, {f"{op}d": moved})
         sort_key = _sort_key(fields)
         if op == "ack":
             return encode_ok(request_id, {"acked": await self._ack(claims, sort_key)})
@@ -324,24 +332,141 @@ class ClaimHandler:
             reply.settle(encode_ok(request_id, {"acked": False}))
         return reply
 
+    # --- dead letters ------------------------------------------------------------------------
+
     async def _dead(
-        self, claims: Claims, fields: dict[str, Any], budget: float | None, arrival: float
-    ) -> list[dict[str, Any]]:
-        tokens = None if fields.get("filter") is None else parse_filter(fields["filter"])
+        self,
+        request_id: int,
+        claims: Claims,
+        fields: dict[str, Any],
+        budget: float | None,
+        arrival: float,
+    ) -> bytes:
+        """A page of dead letters, filtered in the query and encoded in the thread (the
+        stored records spliced in, never decoded), bounded by ``limit`` and the reply cap
+        like ``read_execution``."""
+        filter_text = _filter_text(fields)
+        after = fields.get("after", 0)
+        if not (is_int(after) and after >= 0):
+            raise FieldError("after", "expected a non-negative integer")
         limit = fields.get("limit", 100)
         if not is_int(limit):
             raise FieldError("limit", "expected an integer")
         limit = max(1, min(MAX_DEAD_LIMIT, limit))
+        head = {"id": request_id, "ok": True}
         with await self.gate.acquire("dead", budget=budget, arrival=arrival) as lease:
-            records = await lease.run_cancellable(
-                self.bus.log.dead_letters, claims.group, MAX_DEAD_LIMIT
+            return await lease.run_cancellable(
+                self._dead_page, claims.group, filter_text, after, limit, head
             )
-        chosen = [r for r in records if tokens is None or matches(tokens, r.subject)][:limit]
-        return [
-            {"sort_key": r.sort_key, "subject": r.subject, "redelivered": r.deliveries > 1,
-             "deliveries": r.deliveries, "record": loads(r.record.encode())}
-            for r in chosen
-        ]  # fmt: skip
+
+    def _dead_page(
+        self, group: str, filter_text: str | None, after: int, limit: int, head: dict[str, Any]
+    ) -> bytes:
+        overhead = reply_size(head, 0, 0, {"next_after": 1 << 63})
+        fragments: list[bytes] = []
+        size = 0  # the fragments and the commas between them
+        last: int | None = None
+        more = False
+        with contextlib.closing(
+            self.bus.log.iter_dead(group, after=after, filter=filter_text)
+        ) as pages:
+            for page in pages:
+                trio.from_thread.check_cancelled()  # a spent budget stops within a page
+                for dead in page:
+                    if len(fragments) == limit:
+                        more = True
+                        break
+                    fragment = _dead_fragment(dead)
+                    grown = size + len(fragment) + (1 if fragments else 0)
+                    if overhead + grown > self.max_reply:
+                        if not fragments:
+                            raise FaceError(
+                                ErrorCode.TOO_LARGE,
+                                f"dead letter {dead.sort_key} alone needs a reply of "
+                                f"{overhead + grown} bytes, over the {self.max_reply}-byte cap",
+                            )
+                        more = True
+                        break
+                    fragments.append(fragment)
+                    size = grown
+                    last = dead.sort_key
+                if more:
+                    break
+        return with_records(head, fragments, {"next_after": last if more else None})
+
+    async def _move_dead(
+        self,
+        claims: Claims,
+        op: str,
+        fields: dict[str, Any],
+        budget: float | None,
+        arrival: float,
+    ) -> int:
+        """Requeue or purge the dead letters named by ``sort_keys`` or matched by
+        ``filter``, durably, in transactions of up to 1,000; returns how many were still
+        dead (and so moved).
+
+        Cancellation: a transaction that started is committed and its records requeued in
+        memory (shielded): the store and the coordinator never disagree. One cut short by
+        its budget keeps what it did; the reply is then ``deadline``.
+        """
+        sort_keys = fields.get("sort_keys")
+        if (sort_keys is None) == (fields.get("filter") is None):
+            raise FieldError("sort_keys", "name either sort_keys (a list) or filter")
+        if sort_keys is not None and not (
+            isinstance(sort_keys, list)
+            and len(sort_keys) <= DEAD_KEYS_PAGE
+            and all(is_int(key) and key >= 1 for key in sort_keys)
+        ):
+            raise FieldError(
+                "sort_keys", f"expected a list of at most {DEAD_KEYS_PAGE} positive integers"
+            )
+        filter_text = _filter_text(fields)
+        requeue = op == "requeue"
+        moved = 0
+        after = 0
+        with await self.gate.acquire(op, budget=budget, arrival=arrival) as lease:
+            while chosen := await lease.run_cancellable(
+                partial(
+                    self.bus.log.dead_subjects,
+                    claims.group,
+                    after=after,
+                    filter=filter_text,
+                    sort_keys=sort_keys,
+                )
+            ):
+                ticket = Ticket(dead_moves=[(claims.group, key, requeue) for key, _ in chosen])
+                self.bus.committer.enqueue(ticket)
+                with trio.CancelScope(shield=True):
+                    await ticket.wait()
+                    done = set(ticket.moved)
+                    if requeue:
+                        claims.requeue(
+                            (key, subject) for key, subject in chosen if (claims.group, key) in done
+                        )
+                moved += len(done)
+                if sort_keys is not None:
+                    break  # all of them were in the one query
+                after = chosen[-1][0]
+        return moved
+
+
+def _filter_text(fields: dict[str, Any]) -> str | None:
+    """The request's optional ``filter``, checked, as the store's queries take it."""
+    filter = fields.get("filter")
+    return None if filter is None else ".".join(parse_filter(filter))
+
+
+def _dead_fragment(dead: DeadRecord) -> bytes:
+    head = dumps(
+        {
+            "sort_key": dead.sort_key,
+            "subject": dead.subject,
+            "redelivered": dead.deliveries > 1,
+            "deliveries": dead.deliveries,
+        }
+    )
+    return b"".join((head[:-1], b',"record":', dead.record.encode(), b"}"))
 
 
 def _timeout_ms(fields: dict[str, Any]) -> int | None:

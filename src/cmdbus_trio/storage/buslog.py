@@ -9,12 +9,15 @@ database, so it survives a restart. One :meth:`BusLog.publish` call is one trans
 
 from __future__ import annotations
 
+import functools
 import sqlite3
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
 
 import attrs
+
+from cmdbus_trio.protocol.subjects import matches
 
 from ._guard import refuses_loop_thread
 from ._sqlite import SqliteStore
@@ -24,6 +27,12 @@ MSG_ID_PRUNE_BATCH = 1000
 transaction long."""
 MAX_READ_MANY = 256
 """Most records :meth:`BusLog.read_many` reads in one query."""
+DEAD_PAGE_ROWS = 16
+"""Dead letters (bodies included) per query of :meth:`BusLog.iter_dead`: a page of 1 MiB
+records stays small, and a reader that stops early has read little past it."""
+DEAD_KEYS_PAGE = 1000
+"""Dead letters per query (and per requeue or purge transaction) when they are selected by
+sort keys or a filter."""
 
 
 @attrs.frozen
@@ -114,6 +123,11 @@ class BusLog(SqliteStore):
                 deliveries INTEGER NOT NULL,
                 PRIMARY KEY (consumer, sort_key)
             ) WITHOUT ROWID;
+            CREATE TABLE IF NOT EXISTS owed (
+                consumer TEXT NOT NULL,
+                sort_key INTEGER NOT NULL,
+                PRIMARY KEY (consumer, sort_key)
+            ) WITHOUT ROWID;
             """
         )
         row = connection.execute(
@@ -140,6 +154,8 @@ class BusLog(SqliteStore):
         positions: Sequence[tuple[str, int]] = (),
         counts: Sequence[tuple[str, int, int]] = (),
         dropped: Sequence[str] = (),
+        dead_moves: Sequence[tuple[str, int, bool]] = (),
+        moved: list[tuple[str, int]] | None = None,
     ) -> list[Published]:
         """One transaction (one fsync): append ``entries``, record ``acks`` as
         ``(consumer, sort_key)``, dead letters as ``(consumer, sort_key, deliveries)``,
@@ -148,7 +164,11 @@ class BusLog(SqliteStore):
         or dead for that consumer, so its acks and counts there are no longer needed and
         are pruned. A consumer is a claim group ("commands" for the command bus).
         ``dropped``: groups deleted, with all they recorded (after the rest of the
-        transaction, so an ack of theirs committed with it leaves nothing behind)."""
+        transaction, so an ack of theirs committed with it leaves nothing behind).
+        ``dead_moves``: ``(consumer, sort_key, requeue)``: a dead letter requeued (it is
+        the consumer's again, with a fresh delivery count, and stays so across a restart
+        even below the consumer's settled position: it is *owed*) or purged (settled for good); each
+        one that was still dead is appended to ``moved``."""
 
         def write(connection: sqlite3.Connection) -> list[Published]:
             if counts:
@@ -157,6 +177,10 @@ class BusLog(SqliteStore):
             if settled:  # a settled record's count is no longer needed
                 connection.executemany(
                     "DELETE FROM deliveries WHERE consumer = ? AND sort_key = ?", settled
+                )
+            if settled:  # settled again after a requeue
+                connection.executemany(
+                    "DELETE FROM owed WHERE consumer = ? AND sort_key = ?", settled
                 )
             if acks:
                 connection.executemany("INSERT OR IGNORE INTO acks VALUES (?, ?)", acks)
@@ -173,9 +197,22 @@ class BusLog(SqliteStore):
                     )
             if dead:
                 connection.executemany("INSERT OR REPLACE INTO dead VALUES (?, ?, ?)", dead)
+            for consumer, sort_key, requeue in dead_moves:
+                key = (consumer, sort_key)
+                if not connection.execute(
+                    "DELETE FROM dead WHERE consumer = ? AND sort_key = ?", key
+                ).rowcount:
+                    continue  # not dead (any more): requeued or purged meanwhile
+                connection.execute(
+                    "DELETE FROM deliveries WHERE consumer = ? AND sort_key = ?", key
+                )
+                table = "owed" if requeue else "acks"
+                connection.execute(f"INSERT OR IGNORE INTO {table} VALUES (?, ?)", key)
+                if moved is not None:
+                    moved.append(key)
             for group in dropped:
                 connection.execute("DELETE FROM groups WHERE name = ?", (group,))
-                for table in ("acks", "dead", "deliveries", "positions"):
+                for table in ("acks", "dead", "deliveries", "positions", "owed"):
                     connection.execute(f"DELETE FROM {table} WHERE consumer = ?", (group,))
             if not entries:
                 return []
@@ -324,15 +361,70 @@ class BusLog(SqliteStore):
         return [int(row[0]) for row in settled], [(int(k), int(n)) for k, n in counts]
 
     @refuses_loop_thread
-    def dead_letters(self, consumer: str, limit: int) -> list[DeadRecord]:
+    def iter_dead(
+        self, consumer: str, *, after: int = 0, filter: str | None = None
+    ) -> Generator[list[DeadRecord], None, None]:
+        """``consumer``'s dead letters with a sort key greater than ``after`` whose subject
+        matches ``filter`` (a NATS filter; None: all), ascending, in pages of
+        :data:`DEAD_PAGE_ROWS`: filtered in the query, so paging reaches every one. One
+        short query per page: no read transaction stays open between pages."""
+        with self._connection() as connection:
+            _with_subject_matches(connection)
+            while page := [
+                DeadRecord(*row)
+                for row in connection.execute(
+                    "SELECT r.sort_key, r.subject, r.record, d.deliveries FROM dead d "
+                    "JOIN records r ON r.sort_key = d.sort_key WHERE d.consumer = ? "
+                    "AND d.sort_key > ? AND subject_matches(?, r.subject) "
+                    "ORDER BY d.sort_key LIMIT ?",
+                    (consumer, after, filter, DEAD_PAGE_ROWS),
+                )
+            ]:
+                yield page
+                after = page[-1].sort_key
+
+    @refuses_loop_thread
+    def dead_subjects(
+        self,
+        consumer: str,
+        *,
+        after: int = 0,
+        filter: str | None = None,
+        sort_keys: Sequence[int] | None = None,
+    ) -> list[tuple[int, str]]:
+        """``(sort_key, subject)`` of up to :data:`DEAD_KEYS_PAGE` of ``consumer``'s dead
+        letters after ``after``, ascending: those among ``sort_keys`` when given (at most
+        :data:`DEAD_KEYS_PAGE`), else those whose subject matches ``filter``."""
+        if sort_keys is not None and len(sort_keys) > DEAD_KEYS_PAGE:
+            raise ValueError(f"at most {DEAD_KEYS_PAGE} sort keys, got {len(sort_keys)}")
+        chosen = ""
+        if sort_keys is not None:
+            chosen = (
+                f"AND d.sort_key IN ({', '.join('?' * len(sort_keys))}) " if sort_keys else "AND 0 "
+            )
+        with self._connection() as connection:
+            _with_subject_matches(connection)
+            rows = connection.execute(
+                "SELECT d.sort_key, r.subject FROM dead d JOIN records r "
+                "ON r.sort_key = d.sort_key WHERE d.consumer = ? AND d.sort_key > ? "
+                f"AND subject_matches(?, r.subject) {chosen}ORDER BY d.sort_key LIMIT ?",
+                (consumer, after, filter, *(sort_keys or ()), DEAD_KEYS_PAGE),
+            ).fetchall()
+        return [(int(key), str(subject)) for key, subject in rows]
+
+    @refuses_loop_thread
+    def owed(self, consumer: str, through: int) -> list[tuple[int, str]]:
+        """``(sort_key, subject)`` of the records owed to ``consumer`` at or below
+        ``through`` though its settled position may have passed them (dead letters
+        requeued), not settled since; those above ``through`` load as unsettled."""
         with self._connection() as connection:
             rows = connection.execute(
-                "SELECT r.sort_key, r.subject, r.record, d.deliveries FROM dead d "
-                "JOIN records r ON r.sort_key = d.sort_key WHERE d.consumer = ? "
-                "ORDER BY d.sort_key LIMIT ?",
-                (consumer, limit),
+                "SELECT q.sort_key, r.subject FROM owed q JOIN records r "
+                "ON r.sort_key = q.sort_key WHERE q.consumer = ? AND q.sort_key <= ? "
+                "ORDER BY q.sort_key",
+                (consumer, through),
             ).fetchall()
-        return [DeadRecord(*row) for row in rows]
+        return [(int(key), str(subject)) for key, subject in rows]
 
     @refuses_loop_thread
     def read_after(self, after: int, limit: int) -> list[StoredRecord]:
@@ -344,3 +436,17 @@ class BusLog(SqliteStore):
                 (after, limit),
             ).fetchall()
         return [StoredRecord(*row) for row in rows]
+
+
+@functools.lru_cache(maxsize=256)
+def _filter_tokens(filter: str) -> tuple[str, ...]:
+    return tuple(filter.split("."))
+
+
+def _subject_matches(filter: str | None, subject: str) -> bool:
+    return filter is None or matches(_filter_tokens(filter), subject)
+
+
+def _with_subject_matches(connection: sqlite3.Connection) -> None:
+    """``subject_matches(filter, subject)`` in this connection's SQL (NATS filters)."""
+    connection.create_function("subject_matches", 2, _subject_matches, deterministic=True)
