@@ -326,6 +326,7 @@ class Writer:
                     max_deliver=config.max_deliver,
                     limiter=self._maintenance,
                     max_groups=config.evt_max_groups,
+                    stuck_after=config.stuck_after_ms / 1000,
                 )
                 await groups.open(config.evt_groups)
                 hub = Hub(config.subscriber_buffer)
@@ -340,6 +341,7 @@ class Writer:
                 ack_wait=config.ack_wait_ms / 1000,
                 max_deliver=config.max_deliver,
                 limiter=self._maintenance,
+                stuck_after=config.stuck_after_ms / 1000,
             )
             self._stores[name] = Bus(bus_log, committer, bodies, claims)
 

@@ -233,6 +233,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("ack_wait_ms", "30000", _int_range(1), "lease of a claimed record before redelivery"),
     Setting("max_deliver", "0", _int_range(0), "deliveries before a record is dead; 0: unlimited"),
     Setting(
+        "stuck_after_ms",
+        "60000",
+        _int_range(1),
+        "a record unsettled this long stops holding back its group's settled position",
+    ),
+    Setting(
         "tier_max_inflight",
         "auto",
         _optional_int(1),
@@ -372,6 +378,7 @@ class Config:
     shard_count: int
     ack_wait_ms: int
     max_deliver: int
+    stuck_after_ms: int
     tier_max_inflight: int
     tier_max_waiters: int
     tier_shed_after_ms: int

@@ -82,6 +82,9 @@ class _Index:
     matched: dict[str, bool] = attrs.field(factory=dict)  # subject -> filter matches it
 
 
+STUCK_AFTER = 60.0
+"""Seconds a record may stay unsettled before it stops holding its group's settled
+position back (CMDBUS_STUCK_AFTER_MS)."""
 MAX_MATCHED = 1024
 """Subjects whose match against a filter is remembered (per filter, on a tail)."""
 MAX_IDLE_FILTERS = 256
@@ -113,8 +116,13 @@ class Claims:
         on_dead: Callable[[int, str, int], None] = lambda *_: None,
         on_count: Callable[[int, int], None] = lambda *_: None,
         tail: Tail | None = None,
+        start_after: int = 0,
+        stuck_after: float = STUCK_AFTER,
     ) -> None:
         self.group = group
+        self.start_after = start_after
+        self.stuck_after = stuck_after
+        self._frontiers: deque[tuple[float, int]] = deque()  # (when, newest seen then)
         self.ack_wait = ack_wait
         self.max_deliver = max_deliver
         self._on_dead = on_dead
@@ -146,8 +154,9 @@ class Claims:
         """On a tail: every record before this position has been taken (leased, and
         maybe settled or back for redelivery since)."""
         self._taken: set[int] = set()  # sort keys taken past the cursor
-        self.persisted_low_water = 0
-        """The low-water mark last made durable (see :func:`persist_low_water`)."""
+        self.persisted_low_water = start_after + 1
+        """The settled position last made durable (see :func:`persist_low_water`):
+        every record below it is settled or recorded as owed."""
 
     # --- records arriving ----------------------------------------------------------------
 
@@ -183,6 +192,13 @@ class Claims:
             self._deliveries.pop(sort_key, None)
             self._count(subject, +1)
             self._redeliver(sort_key, subject)
+
+    def restore_owed(self, owed: Iterable[tuple[int, str, int]]) -> None:
+        """Records owed below the settled position, as ``(sort_key, subject,
+        deliveries)``, at start: delivered before fresh ones, their counts kept."""
+        owed = list(owed)
+        self.requeue((sort_key, subject) for sort_key, subject, _ in owed)
+        self.restore_deliveries((sort_key, count) for sort_key, _, count in owed)
 
     def restore_deliveries(self, counts: Iterable[tuple[int, int]]) -> None:
         """Deliveries recorded before a restart, as ``(sort_key, deliveries)``."""
@@ -661,6 +677,30 @@ class Claims:
     def leased(self) -> int:
         return len(self._leases)
 
+    def position(self, now: float) -> tuple[int, int]:
+        """The settled position to make durable, and the newest sort key it passes
+        unsettled (0: none). Called about once a second.
+
+        It is the low-water mark while that is recent. A record unsettled for longer than
+        ``stuck_after`` (a pool with no workers, a lease extended forever, a nack with a
+        long delay) would hold the mark back for ever: the acks table would never be
+        pruned and every restart would rescan everything after it. So the position never
+        trails what the group had seen ``stuck_after`` ago: the records it passes that
+        are still unsettled are recorded as owed (and reloaded from there)."""
+        seen = self._tail.newest if self._tail is not None else self._last_added
+        frontiers = self._frontiers
+        frontiers.append((now, seen))
+        old: tuple[float, int] | None = None
+        while frontiers and frontiers[0][0] <= now - self.stuck_after:
+            old = frontiers.popleft()
+        if old is not None:
+            frontiers.appendleft(old)  # the newest one old enough, kept for next time
+        mark = self.low_water()
+        stuck_through = old[1] if old is not None else 0
+        if mark > stuck_through:
+            return mark, 0
+        return stuck_through + 1, stuck_through
+
     def low_water(self) -> int:
         """The lowest sort key not yet settled (acked or dead) by this group: every record
         below it is settled. Only known records count, so it never passes a record the
@@ -710,13 +750,18 @@ async def sample_lag(
 
 
 def persist_low_water(claims: Claims, committer: GroupCommitter) -> None:
-    """Make the group's low-water mark durable when it moved (group-committed): a restart
-    then reloads from there instead of scanning the whole history, and the acks below it
-    are pruned from the store."""
-    mark = claims.low_water()
+    """Make the group's settled position durable when it moved (group-committed): a
+    restart then reloads from there instead of scanning the whole history, and the acks
+    below it are pruned from the store. What it passes unsettled is recorded as owed
+    (see :meth:`Claims.position`)."""
+    mark, passed_unsettled = claims.position(trio.current_time())
     if mark > claims.persisted_low_water:
+        owe = []
+        if passed_unsettled:
+            after = max(claims.start_after, claims.persisted_low_water - 1)
+            owe.append((claims.group, after, passed_unsettled))
         claims.persisted_low_water = mark
-        committer.enqueue(Ticket(positions=[(claims.group, mark)]))
+        committer.enqueue(Ticket(positions=[(claims.group, mark)], owe=owe))
 
 
 def durable_settlements(
@@ -746,6 +791,7 @@ async def open_claims(
     ack_wait: float,
     max_deliver: int,
     limiter: trio.CapacityLimiter,
+    stuck_after: float = STUCK_AFTER,
 ) -> Claims:
     """A group's coordinator, loaded with every record after ``start_after`` that the
     group has neither acked nor parked, fed each newly committed record, and making its
@@ -760,7 +806,15 @@ async def open_claims(
     """
 
     park, count = durable_settlements(committer, group)
-    claims = Claims(group, ack_wait=ack_wait, max_deliver=max_deliver, on_dead=park, on_count=count)
+    claims = Claims(
+        group,
+        ack_wait=ack_wait,
+        max_deliver=max_deliver,
+        on_dead=park,
+        on_count=count,
+        start_after=start_after,
+        stuck_after=stuck_after,
+    )
     # No await between reading the newest key and attaching: a record at or below it is
     # committed (so the history query sees it), one above it is settled later (so the
     # feed sees it).
@@ -769,7 +823,8 @@ async def open_claims(
     try:
         settled_below = await run_in_thread(log.settled_below, group, limiter=limiter)
         below = max(start_after, settled_below - 1)  # `unsettled` starts there too
-        claims.requeue(await run_in_thread(log.owed, group, below, limiter=limiter))
+        claims.persisted_low_water = below + 1
+        claims.restore_owed(await run_in_thread(log.owed, group, below, limiter=limiter))
         after = start_after
         while page := await run_in_thread(
             log.unsettled, group, after, RELOAD_PAGE, feed.through, limiter=limiter

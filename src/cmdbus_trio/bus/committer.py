@@ -63,6 +63,9 @@ class Ticket:
     """Consumer groups deleted, with their acks, dead letters, counts and position."""
     dead_moves: Sequence[tuple[str, int, bool]] = ()
     """(consumer, sort_key, requeue): dead letters requeued (True) or purged (False)."""
+    owe: Sequence[tuple[str, int, int]] = ()
+    """(consumer, after, through): records in that range the consumer has not settled are
+    owed to it (its position passes them; see :meth:`BusLog.commit`)."""
     moved: list[tuple[str, int]] = attrs.field(factory=list)
     """Of ``dead_moves``, the (consumer, sort_key) that were still dead (set in the commit
     thread): only those are requeued in memory."""
@@ -202,12 +205,13 @@ class GroupCommitter:
         counts = [count for ticket in tickets for count in ticket.counts]
         dropped = [group for ticket in tickets for group in ticket.dropped]
         dead_moves = [move for ticket in tickets for move in ticket.dead_moves]
+        owe = [owed for ticket in tickets for owed in ticket.owe]
         if not (entries or acks or dead or positions or counts or dropped or dead_moves):
             return
         started = time.monotonic()
         moved: list[tuple[str, int]] = []
         published = self.bus.commit(
-            entries, acks, dead, positions, counts, dropped, dead_moves, moved
+            entries, acks, dead, positions, counts, dropped, dead_moves, moved, owe
         )
         if moved:
             done = set(moved)

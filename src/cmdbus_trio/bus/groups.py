@@ -25,7 +25,7 @@ from cmdbus_trio.admission import GateClosed, run_in_thread
 from cmdbus_trio.protocol import FieldError
 from cmdbus_trio.storage.buslog import BusLog
 
-from .claims import Claims, durable_settlements, persist_low_water
+from .claims import STUCK_AFTER, Claims, durable_settlements, persist_low_water
 from .committer import GroupCommitter, Ticket
 from .tail import Tail
 
@@ -48,7 +48,9 @@ class ConsumerGroups:
         max_deliver: int,
         limiter: trio.CapacityLimiter,
         max_groups: int = 1000,
+        stuck_after: float = STUCK_AFTER,
     ) -> None:
+        self.stuck_after = stuck_after
         self.log = log
         self.max_groups = max_groups
         self.committer = committer
@@ -150,6 +152,8 @@ class ConsumerGroups:
             on_dead=on_dead,
             on_count=on_count,
             tail=self.tail,
+            start_after=start_after,
+            stuck_after=self.stuck_after,
         )
         with self.tail.pinned():  # nothing after ``after`` is trimmed until attached
             settled_below = await run_in_thread(self.log.settled_below, name, limiter=self._limiter)
@@ -161,7 +165,8 @@ class ConsumerGroups:
             owed = await run_in_thread(self.log.owed, name, after, limiter=self._limiter)
             claims.restore_deliveries(counts)
             claims.attach(after, settled)
-            claims.requeue(owed)
+            claims.restore_owed(owed)
+            claims.persisted_low_water = after + 1
         self.claims[name] = claims
         if self._closed:  # created while draining: it leases nothing
             claims.close()

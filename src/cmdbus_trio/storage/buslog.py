@@ -156,6 +156,7 @@ class BusLog(SqliteStore):
         dropped: Sequence[str] = (),
         dead_moves: Sequence[tuple[str, int, bool]] = (),
         moved: list[tuple[str, int]] | None = None,
+        owe: Sequence[tuple[str, int, int]] = (),
     ) -> list[Published]:
         """One transaction (one fsync): append ``entries``, record ``acks`` as
         ``(consumer, sort_key)``, dead letters as ``(consumer, sort_key, deliveries)``,
@@ -168,7 +169,10 @@ class BusLog(SqliteStore):
         ``dead_moves``: ``(consumer, sort_key, requeue)``: a dead letter requeued (it is
         the consumer's again, with a fresh delivery count, and stays so across a restart
         even below the consumer's settled position: it is *owed*) or purged (settled for good); each
-        one that was still dead is appended to ``moved``."""
+        one that was still dead is appended to ``moved``. ``owe``: ``(consumer, after,
+        through)``: the consumer's position passes records in that range that it has not
+        settled (they stayed unsettled too long): each is recorded as owed, so that a
+        restart still loads it, before the position moves."""
 
         def write(connection: sqlite3.Connection) -> list[Published]:
             if counts:
@@ -184,19 +188,35 @@ class BusLog(SqliteStore):
                 )
             if acks:
                 connection.executemany("INSERT OR IGNORE INTO acks VALUES (?, ?)", acks)
+            if dead:
+                connection.executemany("INSERT OR REPLACE INTO dead VALUES (?, ?, ?)", dead)
+            # After this batch's acks and dead letters, before the prune of acks below
+            # the new position: what is not settled by then is owed.
+            for consumer, after, through in owe:
+                connection.execute(
+                    "INSERT OR IGNORE INTO owed SELECT ?, r.sort_key FROM records r "
+                    "WHERE r.sort_key > ? AND r.sort_key <= ? "
+                    "AND NOT EXISTS (SELECT 1 FROM acks a WHERE a.consumer = ? "
+                    "AND a.sort_key = r.sort_key) "
+                    "AND NOT EXISTS (SELECT 1 FROM dead d WHERE d.consumer = ? "
+                    "AND d.sort_key = r.sort_key)",
+                    (consumer, after, through, consumer, consumer),
+                )
             for consumer, settled_below in positions:
                 connection.execute(
                     "INSERT INTO positions VALUES (?, ?) ON CONFLICT (consumer) DO UPDATE "
                     "SET settled_below = MAX(settled_below, excluded.settled_below)",
                     (consumer, settled_below),
                 )
-                for table in ("acks", "deliveries"):
-                    connection.execute(
-                        f"DELETE FROM {table} WHERE consumer = ? AND sort_key < ?",
-                        (consumer, settled_below),
-                    )
-            if dead:
-                connection.executemany("INSERT OR REPLACE INTO dead VALUES (?, ?, ?)", dead)
+                connection.execute(
+                    "DELETE FROM acks WHERE consumer = ? AND sort_key < ?",
+                    (consumer, settled_below),
+                )
+                connection.execute(  # an owed record keeps its count
+                    "DELETE FROM deliveries WHERE consumer = ? AND sort_key < ? AND sort_key "
+                    "NOT IN (SELECT sort_key FROM owed WHERE consumer = ?)",
+                    (consumer, settled_below, consumer),
+                )
             for consumer, sort_key, requeue in dead_moves:
                 key = (consumer, sort_key)
                 if not connection.execute(
@@ -413,18 +433,20 @@ class BusLog(SqliteStore):
         return [(int(key), str(subject)) for key, subject in rows]
 
     @refuses_loop_thread
-    def owed(self, consumer: str, through: int) -> list[tuple[int, str]]:
-        """``(sort_key, subject)`` of the records owed to ``consumer`` at or below
-        ``through`` though its settled position may have passed them (dead letters
-        requeued), not settled since; those above ``through`` load as unsettled."""
+    def owed(self, consumer: str, through: int) -> list[tuple[int, str, int]]:
+        """``(sort_key, subject, deliveries)`` of the records owed to ``consumer`` at or
+        below ``through`` though its settled position may have passed them (dead letters
+        requeued, records that stayed unsettled too long), not settled since; those above
+        ``through`` load as unsettled."""
         with self._connection() as connection:
             rows = connection.execute(
-                "SELECT q.sort_key, r.subject FROM owed q JOIN records r "
-                "ON r.sort_key = q.sort_key WHERE q.consumer = ? AND q.sort_key <= ? "
-                "ORDER BY q.sort_key",
+                "SELECT q.sort_key, r.subject, COALESCE(c.deliveries, 0) FROM owed q "
+                "JOIN records r ON r.sort_key = q.sort_key "
+                "LEFT JOIN deliveries c ON c.consumer = q.consumer AND c.sort_key = q.sort_key "
+                "WHERE q.consumer = ? AND q.sort_key <= ? ORDER BY q.sort_key",
                 (consumer, through),
             ).fetchall()
-        return [(int(key), str(subject)) for key, subject in rows]
+        return [(int(key), str(subject), int(count)) for key, subject, count in rows]
 
     @refuses_loop_thread
     def read_after(self, after: int, limit: int) -> list[StoredRecord]:
