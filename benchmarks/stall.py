@@ -9,8 +9,10 @@ readers paging through the big execution, a few appenders, and a probe that meas
 /healthz and the tier face's `health` every 50 ms and /metrics every 250 ms (each on a new
 connection, as kubelet and Prometheus do). It does this against cmdbus-trio and against
 benchmarks/baseline_inline.py (the seed's design: store work on the loop) in the same run,
-and prints both. Then it
-times read_execution of a 100-event execution in a store of 10k vs 1M events.
+and prints both; cmdbus-trio runs twice, with the tier's writes in their own lane (the
+default) and sharing the readers' Gate (CMDBUS_TIER_WRITES=shared, as before the lane), so
+the append figures (appends/s, p50 / p99 ms, shed) compare the two. Then it times
+read_execution of a 100-event execution in a store of 10k vs 1M events.
 
 The load generator runs in its own process, so the probe's numbers are the servers'.
 """
@@ -80,11 +82,20 @@ def fill(data_dir: Path, events: int) -> None:
     store.close()
 
 
+TARGETS = {
+    "cmdbus-trio": {},
+    "writes shared": {"CMDBUS_TIER_WRITES": "shared"},
+    "baseline-inline": None,
+}
+"""Each target: cmdbus-trio with these settings, or (None) the inline baseline."""
+
+
 class Server:
     def __init__(self, kind: str, data_dir: Path, workdir: Path) -> None:
-        self.ports_file = workdir / f"{kind}-ports.json"
+        self.ports_file = workdir / f"{kind.replace(' ', '-')}-ports.json"
         self.ports_file.unlink(missing_ok=True)
-        if kind == "cmdbus-trio":
+        settings = TARGETS.get(kind, {})
+        if settings is not None:
             command = [sys.executable, "-m", "cmdbus_trio", "serve", "--data-dir", str(data_dir)]
             env = {
                 **os.environ,
@@ -104,6 +115,7 @@ class Server:
                 }
             )
             env.update(CMDBUS_CONTROL_BIND="127.0.0.1:0", CMDBUS_TIER_BIND="127.0.0.1:0")
+            env.update(settings)
         else:
             command = [
                 sys.executable,
@@ -114,7 +126,7 @@ class Server:
                 str(self.ports_file),
             ]
             env = dict(os.environ)
-        self.log = (workdir / f"{kind}.log").open("w")
+        self.log = (workdir / f"{kind.replace(' ', '-')}.log").open("w")
         self.process = subprocess.Popen(command, env=env, stdout=self.log, stderr=self.log)
         deadline = time.monotonic() + 60
         while not self.ports_file.exists():
@@ -137,7 +149,15 @@ class Server:
 
 
 async def load(tier: str, readers: int, appenders: int, duration: float) -> dict[str, Any]:
-    stats = {"pages": 0, "records_bytes": 0, "appends": 0, "busy": 0, "errors": 0}
+    stats: dict[str, Any] = {
+        "pages": 0,
+        "records_bytes": 0,
+        "appends": 0,
+        "reads_shed": 0,
+        "appends_shed": 0,
+        "errors": 0,
+    }
+    append_seconds: list[float] = []
     deadline = trio.current_time() + duration
 
     async def reader() -> None:
@@ -150,7 +170,7 @@ async def load(tier: str, readers: int, appenders: int, duration: float) -> dict
             match = NEXT_AFTER.search(reply)
             if match is None:
                 error = json.loads(reply)["error"]
-                stats["busy" if error["code"] == "busy" else "errors"] += 1
+                stats["reads_shed" if error["code"] == "busy" else "errors"] += 1
                 await trio.sleep(error.get("retry_after_ms", 100) / 1000)
                 continue
             stats["pages"] += 1
@@ -161,14 +181,16 @@ async def load(tier: str, readers: int, appenders: int, duration: float) -> dict
         client = await Client.connect(tier)
         i = 0
         while trio.current_time() < deadline:
+            started = trio.current_time()
             reply = await client.call(
                 "append", execution_id=f"small-{n}", payload=json.dumps({"bench": i})
             )
             i += 1
             if reply.get("ok"):
                 stats["appends"] += 1
+                append_seconds.append(trio.current_time() - started)
             else:
-                stats["busy" if reply["error"]["code"] == "busy" else "errors"] += 1
+                stats["appends_shed" if reply["error"]["code"] == "busy" else "errors"] += 1
                 await trio.sleep(reply["error"].get("retry_after_ms", 100) / 1000)
 
     async with trio.open_nursery() as nursery:
@@ -176,6 +198,7 @@ async def load(tier: str, readers: int, appenders: int, duration: float) -> dict
             nursery.start_soon(reader)
         for n in range(appenders):
             nursery.start_soon(appender, n)
+    stats["append_ms"] = percentiles(append_seconds)
     return stats
 
 
@@ -303,8 +326,7 @@ def main() -> None:
     )
 
     results = {
-        kind: run_target(kind, data_dir, workdir, readers, args.duration)
-        for kind in ("cmdbus-trio", "baseline-inline")
+        kind: run_target(kind, data_dir, workdir, readers, args.duration) for kind in TARGETS
     }
     print()
     print(
@@ -312,11 +334,7 @@ def main() -> None:
         f"probe p50 / p99 / max in ms (timeouts at {PROBE_TIMEOUT:.0f} s)"
     )
     columns = ("/healthz", "/metrics", "tier health")
-    print(
-        f"{'target':<16}"
-        + "".join(f"{c:>24}" for c in columns)
-        + f"{'pages/s':>9}{'appends/s':>10}{'busy':>6}{'errors':>7}"
-    )
+    print(f"{'target':<16}" + "".join(f"{c:>24}" for c in columns) + f"{'pages/s':>9}{'shed':>6}")
     for kind, result in results.items():
         cells = [
             f"{p['p50']:.1f} / {p['p99']:.1f} / {p['max']:.0f}"
@@ -327,9 +345,23 @@ def main() -> None:
         print(
             f"{kind:<16}"
             + "".join(f"{cell:>24}" for cell in cells)
-            + f"{done['pages'] / args.duration:>9.1f}{done['appends'] / args.duration:>10.1f}"
-            + f"{done['busy']:>6}{done['errors']:>7}"
+            + f"{done['pages'] / args.duration:>9.1f}{done['reads_shed']:>6}"
         )
+    print()
+    print("the 4 appenders beside the readers: appends/s, latency of an admitted append")
+    print(f"{'target':<16}{'appends/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'shed':>6}{'errors':>7}")
+    for kind, result in results.items():
+        done = result["load"]
+        latency = done["append_ms"]
+        print(
+            f"{kind:<16}{done['appends'] / args.duration:>10.1f}{latency['p50']:>9.1f}"
+            f"{latency['p99']:>9.1f}{done['appends_shed']:>6}{done['errors']:>7}"
+        )
+    lane, shared = results["cmdbus-trio"]["load"], results["writes shared"]["load"]
+    print(
+        f"lane / shared: appends/s {lane['appends'] / max(1, shared['appends']):.1f}x, "
+        f"read pages/s {lane['pages'] / max(1, shared['pages']):.2f}x"
+    )
     ours, theirs = results["cmdbus-trio"]["probe"], results["baseline-inline"]["probe"]
     for name in ("healthz", "metrics", "tier health"):
         print(

@@ -33,7 +33,11 @@ TARGETS: dict[str, tuple[Any, str, list[str]]] = {
     "claim timers": (Claims, "run_timers", ["commands.claim_timers", "events.groups"]),
     "lag sampler": (app, "sample_lag", ["commands.lag_sampler"]),
     "groups": (ConsumerGroups, "run", ["events.groups"]),
-    "shed watcher": (Gate, "watch_sheds", [f"{face}.shed_watcher" for face in DATA_FACE_NAMES]),
+    "shed watcher": (
+        Gate,
+        "watch_sheds",
+        [f"{gate}.shed_watcher" for gate in (*DATA_FACE_NAMES, "tier_writes")],
+    ),
 }
 
 

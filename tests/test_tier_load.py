@@ -198,7 +198,7 @@ async def test_a_started_write_finishes_when_its_client_leaves(
     with trio.fail_after(30):
         async with running_writer(config) as (writer, addresses):
             store: TierStore = writer._stores["tier"]
-            gate = writer.health.gates["tier"]
+            gate = writer.health.gates["tier_writes"]  # appends have their own lane
             store.before_commit = lambda: time.sleep(0.5)  # a slow fsync
             async with frame_client(addresses["tier"]) as client:
                 await client.send(
@@ -215,3 +215,67 @@ async def test_a_started_write_finishes_when_its_client_leaves(
                 store.execution_count, "eventlog", "left", limiter=trio.CapacityLimiter(1)
             )
             assert count == 1
+
+
+async def test_appends_keep_flowing_while_reads_hold_every_read_slot(
+    make_config: Callable[..., Config],
+) -> None:
+    """Issue 16 item 1: the tier's writes have their own lane. Reads that hold the read
+    slot and fill its queue (each page slow) shed further reads, never an append; with
+    one shared Gate (CMDBUS_TIER_WRITES=shared) the same appends are shed."""
+    outcomes: dict[str, dict[str, int]] = {}
+    for mode in ("lane", "shared"):
+        config = make_config(
+            tier_bind="127.0.0.1:0",
+            tier_max_inflight=1,
+            tier_max_waiters=1,
+            tier_shed_after_ms=50,
+            tier_writes=mode,
+        )
+        seen = outcomes[mode] = {}
+        with trio.fail_after(60):
+            async with running_writer(config) as (writer, addresses):
+                store = writer._stores["tier"]
+                records = [NewRecord(json.dumps({"i": i})) for i in range(600)]
+                await run_in_thread(
+                    store.append_batch, "eventlog", "big", records, limiter=trio.CapacityLimiter(1)
+                )
+                original = store.iter_execution
+
+                def slow_pages(
+                    tier: str,
+                    execution_id: str,
+                    *,
+                    after: int = 0,
+                    pages: Callable[..., Iterator[list[TierRecord]]] = original,
+                ) -> Iterator[list[TierRecord]]:
+                    for page in pages(tier, execution_id, after=after):
+                        time.sleep(0.2)  # reads that hold their slot
+                        yield page
+
+                store.iter_execution = slow_pages  # type: ignore[method-assign]
+
+                async def reader(stop: trio.Event) -> None:
+                    async with frame_client(addresses["tier"]) as client:
+                        while not stop.is_set():
+                            await client.request("read_execution", execution_id="big")
+
+                stop = trio.Event()
+                async with trio.open_nursery() as nursery:
+                    for _ in range(3):
+                        nursery.start_soon(reader, stop)
+                    await trio.sleep(0.3)  # the read slot and its queue are taken
+                    async with frame_client(addresses["tier"]) as appender:
+                        for i in range(20):
+                            reply = await appender.request(
+                                "append", execution_id="small", payload=json.dumps({"i": i})
+                            )
+                            code = "ok" if reply["ok"] else reply["error"]["code"]
+                            seen[code] = seen.get(code, 0) + 1
+                    stop.set()
+                if mode == "lane":
+                    gates = writer.health.gates
+                    assert gates["tier_writes"].statistics().admitted_total >= 20
+                    assert gates["tier"].statistics().shed_total["waiters_full"] > 0
+    assert outcomes["lane"] == {"ok": 20}, outcomes
+    assert outcomes["shared"].get("busy", 0) > 0, outcomes

@@ -264,6 +264,7 @@ class Gate:
         default_budget: float,
         max_threads: int | None = None,
         ops: Iterable[str] = (),
+        name: str | None = None,
     ) -> None:
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
@@ -274,6 +275,9 @@ class Gate:
         if not shed_after > 0 or not default_budget > 0:
             raise ValueError("shed_after and default_budget must be > 0 seconds")
         self.face = face
+        self.name = name or face
+        """The Gate's own name, for its gauges and /healthz (a face's lane: ``tier_writes``);
+        the per-op series are the face's."""
         self.max_inflight = max_inflight
         self.max_threads = max_threads or max_inflight
         self.max_waiters = max_waiters
@@ -291,13 +295,13 @@ class Gate:
         self._closed = False
         self._admitted_total = 0
         self._shed_total: _Tally[str] = _Tally({reason.value: 0 for reason in ShedReason})
-        self._bursts = ShedBursts(face)
+        self._bursts = ShedBursts(self.name)
         for op in ops:  # every shed series exists from the start, at 0
             for reason in ShedReason:
                 metrics.SHED.labels(face=face, op=op, reason=reason.value)
-        metrics.CAPACITY.labels(face=face).set(max_inflight)
-        metrics.INFLIGHT.labels(face=face).set_function(lambda: self._limiter.borrowed_tokens)
-        metrics.WAITERS.labels(face=face).set_function(lambda: len(self._waiting))
+        metrics.CAPACITY.labels(face=self.name).set(max_inflight)
+        metrics.INFLIGHT.labels(face=self.name).set_function(lambda: self._limiter.borrowed_tokens)
+        metrics.WAITERS.labels(face=self.name).set_function(lambda: len(self._waiting))
 
     # --- admission ---------------------------------------------------------------------
 
@@ -456,7 +460,7 @@ class Gate:
 
     def statistics(self) -> GateStatistics:
         return GateStatistics(
-            face=self.face,
+            face=self.name,
             capacity=self.max_inflight,
             inflight=self._limiter.borrowed_tokens,
             waiters=len(self._waiting),

@@ -48,6 +48,7 @@ from .health import FaceState, Health
 from .heartbeat import Heartbeat
 from .logs import event
 from .protocol.bus import BusKind, SubjectRule
+from .protocol.tier import WRITE_OPS as TIER_WRITE_OPS
 from .storage.buslog import BusLog
 from .storage.tier import TierStore
 
@@ -104,6 +105,25 @@ ADMITTED_OPS: Mapping[str, tuple[str, ...]] = {
     "evt_subscribe": ("subscribe",),
 }
 """The ops that ask each face's Gate for a lease (their shed counters start at 0)."""
+
+
+def lanes_for(face: str, config: Config) -> dict[str, Gate]:
+    """The ops of ``face`` admitted by a Gate of their own: the tier face's writes, sized
+    like its reads (``CMDBUS_TIER_WRITES=lane``). Reads page through big executions and
+    hold their slots long; in NoETL the appends are the critical path, and sharing the
+    Gate had them shed as ``busy`` by a crowd of readers."""
+    if face != "tier" or config.tier_writes != "lane":
+        return {}
+    writes = Gate(
+        "tier",
+        name="tier_writes",
+        max_inflight=config.tier_max_inflight,
+        max_waiters=config.tier_max_waiters,
+        shed_after=config.tier_shed_after_ms / 1000,
+        default_budget=config.default_budget_ms / 1000,
+        ops=TIER_WRITE_OPS,
+    )
+    return dict.fromkeys(TIER_WRITE_OPS, writes)
 
 
 def gate_for(face: str, config: Config) -> Gate:
@@ -284,10 +304,12 @@ class Writer:
         bind = self.config.bind(face)
         assert bind is not None
         gate = gate_for(face, self.config)
+        lanes = lanes_for(face, self.config)
         metrics.FACE_CRASHES.labels(face=face)  # the series exists from the start, at 0
-        self.health.gates[face] = gate
-        await self._start_task(background, f"{face}.shed_watcher", gate.watch_sheds)
-        ctx = FaceContext(face, bind, self.config, gate, self._draining, self._stores)
+        for each in (gate, *dict.fromkeys(lanes.values())):
+            self.health.gates[each.name] = each
+            await self._start_task(background, f"{each.name}.shed_watcher", each.watch_sheds)
+        ctx = FaceContext(face, bind, self.config, gate, self._draining, self._stores, lanes=lanes)
         await self._start(data, face, bind, partial(self._supervise, ctx))
 
     async def _open_stores(self, faces: list[str]) -> None:

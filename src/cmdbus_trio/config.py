@@ -254,6 +254,12 @@ SETTINGS: tuple[Setting, ...] = (
         "tier_shed_after_ms", "1000", _int_range(1), "longest wait for a tier slot before shedding"
     ),
     Setting(
+        "tier_writes",
+        "lane",
+        _choice("lane", "shared"),
+        "lane: appends have a Gate of their own, so reads never shed them; shared: one Gate",
+    ),
+    Setting(
         "default_budget_ms",
         "10000",
         _int_range(1),
@@ -382,6 +388,7 @@ class Config:
     tier_max_inflight: int
     tier_max_waiters: int
     tier_shed_after_ms: int
+    tier_writes: str
     default_budget_ms: int
     ingest_max_pending: int
     max_request_bytes: int

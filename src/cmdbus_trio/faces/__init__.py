@@ -29,6 +29,12 @@ class FaceContext:
     draining: trio.Event
     stores: Mapping[str, object] = attrs.field(factory=dict)
     """The open stores by name (``tier``, ``commands``, …); see :meth:`store`."""
+    lanes: Mapping[str, Gate] = attrs.field(factory=dict)
+    """Ops admitted by a Gate of their own instead of :attr:`gate` (the tier face's
+    writes): a flood of the other ops never sheds them."""
+
+    def gate_of(self, op: str) -> Gate:
+        return self.lanes.get(op, self.gate)
 
     def store(self, name: str, kind: type[T]) -> T:
         """The open store ``name``, which must be a ``kind`` (a wiring bug otherwise)."""

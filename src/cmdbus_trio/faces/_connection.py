@@ -27,7 +27,7 @@ import attrs
 import trio
 
 from cmdbus_trio import __version__, metrics
-from cmdbus_trio.admission import DeadlineExceeded, GateClosed, Shed, ShedReason
+from cmdbus_trio.admission import DeadlineExceeded, Gate, GateClosed, Shed, ShedReason
 from cmdbus_trio.config import Config
 from cmdbus_trio.logs import event
 from cmdbus_trio.protocol import (
@@ -487,7 +487,7 @@ class _Connection:
             self._end("protocol_error")
             await self._answer_unreadable(exc)
             return False
-        gate = self.ctx.gate
+        gate = self.ctx.gate_of(request.op)
         gated = request.op in self.handler.gated_ops
         if gated and gate.intake_full:
             if slots.borrowed_tokens or self._shed_recently:
@@ -512,7 +512,7 @@ class _Connection:
         if gated:
             gate.take_in()
         self._asking(+1)
-        done = partial(self._request_done, slots, slot, gated)
+        done = partial(self._request_done, slots, slot, gate if gated else None)
         if isinstance(pending, Deferred):
             self._deferred += 1
             pending.when_settled(partial(self._deferred_reply, request, arrival, done))
@@ -520,11 +520,11 @@ class _Connection:
             inflight.start_soon(self._v2, request, pending, arrival, done)
         return True
 
-    def _request_done(self, slots: trio.CapacityLimiter, slot: object, gated: bool) -> None:
+    def _request_done(self, slots: trio.CapacityLimiter, slot: object, gate: Gate | None) -> None:
         slots.release_on_behalf_of(slot)
         self._asking(-1)
-        if gated:
-            self.ctx.gate.taken_out()
+        if gate is not None:
+            gate.taken_out()
 
     async def _v1(self, frame: bytes, arrival: float) -> bool:
         self._asking(+1)

@@ -42,7 +42,7 @@ class TierHandler:
     gated_ops = frozenset({"append", "append_batch", "read_execution", "scan"})
 
     def __init__(self, ctx: FaceContext, store: TierStore) -> None:
-        self.gate = ctx.gate
+        self.ctx = ctx
         self.store = store
         self.max_reply = ctx.config.max_reply_bytes
 
@@ -91,7 +91,8 @@ class TierHandler:
     async def _run(
         self, request: codec.TierRequest, arrival: float, budget: float | None, request_id: int
     ) -> bytes:
-        with await self.gate.acquire(request.op, budget=budget, arrival=arrival) as lease:
+        gate = self.ctx.gate_of(request.op)  # writes: their own lane (CMDBUS_TIER_WRITES)
+        with await gate.acquire(request.op, budget=budget, arrival=arrival) as lease:
             if request.op in codec.WRITE_OPS:
                 return await lease.run_to_completion(self._write, request, request_id)
             return await lease.run_cancellable(self._read, request, request_id)
