@@ -40,6 +40,7 @@ class Held:
     """Every request's Deferred, for the test to settle."""
 
     gated_ops: frozenset[str] = frozenset({"hold"})
+    large_reply_ops: frozenset[str] = frozenset()
     replies: dict[int, Deferred] = attrs.field(factory=dict)
     arrived: trio.Event = attrs.field(factory=trio.Event)
 

@@ -121,3 +121,39 @@ async def test_a_slow_subscriber_is_cut_off_while_a_fast_one_keeps_up(tmp_path: 
             assert received < total
         text = (await get(ports["control"], "/metrics")).body.decode()
         assert "cmdbus_subscribers_dropped_total 1.0" in text
+
+
+async def test_two_subscriptions_on_one_connection_do_not_defeat_the_buffer(
+    tmp_path: Path,
+) -> None:
+    """Issue 16 item 11: the push of each subscription waits while the connection's unsent
+    replies are over CMDBUS_CONNECTION_UNSENT_BYTES, so a client that does not read is cut
+    off as a slow consumer (its subscriber buffers fill) instead of having every record
+    queued for it in the writer's memory."""
+    settings = {
+        "CMDBUS_SUBSCRIBER_BUFFER": "400",
+        "CMDBUS_CONNECTION_UNSENT_BYTES": str(1 << 20),
+        "CMDBUS_READ_TIMEOUT_MS": "60000",
+        **EVENTS,
+    }
+    with serving(tmp_path, **settings) as (_, ports), trio.fail_after(90):
+        total = 1200  # 16 KB each: ~19 MB, far more than the cap and the buffers
+        async with frame_client(ports["evt_subscribe"]) as slow:
+            await slow.send(b'{"id": 1, "op": "subscribe", "from": 0}')
+            await slow.send(b'{"id": 2, "op": "subscribe", "from": 0, "filter": "events.>"}')
+            await trio.sleep(0.3)  # both are live
+            await publish(ports["evt_ingest"], total, batch=40, pad=16_000)
+            received, errors = 0, []
+            while (frame := await slow.receive()) is not None:
+                message = json.loads(frame)
+                if message["ok"]:
+                    received += len(message["records"])
+                else:
+                    errors.append((message["id"], message["error"]["code"]))
+            # One subscription cut as a slow consumer ends the connection, the other too.
+            assert errors and {code for _, code in errors} == {"busy"}, errors
+            assert received < 2 * total
+        text = (await get(ports["control"], "/metrics")).body.decode()
+        assert "cmdbus_subscribers_dropped_total 0.0" not in text
+        waits = 'cmdbus_unsent_waits_total{face="evt_subscribe"} '
+        assert waits in text and f"{waits}0.0" not in text  # the pushes waited

@@ -26,7 +26,7 @@ from typing import Any
 import trio
 
 from . import __version__, control, metrics
-from .admission import Gate, run_in_thread
+from .admission import ByteBudget, Gate, run_in_thread
 from .bus import Bus
 from .bus.bodies import BodyReader
 from .bus.claims import open_claims, sample_lag
@@ -305,11 +305,21 @@ class Writer:
         assert bind is not None
         gate = gate_for(face, self.config)
         lanes = lanes_for(face, self.config)
-        metrics.FACE_CRASHES.labels(face=face)  # the series exists from the start, at 0
+        metrics.FACE_CRASHES.labels(face=face)  # the series exist from the start, at 0
+        metrics.UNSENT_WAITS.labels(face=face)
         for each in (gate, *dict.fromkeys(lanes.values())):
             self.health.gates[each.name] = each
             await self._start_task(background, f"{each.name}.shed_watcher", each.watch_sheds)
-        ctx = FaceContext(face, bind, self.config, gate, self._draining, self._stores, lanes=lanes)
+        ctx = FaceContext(
+            face,
+            bind,
+            self.config,
+            gate,
+            self._draining,
+            self._stores,
+            pending_bytes=ByteBudget(face, self.config.face_pending_bytes),
+            lanes=lanes,
+        )
         await self._start(data, face, bind, partial(self._supervise, ctx))
 
     async def _open_stores(self, faces: list[str]) -> None:

@@ -272,6 +272,18 @@ SETTINGS: tuple[Setting, ...] = (
         "publish requests per ingest face queued for or in a group commit; more: busy",
     ),
     Setting("max_request_bytes", str(1 << 20), _int_range(64), "largest request frame body"),
+    Setting(
+        "face_pending_bytes",
+        str(8 << 20),
+        _int_range(1),
+        "request bytes a data face takes in before it stops reading more (then they wait)",
+    ),
+    Setting(
+        "connection_unsent_bytes",
+        str(8 << 20),
+        _int_range(1),
+        "unsent reply bytes of one connection before it stops taking that client's requests",
+    ),
     Setting("max_reply_bytes", str(16 << 20), _int_range(64), "largest reply frame body"),
     Setting("sync", "full", _choice("full", "normal"), "SQLite synchronous mode"),
     Setting(
@@ -392,6 +404,8 @@ class Config:
     default_budget_ms: int
     ingest_max_pending: int
     max_request_bytes: int
+    face_pending_bytes: int
+    connection_unsent_bytes: int
     max_reply_bytes: int
     sync: str
     shutdown_timeout_ms: int

@@ -213,6 +213,22 @@ SUBJECT_FOLDS = Counter(
     registry=REGISTRY,
 )
 OTHER_SUBJECTS = "_other"
+PENDING_BYTES = Gauge(
+    "cmdbus_pending_bytes",
+    "Request bytes a data face has taken in and not yet finished with (parsed, queued for "
+    "or in its work), by face; at most CMDBUS_FACE_PENDING_BYTES: a flood of big frames "
+    "waits in its sockets instead of in memory.",
+    ["face"],
+    registry=REGISTRY,
+)
+UNSENT_WAITS = Counter(
+    "cmdbus_unsent_waits",
+    "Times a connection stopped taking its client's requests, or a reply or push waited "
+    "before it was queued, because the connection's unsent replies passed "
+    "CMDBUS_CONNECTION_UNSENT_BYTES (a client that does not read), by face.",
+    ["face"],
+    registry=REGISTRY,
+)
 GROUPS_REFUSED = Counter(
     "cmdbus_groups_refused",
     "Event consumer groups not created because CMDBUS_EVT_MAX_GROUPS exist already.",

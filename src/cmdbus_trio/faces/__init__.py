@@ -14,7 +14,7 @@ from typing import Protocol, TypeVar
 import attrs
 import trio
 
-from cmdbus_trio.admission import Gate
+from cmdbus_trio.admission import ByteBudget, Gate
 from cmdbus_trio.config import Bind, Config
 
 T = TypeVar("T")
@@ -29,6 +29,8 @@ class FaceContext:
     draining: trio.Event
     stores: Mapping[str, object] = attrs.field(factory=dict)
     """The open stores by name (``tier``, ``commands``, …); see :meth:`store`."""
+    pending_bytes: ByteBudget | None = None
+    """The face's budget of request bytes taken in (parsed and not yet answered)."""
     lanes: Mapping[str, Gate] = attrs.field(factory=dict)
     """Ops admitted by a Gate of their own instead of :attr:`gate` (the tier face's
     writes): a flood of the other ops never sheds them."""

@@ -70,6 +70,7 @@ class ClaimHandler:
     gated_ops = frozenset({"dead", "requeue", "purge"})
     """``next`` is not among them: it takes its Gate lease only once a record is there,
     so a consumer parked in ``next`` holds no intake place (see :meth:`_next`)."""
+    large_reply_ops = frozenset({"dead"})
 
     def __init__(
         self, ctx: FaceContext, bus: Bus, resolve: Resolve, delete: Delete | None = None

@@ -143,6 +143,9 @@ class V1Reply:
 class FaceHandler(Protocol):
     gated_ops: frozenset[str]
     """The v2 ops that take a Gate lease (the others never wait for one)."""
+    large_reply_ops: frozenset[str]
+    """The v2 ops whose reply may be as large as the reply cap (pages): a connection
+    runs only as many at once as its unsent-bytes cap holds (at least one)."""
 
     async def v1(self, frame: bytes, arrival: float) -> V1Reply:
         """Answer one v1 frame. Raise :class:`CloseConnection` to close instead."""
@@ -243,6 +246,10 @@ class _Connection:
         self.outcome = "closed"
         self.peer_gone = False
         self._shed_recently = False
+        self.max_unsent = ctx.config.connection_unsent_bytes
+        self._unsent = 0  # bytes queued in the outbox or being written
+        self._drained: trio.Event | None = None  # set once unsent is back under the cap
+        self._large = trio.CapacityLimiter(max(1, self.max_unsent // self.max_reply))
         self._asked = 0  # requests being answered (the idle timeout waits for none)
         self._idle_wait: trio.CancelScope | None = None  # the reader's idle wait, if any
 
@@ -478,12 +485,22 @@ class _Connection:
             if frame.code is ErrorCode.TOO_LARGE:
                 await self._answer_unreadable(frame)
             return False
+        if self._unsent > self.max_unsent:
+            # A client that does not read its replies: take nothing more from it until
+            # they drain (its requests wait in its socket, costing the writer nothing).
+            metrics.child(metrics.UNSENT_WAITS, self.face).inc()
+            await self._wait_drained()
+        budget = self.ctx.pending_bytes
+        # Before parsing: a parsed frame weighs several times its bytes.
+        lent = 0 if budget is None else await budget.acquire(len(frame))
         try:
             request = parse_request(frame)
         except RequestError as exc:
+            self._give_back(lent, None)
             await self._send_v2_error(exc.request_id, "unknown", exc, arrival)
             return True
         except RemoteProtocolError as exc:  # unparseable: answer, then close
+            self._give_back(lent, None)
             self._end("protocol_error")
             await self._answer_unreadable(exc)
             return False
@@ -503,9 +520,14 @@ class _Connection:
             self._shed_recently = False
         slot = object()  # a hashable borrower token per request
         await slots.acquire_on_behalf_of(slot)
+        large = request.op in self.handler.large_reply_ops
+        if large:
+            await self._large.acquire_on_behalf_of(slot)
+        produced = partial(self._give_back, lent, slot if large else None)
         try:
             pending = self.handler.v2(request, arrival)
         except Exception as exc:
+            produced()
             slots.release_on_behalf_of(slot)
             await self._send_v2_error(request.id, request.op, exc, arrival)
             return True
@@ -515,10 +537,19 @@ class _Connection:
         done = partial(self._request_done, slots, slot, gate if gated else None)
         if isinstance(pending, Deferred):
             self._deferred += 1
-            pending.when_settled(partial(self._deferred_reply, request, arrival, done))
+            pending.when_settled(partial(self._deferred_reply, request, arrival, produced, done))
         else:
-            inflight.start_soon(self._v2, request, pending, arrival, done)
+            inflight.start_soon(self._v2, request, pending, arrival, produced, done)
         return True
+
+    def _give_back(self, lent: int, large: object | None) -> None:
+        """A request's reply exists (or it has none): its bytes go back to the face's
+        budget and its large-reply place to the connection. Before the reply is sent, so
+        that a client slow to read holds up only itself."""
+        if lent and self.ctx.pending_bytes is not None:
+            self.ctx.pending_bytes.release(lent)
+        if large is not None:
+            self._large.release_on_behalf_of(large)
 
     def _request_done(self, slots: trio.CapacityLimiter, slot: object, gate: Gate | None) -> None:
         slots.release_on_behalf_of(slot)
@@ -528,9 +559,14 @@ class _Connection:
 
     async def _v1(self, frame: bytes, arrival: float) -> bool:
         self._asking(+1)
+        budget = self.ctx.pending_bytes
+        lent = 0 if budget is None else await budget.acquire(len(frame))
         try:
             try:
-                reply = await self.handler.v1(frame, arrival)
+                try:
+                    reply = await self.handler.v1(frame, arrival)
+                finally:
+                    self._give_back(lent, None)
             except CloseConnection as close:
                 self._end(close.outcome)
                 return False
@@ -545,11 +581,15 @@ class _Connection:
         request: Request,
         pending: Awaitable[bytes],
         arrival: float,
+        produced: Callable[[], None],
         done: Callable[[], None],
     ) -> None:
         try:
             try:
-                outcome: bytes | Exception = await pending
+                try:
+                    outcome: bytes | Exception = await pending
+                finally:
+                    produced()
             except CloseConnection as close:
                 if close.final is not None:
                     await self._send(encode_frame(close.final))
@@ -568,11 +608,13 @@ class _Connection:
         self,
         request: Request,
         arrival: float,
+        produced: Callable[[], None],
         done: Callable[[], None],
         outcome: bytes | Exception,
     ) -> None:
         """Called by whatever settles a :class:`Deferred` (on the loop, not in a task of
         this connection): queue the reply for a flush task."""
+        produced()
         try:
             frame, op, result = self._answer(request, outcome)
             self._queue(frame)
@@ -631,17 +673,39 @@ class _Connection:
         Replies are coalesced: the first sender writes everything queued meanwhile in one
         ``send_all``, the others only queue (one write per batch of ready replies, not
         one per reply: that was a quarter of the loop's time under pipelined load)."""
+        if self.peer_gone:
+            return False  # after a failed write not one more byte: it would be mid-frame
         self._outbox.append(data)
+        self._unsent += len(data)
         if self._flushing:
-            return not self.peer_gone  # the flushing task writes it
+            # The flushing task writes it; a sender whose replies pile up unread (a
+            # subscription, a stream of pages) waits for them to drain.
+            if self._unsent > self.max_unsent:
+                metrics.child(metrics.UNSENT_WAITS, self.face).inc()
+                await self._wait_drained()
+            return not self.peer_gone
         return await self._flush()
+
+    async def _wait_drained(self) -> None:
+        """Return once the unsent replies are within the cap (or the peer is gone)."""
+        while self._unsent > self.max_unsent and not self.peer_gone:
+            if self._drained is None:
+                self._drained = trio.Event()
+            await self._drained.wait()
+
+    def _sent(self, size: int) -> None:
+        self._unsent -= size
+        if self._drained is not None and (self._unsent <= self.max_unsent or self.peer_gone):
+            self._drained.set()
+            self._drained = None
 
     def _queue(self, data: bytes) -> None:
         """:meth:`_send` for a caller that is not a task of this connection: a flush task
         (one per batch of ready replies) writes it."""
-        if self._replies is None:
+        if self._replies is None or self.peer_gone:
             return  # the connection is over
         self._outbox.append(data)
+        self._unsent += len(data)
         if not self._flushing:
             self._flushing = True
             self._replies.start_soon(self._flush)
@@ -659,10 +723,16 @@ class _Connection:
                     await self.stream.send_all(chunk)
                 if writing.cancelled_caught:
                     raise trio.TooSlowError
+                self._sent(len(chunk))
         except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError):
+            # A write cut short may have sent part of a frame: the stream is unusable, so
+            # the connection ends here (writing the next reply after it would hand the
+            # client a corrupt frame, as a slow reader once got).
             self._end("write_error")
             self.peer_gone = True
             self._outbox.clear()
+            self._sent(self._unsent)
+            self._scope.cancel()
             return False
         finally:
             self._flushing = False

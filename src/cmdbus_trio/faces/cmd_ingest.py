@@ -26,6 +26,7 @@ from ._connection import serve as serve_connections
 
 class IngestHandler:
     gated_ops = frozenset({"publish", "publish_batch"})
+    large_reply_ops: frozenset[str] = frozenset()
 
     def __init__(self, ctx: FaceContext, bus: Bus) -> None:
         self.gate = ctx.gate

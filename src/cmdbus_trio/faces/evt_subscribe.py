@@ -42,6 +42,7 @@ class SubscribeHandler:
     gated_ops: frozenset[str] = frozenset()
     """A subscription takes a Gate lease per catch-up page, never for its life: a live
     subscriber holds no intake place."""
+    large_reply_ops: frozenset[str] = frozenset()
 
     def __init__(self, ctx: FaceContext, bus: Bus, hub: Hub, send: Sender) -> None:
         self.ctx = ctx

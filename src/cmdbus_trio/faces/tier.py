@@ -40,6 +40,7 @@ _NO_ID = -1  # marks a v1 request in the thread functions
 
 class TierHandler:
     gated_ops = frozenset({"append", "append_batch", "read_execution", "scan"})
+    large_reply_ops = frozenset({"read_execution", "scan"})
 
     def __init__(self, ctx: FaceContext, store: TierStore) -> None:
         self.ctx = ctx
