@@ -63,6 +63,16 @@ def test_publish_claim_lag_dead(server: dict[str, str]) -> None:
     assert table.returncode == 0 and table.stdout.splitlines()[0].split() == ["subjects", "total"]
 
 
+def test_delete_group(server: dict[str, str]) -> None:
+    claim = ("--addr", server["evt_claim"])
+    created = lines(run("client", "claim", *claim, "--filter", "events.>", "--group", "cli-g",
+                        "--from", "tail", "--timeout", "0.1"))  # fmt: skip
+    assert created == []
+    assert lines(run("client", "delete-group", *claim, "--group", "cli-g")) == [{"deleted": True}]
+    assert lines(run("client", "delete-group", *claim, "--group", "cli-g")) == [{"deleted": False}]
+    assert_fails(run("client", "lag", *claim, "--group", "cli-g"), "unknown group")
+
+
 def test_publish_errors(server: dict[str, str]) -> None:
     ingest = ("--addr", server["cmd_ingest"])
     assert_fails(run("client", "publish", *ingest, stdin="{not json\n"), "stdin line 1: not JSON")

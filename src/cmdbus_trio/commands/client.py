@@ -99,6 +99,10 @@ def add_parser(commands: Any) -> None:
                 help="with --requeue or --purge: only this one (repeatable; else --filter's)",
             )
 
+    delete = op("delete-group", "delete an event consumer group and all it recorded")
+    delete.add_argument("--addr", default=_default("evt_claim"), help="event claim face (:9104)")
+    delete.add_argument("--group", required=True)
+
     health_help = "the writer's /healthz (exit 1 when degraded)"
     health = ops.add_parser("health", help=health_help, description=health_help)
     health.add_argument("--human", action="store_true", help="print a table, not JSON lines")
@@ -280,6 +284,12 @@ def _dead(args: argparse.Namespace, output: Output) -> int:
             after = page.next_after
 
 
+def _delete_group(args: argparse.Namespace, output: Output) -> int:
+    with blocking.ClaimClient.connect(args.addr, **_options(args)) as claim:
+        output.row({"deleted": claim.delete_group(args.group, timeout=CALL_TIMEOUT)})
+    return 0
+
+
 def fetch(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
     """GET ``url``: the status and body; raises :class:`OSError` when there is no answer."""
     try:
@@ -310,5 +320,6 @@ _RUNNERS = {
     "tier scan": _tier_scan,
     "lag": _lag,
     "dead": _dead,
+    "delete-group": _delete_group,
     "health": _health,
 }
