@@ -184,3 +184,26 @@ async def test_a_reader_cut_off_mid_reply_never_gets_a_corrupt_frame(tmp_path: P
             except (trio.BrokenResourceError, RemoteProtocolError):
                 pass  # reset, or the stream ended inside the frame cut short
             assert ids == list(range(1, len(ids) + 1)) and len(ids) < 40
+
+
+def test_a_blocking_call_many_bigger_than_the_unsent_cap_does_not_wait_on_itself(
+    tmp_path: Path,
+) -> None:
+    """The blocking client cannot read while it sends. Sent whole, 30 batches whose
+    replies pass the writer's unsent cap made the writer stop reading while the client was
+    still sending: both waited until the read timeout closed the connection. It now sends
+    a window at a time and reads its replies in between."""
+    from cmdbus_trio.client import _calls as calls
+    from cmdbus_trio.client import blocking
+
+    settings = {
+        **TIER_ONLY,
+        "CMDBUS_CONNECTION_UNSENT_BYTES": str(1 << 20),
+        "CMDBUS_READ_TIMEOUT_MS": "3000",
+    }
+    with serving(tmp_path, **settings) as (_, ports):
+        with blocking.TierClient.connect(ports["tier"]) as tier:
+            payload = json.dumps({"p": "x" * 60})
+            batch = [calls.append_batch(f"many-{n}", [payload] * 10_000) for n in range(30)]
+            results = tier.call_many(batch, timeout=120)  # ~27 MB sent, ~20 MB of replies
+        assert [result.appended for result in results] == [10_000] * 30

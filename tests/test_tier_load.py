@@ -74,21 +74,7 @@ async def test_a_client_leaving_mid_read_frees_its_slot_within_a_page(
     with trio.fail_after(30):
         async with running_writer(config) as (writer, addresses):
             store = writer._stores["tier"]
-            records = [NewRecord(json.dumps({"i": i})) for i in range(4000)]
-            await run_in_thread(
-                store.append_batch, "eventlog", "big", records, limiter=trio.CapacityLimiter(1)
-            )
-            original = store.iter_execution
-
-            def slow_pages(
-                tier: str, execution_id: str, *, after: int = 0
-            ) -> Iterator[list[TierRecord]]:
-                for page in original(tier, execution_id, after=after):
-                    pages_served.append(len(page))
-                    time.sleep(0.3)  # a page of slow work
-                    yield page
-
-            store.iter_execution = slow_pages  # type: ignore[method-assign]
+            await slow_big_execution(store, 4000, seconds_a_page=0.3, served=pages_served)
             gate = writer.health.gates["tier"]
             async with frame_client(addresses["tier"]) as client:
                 await client.send(b'{"id": 1, "op": "read_execution", "execution_id": "big"}')
@@ -236,24 +222,7 @@ async def test_appends_keep_flowing_while_reads_hold_every_read_slot(
         with trio.fail_after(60):
             async with running_writer(config) as (writer, addresses):
                 store = writer._stores["tier"]
-                records = [NewRecord(json.dumps({"i": i})) for i in range(600)]
-                await run_in_thread(
-                    store.append_batch, "eventlog", "big", records, limiter=trio.CapacityLimiter(1)
-                )
-                original = store.iter_execution
-
-                def slow_pages(
-                    tier: str,
-                    execution_id: str,
-                    *,
-                    after: int = 0,
-                    pages: Callable[..., Iterator[list[TierRecord]]] = original,
-                ) -> Iterator[list[TierRecord]]:
-                    for page in pages(tier, execution_id, after=after):
-                        time.sleep(0.2)  # reads that hold their slot
-                        yield page
-
-                store.iter_execution = slow_pages  # type: ignore[method-assign]
+                await slow_big_execution(store, 600, seconds_a_page=0.2)  # reads hold a slot
 
                 async def reader(stop: trio.Event) -> None:
                     async with frame_client(addresses["tier"]) as client:
@@ -279,3 +248,24 @@ async def test_appends_keep_flowing_while_reads_hold_every_read_slot(
                     assert gates["tier"].statistics().shed_total["waiters_full"] > 0
     assert outcomes["lane"] == {"ok": 20}, outcomes
     assert outcomes["shared"].get("busy", 0) > 0, outcomes
+
+
+async def slow_big_execution(
+    store: TierStore, records: int, *, seconds_a_page: float, served: list[int] | None = None
+) -> None:
+    """Store an execution "big" of ``records`` records, and make every page of its reads
+    take ``seconds_a_page`` in the reading thread (each page's size noted in ``served``)."""
+    batch = [NewRecord(json.dumps({"i": i})) for i in range(records)]
+    await run_in_thread(
+        store.append_batch, "eventlog", "big", batch, limiter=trio.CapacityLimiter(1)
+    )
+    original = store.iter_execution
+
+    def slow_pages(tier: str, execution_id: str, *, after: int = 0) -> Iterator[list[TierRecord]]:
+        for page in original(tier, execution_id, after=after):
+            if served is not None:
+                served.append(len(page))
+            time.sleep(seconds_a_page)
+            yield page
+
+    store.iter_execution = slow_pages  # type: ignore[method-assign]

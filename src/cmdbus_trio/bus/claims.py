@@ -206,7 +206,7 @@ class Claims:
 
     def _count(self, subject: str, change: int) -> None:
         self._total += change
-        if self._tail is None:  # an event group's per-subject backlog is walked for
+        if self._tail is None:  # an event group counts its per-subject backlog on request
             backlog = self._backlog.get(subject, 0) + change
             if backlog:
                 self._backlog[subject] = backlog

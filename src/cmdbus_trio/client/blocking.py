@@ -44,6 +44,25 @@ T = TypeVar("T")
 RECEIVE_CHUNK = 1 << 16
 
 
+SEND_WINDOW = 256 * 1024
+"""Request bytes :meth:`Connection.call_many` sends before it reads their replies (a frame
+larger than this goes alone): well within a socket's buffers, so sending never blocks on
+a writer that waits for its replies to be read."""
+
+
+def _send_windows(frames: Sequence[bytes], ids: Sequence[int]) -> Iterator[list[tuple[bytes, int]]]:
+    window: list[tuple[bytes, int]] = []
+    size = 0
+    for frame, request_id in zip(frames, ids, strict=True):
+        if window and size + len(frame) > SEND_WINDOW:
+            yield window
+            window, size = [], 0
+        window.append((frame, request_id))
+        size += len(frame)
+    if window:
+        yield window
+
+
 class Connection:
     """A v2 connection to one data face, reconnected on the next call after it broke.
 
@@ -144,20 +163,25 @@ class Connection:
                 )
                 frames.append(frame)
                 ids.append(request_id)
-            try:
-                sock.sendall(b"".join(frames))
-            except OSError as exc:
-                self._drop()
-                raise ConnectionLost(f"sending to {self.address} failed: {exc!r}") from None
             wait = max((call.wait or 0.0) for call in batch)
             local = None if deadline is None else deadline + LOCAL_GRACE + wait
             if local is not None and not math.isfinite(local):
                 local = None  # a `next` that waits until a record comes
             replies: dict[int, dict[str, Any] | ServerError] = {}
-            while len(replies) < len(ids):
-                reply = self._next_reply(local, batch[0].op)
-                if reply.id in ids and reply.id not in replies:
-                    replies[reply.id] = reply.error if reply.error else reply.result or {}
+            # One window at a time: a blocking socket cannot read while it sends, and the
+            # writer stops reading a connection whose unsent replies pass its cap, so a
+            # batch sent whole could wait on itself until the writer's read timeout.
+            for window in _send_windows(frames, ids):
+                try:
+                    sock.sendall(b"".join(frame for frame, _ in window))
+                except OSError as exc:
+                    self._drop()
+                    raise ConnectionLost(f"sending to {self.address} failed: {exc!r}") from None
+                wanted = {request_id for _, request_id in window}
+                while not wanted <= replies.keys():
+                    reply = self._next_reply(local, batch[0].op)
+                    if reply.id in wanted and reply.id not in replies:
+                        replies[reply.id] = reply.error if reply.error else reply.result or {}
             return [replies[request_id] for request_id in ids]
 
     def _next_reply(self, local_deadline: float | None, op: str) -> Reply:

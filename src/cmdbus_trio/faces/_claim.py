@@ -16,7 +16,7 @@ task: the same steps, without waiting.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from functools import partial
 from typing import Any
 
@@ -27,7 +27,6 @@ from cmdbus_trio.bus import Bus
 from cmdbus_trio.bus.claims import Claims, Delivery
 from cmdbus_trio.bus.committer import Ticket
 from cmdbus_trio.protocol import (
-    ErrorCode,
     FieldError,
     Request,
     UnsupportedOp,
@@ -37,13 +36,13 @@ from cmdbus_trio.protocol import (
     is_int,
     loads,
 )
+from cmdbus_trio.protocol import tier as tier_codec
 from cmdbus_trio.protocol.subjects import parse_filter
-from cmdbus_trio.protocol.tier import reply_size, with_records
 from cmdbus_trio.storage import StoreUnavailable
 from cmdbus_trio.storage.buslog import DEAD_KEYS_PAGE, DeadRecord, StoredRecord
 
 from . import FaceContext
-from ._connection import CloseConnection, Deferred, FaceError, V1Reply
+from ._connection import CloseConnection, Deferred, V1Reply
 
 Resolve = Callable[[Any, Any], Awaitable[Claims]]
 """(group field, from field) -> the group's coordinator; raises FieldError."""
@@ -363,37 +362,18 @@ class ClaimHandler:
     def _dead_page(
         self, group: str, filter_text: str | None, after: int, limit: int, head: dict[str, Any]
     ) -> bytes:
-        overhead = reply_size(head, 0, 0, {"next_after": 1 << 63})
-        fragments: list[bytes] = []
-        size = 0  # the fragments and the commas between them
-        last: int | None = None
-        more = False
         with contextlib.closing(
             self.bus.log.iter_dead(group, after=after, filter=filter_text)
         ) as pages:
-            for page in pages:
-                trio.from_thread.check_cancelled()  # a spent budget stops within a page
-                for dead in page:
-                    if len(fragments) == limit:
-                        more = True
-                        break
-                    fragment = _dead_fragment(dead)
-                    grown = size + len(fragment) + (1 if fragments else 0)
-                    if overhead + grown > self.max_reply:
-                        if not fragments:
-                            raise FaceError(
-                                ErrorCode.TOO_LARGE,
-                                f"dead letter {dead.sort_key} alone needs a reply of "
-                                f"{overhead + grown} bytes, over the {self.max_reply}-byte cap",
-                            )
-                        more = True
-                        break
-                    fragments.append(fragment)
-                    size = grown
-                    last = dead.sort_key
-                if more:
-                    break
-        return with_records(head, fragments, {"next_after": last if more else None})
+
+            def fragments() -> Iterator[tuple[int, bytes]]:
+                for page in pages:
+                    trio.from_thread.check_cancelled()  # a spent budget stops within a page
+                    yield from ((dead.sort_key, _dead_fragment(dead)) for dead in page)
+
+            return tier_codec.page(
+                head, fragments(), limit=limit, max_reply=self.max_reply, name="dead letter"
+            )
 
     async def _move_dead(
         self,

@@ -127,8 +127,8 @@ def as_face_error(exc: Exception) -> FaceError | None:
         return FaceError(ErrorCode.UNAVAILABLE, str(exc) or "the writer is draining")
     if isinstance(exc, StoreUnavailable):
         return FaceError(ErrorCode.UNAVAILABLE, str(exc))
-    if isinstance(exc, RemoteProtocolError) and not exc.fatal:
-        return FaceError(exc.code, exc.hint)
+    if isinstance(exc, RemoteProtocolError | LocalProtocolError) and not exc.fatal:
+        return FaceError(exc.code, exc.hint)  # a bad field, or a reply over the cap
     return None
 
 

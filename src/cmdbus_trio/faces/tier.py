@@ -163,35 +163,15 @@ class TierHandler:
     def _read_v2(
         self, head: dict[str, Any], pages: Pages, limit: int, with_returned: bool
     ) -> bytes:
-        # Sizes are checked against the largest head and tail this reply can have; that
-        # overhead is the same for every record, so it is computed once.
-        worst_head = head | ({"returned": limit} if with_returned else {})
-        overhead = codec.reply_size(worst_head, 0, 0, {"next_after": 1 << 63})
-        fragments: list[bytes] = []
-        size = 0  # the fragments and the commas between them
-        last: int | None = None
-        more = False
-        for record in _records(pages):
-            if len(fragments) == limit:
-                more = True
-                break
-            fragment = _fragment(record)
-            grown = size + len(fragment) + (1 if fragments else 0)
-            if overhead + grown > self.max_reply:
-                if not fragments:
-                    raise FaceError(
-                        ErrorCode.TOO_LARGE,
-                        f"record {record.global_sequence} alone needs a reply of "
-                        f"{overhead + grown} bytes, over the {self.max_reply}-byte cap",
-                    )
-                more = True
-                break
-            fragments.append(fragment)
-            size = grown
-            last = record.global_sequence
-        if with_returned:
-            head["returned"] = len(fragments)
-        return codec.with_records(head, fragments, {"next_after": last if more else None})
+        records = ((record.global_sequence, _fragment(record)) for record in _records(pages))
+        return codec.page(
+            head,
+            records,
+            limit=limit,
+            max_reply=self.max_reply,
+            name="record",
+            returned=with_returned,
+        )
 
     def _read_v1(
         self, head: dict[str, Any], pages: Pages, limit: int, with_returned: bool

@@ -6,12 +6,12 @@ encoding works on pre-encoded record fragments so that a page can be cut by byte
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final
 
 import attrs
 
-from ._errors import ErrorCode
+from ._errors import ErrorCode, LocalProtocolError
 from ._fields import (
     FieldError,
     UnsupportedOp,
@@ -214,6 +214,54 @@ def with_records(head: dict[str, Any], fragments: Sequence[bytes], tail: dict[st
         parts += [b",", dumps(tail)[1:-1]]
     parts.append(b"}")
     return b"".join(parts)
+
+
+def page(
+    head: dict[str, Any],
+    items: Iterable[tuple[int, bytes]],
+    *,
+    limit: int,
+    max_reply: int,
+    name: str,
+    returned: bool = False,
+) -> bytes:
+    """A paged reply: ``head``, then ``"records"``: the fragments of ``items`` (``(key,
+    fragment)``, in order) up to ``limit`` of them or as many as keep the reply within
+    ``max_reply``, then ``next_after``: the last key returned when there may be more, else
+    null. With ``returned``, the head also says how many were returned. Stops reading
+    ``items`` at the first it does not take (a caller's generator does no more work).
+
+    Error handling: raises :class:`LocalProtocolError` (``too_large``, not fatal) when
+    the first item alone would pass the cap; ``name`` names it in the message."""
+    # The head and tail are as large as they can get for this page, and the same for
+    # every item: that overhead is computed once.
+    worst_head = head | ({"returned": limit} if returned else {})
+    overhead = reply_size(worst_head, 0, 0, {"next_after": 1 << 63})
+    fragments: list[bytes] = []
+    size = 0  # the fragments and the commas between them
+    last: int | None = None
+    more = False
+    for key, fragment in items:
+        if len(fragments) == limit:
+            more = True
+            break
+        grown = size + len(fragment) + (1 if fragments else 0)
+        if overhead + grown > max_reply:
+            if not fragments:
+                raise LocalProtocolError(
+                    f"{name} {key} alone needs a reply of {overhead + grown} bytes, over "
+                    f"the {max_reply}-byte cap",
+                    code=ErrorCode.TOO_LARGE,
+                    fatal=False,
+                )
+            more = True
+            break
+        fragments.append(fragment)
+        size = grown
+        last = key
+    if returned:
+        head["returned"] = len(fragments)
+    return with_records(head, fragments, {"next_after": last if more else None})
 
 
 def reply_size(head: dict[str, Any], fragment_sizes: int, count: int, tail: dict[str, Any]) -> int:
