@@ -215,3 +215,31 @@ async def test_a_creation_whose_requester_left_still_completes(log: RacingLog) -
             nursery.cancel_scope.cancel()
     assert drain(claims) == [1, 2]
     assert committer.listeners == [groups.tail]  # the one feed, shared by every group
+
+
+async def test_a_group_recreated_after_its_deleter_left_is_not_dropped(log: RacingLog) -> None:
+    """The deleter leaves before its drop is committed; a creation of the same name waits
+    for the drop, so the new group is not deleted by it afterwards."""
+    committer = GroupCommitter(log, SubjectRule(BusKind.EVENTS))
+    log.committer = committer
+    groups = ConsumerGroups(
+        log, committer, ack_wait=30, max_deliver=0, limiter=trio.CapacityLimiter(1)
+    )
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(groups.run)
+            await groups.get("again", "beginning")
+            with trio.move_on_after(0):  # gone while the drop waits for the committer
+                assert await groups.delete("again")
+            recreated: list[Claims] = []
+            nursery.start_soon(_create, groups, "again", recreated)
+            await trio.testing.wait_all_tasks_blocked()
+            assert not recreated  # waits for the drop, which waits for the committer
+            await nursery.start(committer.run)
+            await _publish(committer, 1)
+            while not recreated:  # its history loads in a thread
+                await trio.sleep(0.01)
+            assert recreated == [groups.claims["again"]]
+            nursery.cancel_scope.cancel()
+    assert "again" in await trio.to_thread.run_sync(log.groups)
+    assert drain(recreated[0]) == [1]

@@ -194,12 +194,25 @@ class ConsumerGroups:
         deleting = self._creating[name] = _Creation()  # a re-creation waits for this
         ticket = Ticket(dropped=[name])
         self.committer.enqueue(ticket)  # after any ack of the group already enqueued
+        if self._nursery is None:
+            await self._drop(name, ticket, deleting)
+        else:  # the marker outlives a requester that leaves: see _drop
+            self._nursery.start_soon(self._drop, name, ticket, deleting)
+            await deleting.done.wait()
+        if deleting.error is not None:
+            raise deleting.error
+        return True
+
+    async def _drop(self, name: str, ticket: Ticket, deleting: _Creation) -> None:
+        # Until the drop is committed, a creation of the same name must wait: made
+        # earlier, its row would be deleted by this drop.
         try:
             await ticket.wait()
+        except Exception as exc:
+            deleting.error = exc
         finally:
             del self._creating[name]
             deleting.done.set()
-        return True
 
     def release(self, owner: object) -> None:
         for claims in self.claims.values():
