@@ -13,10 +13,11 @@ RUFF = "ruff==0.17.6"
 MYPY = "mypy==2.4.1"
 
 
-SYSTEM_ONCE = ["-m", "not system"]
-"""The system tests (tests/system: a whole deployment in processes, about a minute each)
-run in the first Python's session only: they test the deployment, not the interpreter,
-and four runs of them would take CI past half an hour."""
+SYSTEM_ONCE = ["-m", "not system and not slow"]
+"""The system tests (tests/system: a whole deployment in processes, about 30 s each) and
+the slow load tests (floods, soaks, crashes in subprocesses) run in the first Python's
+session only: they test the deployment, not the interpreter, and running them four times
+would take CI toward half an hour."""
 
 
 @nox.session(python=PYTHONS)

@@ -42,6 +42,7 @@ async def watch_peak(process: subprocess.Popen[str], seconds: float) -> float:
     return peak
 
 
+@pytest.mark.slow  # a load measured in a subprocess: see noxfile.SYSTEM_ONCE
 async def test_readers_that_do_not_read_their_replies(tmp_path: Path) -> None:
     with serving(tmp_path, **TIER_ONLY) as (writer, ports):
         pad = "x" * 1000
@@ -71,6 +72,7 @@ async def test_readers_that_do_not_read_their_replies(tmp_path: Path) -> None:
                 await reader.aclose()
 
 
+@pytest.mark.slow  # a load measured in a subprocess: see noxfile.SYSTEM_ONCE
 async def test_a_flood_of_one_mib_batches(tmp_path: Path) -> None:
     with serving(tmp_path, CMDBUS_TIER_BIND="") as (writer, ports):
         await trio.sleep(0.5)
@@ -186,6 +188,7 @@ async def test_a_reader_cut_off_mid_reply_never_gets_a_corrupt_frame(tmp_path: P
             assert ids == list(range(1, len(ids) + 1)) and len(ids) < 40
 
 
+@pytest.mark.slow  # a load measured in a subprocess: see noxfile.SYSTEM_ONCE
 def test_a_blocking_call_many_bigger_than_the_unsent_cap_does_not_wait_on_itself(
     tmp_path: Path,
 ) -> None:

@@ -8,13 +8,14 @@ import sqlite3
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import trio
 
 from cmdbus_trio import metrics
 from cmdbus_trio.admission import run_in_thread
 from cmdbus_trio.config import Config
-from cmdbus_trio.storage.tier import NewRecord, TierRecord, TierStore
+from cmdbus_trio.storage.tier import NewRecord, TierStore
 
 from .helpers import frame_client, get, running_writer, serving
 
@@ -203,6 +204,35 @@ async def test_a_started_write_finishes_when_its_client_leaves(
             assert count == 1
 
 
+async def test_the_write_lane_takes_one_write_at_a_time(
+    make_config: Callable[..., Config],
+) -> None:
+    """SQLite takes one writer: a second append waits in the lane (seen, sheddable), not
+    in a thread behind the write lock, however many read slots the tier has."""
+    config = make_config(tier_bind="127.0.0.1:0", tier_max_inflight=4)
+    with trio.fail_after(30):
+        async with running_writer(config) as (writer, addresses):
+            store: TierStore = writer._stores["tier"]
+            gate = writer.health.gates["tier_writes"]
+            assert gate.statistics().capacity == 1
+            store.before_commit = lambda: time.sleep(0.3)  # a slow fsync
+            replies: list[dict[str, Any]] = []
+
+            async def append(n: int) -> None:
+                async with frame_client(addresses["tier"]) as client:
+                    replies.append(
+                        await client.request("append", execution_id=f"e{n}", payload="{}")
+                    )
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(append, 1)
+                nursery.start_soon(append, 2)
+                while gate.statistics().waiters == 0:
+                    await trio.sleep(0.01)
+                assert gate.statistics().inflight == 1
+            assert [reply["ok"] for reply in replies] == [True, True]
+
+
 async def test_appends_keep_flowing_while_reads_hold_every_read_slot(
     make_config: Callable[..., Config],
 ) -> None:
@@ -259,13 +289,15 @@ async def slow_big_execution(
     await run_in_thread(
         store.append_batch, "eventlog", "big", batch, limiter=trio.CapacityLimiter(1)
     )
-    original = store.iter_execution
+    original = store.iter_execution_encoded
 
-    def slow_pages(tier: str, execution_id: str, *, after: int = 0) -> Iterator[list[TierRecord]]:
+    def slow_pages(
+        tier: str, execution_id: str, *, after: int = 0
+    ) -> Iterator[list[tuple[int, bytes]]]:
         for page in original(tier, execution_id, after=after):
             if served is not None:
                 served.append(len(page))
             time.sleep(seconds_a_page)
             yield page
 
-    store.iter_execution = slow_pages  # type: ignore[method-assign]
+    store.iter_execution_encoded = slow_pages  # type: ignore[method-assign]

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import itertools
+import json
 import sqlite3
 import subprocess
 import sys
@@ -9,10 +11,22 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import attrs
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from cmdbus_trio.protocol.tier import record_fragment
 from cmdbus_trio.storage import StoreState, StoreUnavailable
-from cmdbus_trio.storage.tier import PAGE_ROWS, TIERS, NewRecord, TierStore, VersionConflict
+from cmdbus_trio.storage import tier as tier_module
+from cmdbus_trio.storage.tier import (
+    PAGE_ROWS,
+    TIERS,
+    NewRecord,
+    TierStore,
+    VersionConflict,
+    _sqlite_writes_fragments,
+)
 
 
 @pytest.fixture
@@ -269,3 +283,86 @@ def test_connections_are_bounded_by_concurrency_not_by_threads_seen(store: TierS
         thread.start()
         thread.join()
     assert store.statistics().connections == 1
+
+
+_TEXT = st.text(st.characters(blacklist_categories=("Cs",)))  # stored text never has one
+_EXECUTIONS = itertools.count()
+
+
+@pytest.mark.parametrize("in_sqlite", [True, False])
+@settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(records=st.lists(st.tuples(_TEXT, _TEXT), min_size=1, max_size=4), name=_TEXT)
+def test_encoded_pages_are_the_records_reply_fragments(
+    store: TierStore, in_sqlite: bool, records: list[tuple[str, str]], name: str
+) -> None:
+    """SQLite's fragments (or the Python fallback's) are byte for byte those of
+    record_fragment, for any text in any field."""
+    store.fragments_in_sqlite = in_sqlite
+    execution_id = f"{name}-{next(_EXECUTIONS)}"
+    store.append_batch("eventlog", execution_id, [rec(p, tx=tx) for p, tx in records])
+    expected = [
+        (r.global_sequence, record_fragment(*attrs.astuple(r)))
+        for page in store.iter_execution("eventlog", execution_id)
+        for r in page
+    ]
+    encoded = store.iter_execution_encoded("eventlog", execution_id)
+    assert [pair for page in encoded for pair in page] == expected
+    after = expected[0][0] - 1
+    scanned = [pair for page in store.iter_scan_encoded("eventlog", after=after) for pair in page]
+    assert scanned[: len(expected)] == expected
+
+
+def test_fragments_are_made_in_sqlite_only_where_it_escapes_as_we_do(store: TierStore) -> None:
+    assert store.fragments_in_sqlite  # this SQLite: every CI Python links one like it
+    connection = sqlite3.connect(":memory:")
+    assert _sqlite_writes_fragments(connection)
+
+    def upper_hex_json_object(*pairs: object) -> str:  # \u001F where we write \u001f
+        return json.dumps(dict(zip(pairs[::2], pairs[1::2], strict=True))).upper()
+
+    connection.create_function("json_object", -1, upper_hex_json_object)
+    assert not _sqlite_writes_fragments(connection)
+    connection.create_function("json_object", -1, None)  # as if built without JSON
+    assert not _sqlite_writes_fragments(connection)
+
+
+@pytest.mark.parametrize("in_sqlite", [True, False])
+def test_encoded_pages_hold_every_record_in_order_across_pages(
+    store: TierStore, in_sqlite: bool
+) -> None:
+    store.fragments_in_sqlite = in_sqlite
+    total = 2 * PAGE_ROWS + 5
+    records = [rec(json.dumps({"n": "é\n" * (n % 7)}), tx=f"t{n}") for n in range(total)]
+    store.append_batch("eventlog", "long", records)
+    store.append("eventlog", "other", rec())  # between, skipped by the execution's reads
+    store.append("eventlog", "long", rec('{"last": true}'))
+    expected = [
+        (r.global_sequence, record_fragment(*attrs.astuple(r)))
+        for page in store.iter_execution("eventlog", "long")
+        for r in page
+    ]
+    pages = list(store.iter_execution_encoded("eventlog", "long"))
+    assert [len(page) for page in pages] == [PAGE_ROWS, PAGE_ROWS, 6]
+    assert [pair for page in pages for pair in page] == expected
+    middle = expected[PAGE_ROWS - 3][0]
+    resumed = store.iter_execution_encoded("eventlog", "long", after=middle)
+    assert [pair for page in resumed for pair in page] == expected[PAGE_ROWS - 2 :]
+    scanned = [pair for page in store.iter_scan_encoded("eventlog") for pair in page]
+    assert len(scanned) == total + 2
+
+
+@pytest.mark.parametrize("in_sqlite", [True, False])
+def test_an_encoded_page_holds_about_page_bytes_and_at_least_one_record(
+    store: TierStore, in_sqlite: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Records may be up to a request's size each: a page of PAGE_ROWS of them is not read
+    at once. A page ends with the record that reaches PAGE_BYTES; a bigger one is alone."""
+    store.fragments_in_sqlite = in_sqlite
+    monkeypatch.setattr(tier_module, "PAGE_BYTES", 1000)
+    sizes = [300, 300, 300, 300, 2500, 10, 10]
+    store.append_batch("eventlog", "e", [rec(json.dumps("x" * (size - 2))) for size in sizes])
+    pages = list(store.iter_execution_encoded("eventlog", "e"))
+    assert [len(page) for page in pages] == [4, 1, 2]
+    assert [key for page in pages for key, _ in page] == list(range(1, 8))

@@ -108,16 +108,21 @@ ADMITTED_OPS: Mapping[str, tuple[str, ...]] = {
 
 
 def lanes_for(face: str, config: Config) -> dict[str, Gate]:
-    """The ops of ``face`` admitted by a Gate of their own: the tier face's writes, sized
-    like its reads (``CMDBUS_TIER_WRITES=lane``). Reads page through big executions and
-    hold their slots long; in NoETL the appends are the critical path, and sharing the
-    Gate had them shed as ``busy`` by a crowd of readers."""
+    """The ops of ``face`` admitted by a Gate of their own: the tier face's writes
+    (``CMDBUS_TIER_WRITES=lane``), with the reads' waiters and shed rule. Reads page
+    through big executions and hold their slots long; in NoETL the appends are the
+    critical path, and sharing the Gate had them shed as ``busy`` by a crowd of readers.
+
+    One write at a time: SQLite takes one writer, so a second slot only had a thread wait
+    for the write lock, where the Gate can neither see nor shed it, while two threads
+    competed with the readers for the GIL (the same appends/s with one slot, and the
+    readers 35 % faster: docs/benchmarks.md)."""
     if face != "tier" or config.tier_writes != "lane":
         return {}
     writes = Gate(
         "tier",
         name="tier_writes",
-        max_inflight=config.tier_max_inflight,
+        max_inflight=1,
         max_waiters=config.tier_max_waiters,
         shed_after=config.tier_shed_after_ms / 1000,
         default_budget=config.default_budget_ms / 1000,

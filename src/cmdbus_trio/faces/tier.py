@@ -25,13 +25,13 @@ from cmdbus_trio.protocol import (
     encode_ok,
 )
 from cmdbus_trio.protocol import tier as codec
-from cmdbus_trio.storage.tier import NewRecord, TierRecord, TierStore, VersionConflict
+from cmdbus_trio.storage.tier import NewRecord, TierStore, VersionConflict
 
 from . import FaceContext
 from ._connection import FaceError, V1Reply, as_face_error
 from ._connection import serve as serve_connections
 
-Pages = Iterator[list[TierRecord]]
+Pages = Iterator[list[tuple[int, bytes]]]
 
 __all__ = ["TierHandler", "serve"]
 
@@ -148,11 +148,11 @@ class TierHandler:
                 "exists": count is not None,
                 "record_count": count or 0,
             }
-            pages = self.store.iter_execution(
+            pages = self.store.iter_execution_encoded(
                 request.tier, request.execution_id, after=request.after
             )
         elif isinstance(request, codec.Scan):
-            pages = self.store.iter_scan(request.tier, after=request.after)
+            pages = self.store.iter_scan_encoded(request.tier, after=request.after)
         else:
             raise AssertionError(request)
         with_returned = isinstance(request, codec.ReadExecution)
@@ -163,10 +163,9 @@ class TierHandler:
     def _read_v2(
         self, head: dict[str, Any], pages: Pages, limit: int, with_returned: bool
     ) -> bytes:
-        records = ((record.global_sequence, _fragment(record)) for record in _records(pages))
         return codec.page(
             head,
-            records,
+            _records(pages),
             limit=limit,
             max_reply=self.max_reply,
             name="record",
@@ -183,14 +182,13 @@ class TierHandler:
         count = 0
         last = None
         more = False
-        for record in _records(pages):
+        for sequence, fragment in _records(pages):
             if count == limit:
                 more = True
                 break
-            fragment = _fragment(record)
             sizes += len(fragment)
             count += 1
-            last = record.global_sequence
+            last = sequence
             if sizes <= self.max_reply:  # past the cap the reply is refused anyway
                 fragments.append(fragment)
         if with_returned:
@@ -202,22 +200,13 @@ class TierHandler:
         return codec.with_records(head, fragments, tail)
 
 
-def _records(pages: Pages) -> Iterator[TierRecord]:
-    """The store's records, with a cancellation check before each page: an expired budget
-    or a vanished client stops the thread within one page."""
+def _records(pages: Pages) -> Iterator[tuple[int, bytes]]:
+    """The store's records as ``(global_sequence, fragment)``, with a cancellation check
+    before each page: an expired budget or a vanished client stops the thread within one
+    page."""
     for page in pages:
         trio.from_thread.check_cancelled()
         yield from page
-
-
-def _fragment(record: TierRecord) -> bytes:
-    return codec.record_fragment(
-        record.global_sequence,
-        record.execution_id,
-        record.transaction_id,
-        record.byte_len,
-        record.payload,
-    )
 
 
 async def serve(

@@ -7,19 +7,60 @@ on disk)."""
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Final
+from typing import Any, Final, TypeVar
 
 import attrs
+
+from cmdbus_trio.protocol.tier import record_fragment
 
 from ._common import StoreState
 from ._guard import refuses_loop_thread
 from ._sqlite import SqliteStore
 
+Row = TypeVar("Row", bound=tuple[Any, ...])
+
 TIERS: Final = ("eventlog", "projection", "catalog")
 PAGE_ROWS: Final = 256
 """Rows fetched per SQL query when iterating; callers check for cancellation between pages."""
+
+_COLUMNS: Final = "global_sequence, execution_id, transaction_id, byte_len, payload"
+"""A record's columns, in the order of :class:`TierRecord`."""
+# A record's reply fragment made by SQLite, which escapes the payload without the GIL: a
+# reader's page then holds the GIL only to copy bytes, not to escape a megabyte of JSON
+# (issue 16 item 1: the appends and the probes get that time). Used only where SQLite
+# writes exactly the bytes of protocol.tier.record_fragment (checked at open).
+_FRAGMENT_SQL: Final = (
+    "CAST(json_object('global_sequence', global_sequence, "
+    "'execution_id', execution_id, 'transaction_id', transaction_id, "
+    "'byte_len', byte_len, 'payload', payload) AS BLOB)"
+)
+PAGE_BYTES: Final = 4 << 20
+"""About the most payload bytes one page of :meth:`TierStore.iter_execution_encoded` holds
+(always at least one record): records may be up to a request's size each, and a page of
+:data:`PAGE_ROWS` of them is not held in memory at once."""
+# A bounded page: up to PAGE_ROWS records after a sort key, chosen by their lengths first so
+# that nothing past PAGE_BYTES is read (the payload is read only for the records chosen).
+_BOUNDED_PAGE_SQL: Final = (
+    "SELECT {columns} FROM ("
+    "SELECT global_sequence, sum(byte_len) OVER (ORDER BY global_sequence) - byte_len AS before "
+    "FROM (SELECT global_sequence, byte_len FROM {table} WHERE {condition} "
+    "global_sequence > ? ORDER BY global_sequence LIMIT ?)"
+    ") AS page JOIN {table} USING (global_sequence) WHERE page.before < ? "
+    "ORDER BY global_sequence"
+)
+# The page's fragments in one result row: the sequences and byte lengths comma-separated,
+# the fragments back to back (group_concat keeps the order the subquery feeds it; a test
+# holds it). The sqlite3 module releases and retakes the GIL for every row, and beside a
+# busy loop each retake can wait: pages of one row per record read at about half speed
+# (docs/benchmarks.md).
+_FRAGMENTS_SQL: Final = (
+    "SELECT group_concat(global_sequence), group_concat(length(fragment)), "
+    "CAST(group_concat(fragment, '') AS BLOB) FROM ({page})"
+)
+# Every character class JSON escapes differently across encoders.
+_ESCAPE_SAMPLE: Final = "".join(map(chr, range(0x20))) + '"\\/\x7f\u00e9\u2028\U0001f600'
 
 
 class VersionConflict(Exception):
@@ -78,6 +119,8 @@ class TierStore(SqliteStore):
     def __init__(self, path: Path, **options: object) -> None:
         super().__init__(path, **options)  # type: ignore[arg-type]
         self._counts: dict[str, int] = {}
+        self.fragments_in_sqlite = False
+        """Whether :meth:`iter_execution_encoded` has SQLite encode (else Python)."""
 
     def _setup(self, connection: sqlite3.Connection) -> None:
         for tier in TIERS:
@@ -108,6 +151,7 @@ class TierStore(SqliteStore):
         for tier in TIERS:
             connection.execute("INSERT OR IGNORE INTO tier_counts VALUES (?, 0)", (tier,))
         self._counts = dict(connection.execute("SELECT tier, record_count FROM tier_counts"))
+        self.fragments_in_sqlite = _sqlite_writes_fragments(connection)
 
     def statistics(self) -> StoreStatistics:
         return StoreStatistics(
@@ -222,38 +266,106 @@ class TierStore(SqliteStore):
         of :data:`PAGE_ROWS`. Uses the execution index: the cost is proportional to the
         execution, never to the store."""
         _check_tier(tier)
-        return self._pages(
-            f"SELECT global_sequence, execution_id, transaction_id, byte_len, payload "
-            f"FROM {tier}_records WHERE execution_id = ? AND global_sequence > ? "
-            "ORDER BY global_sequence LIMIT ?",
-            (execution_id,),
-            after,
-        )
+        return self._records(tier, "execution_id = ? AND", (execution_id,), after)
+
+    @refuses_loop_thread
+    def iter_execution_encoded(
+        self, tier: str, execution_id: str, *, after: int = 0
+    ) -> Iterator[list[tuple[int, bytes]]]:
+        """As :meth:`iter_execution`, each record as ``(global_sequence, fragment)``, its
+        reply fragment (:func:`~cmdbus_trio.protocol.tier.record_fragment`), in pages of
+        at most :data:`PAGE_ROWS` records and about :data:`PAGE_BYTES` of payload."""
+        _check_tier(tier)
+        return self._encoded(tier, "execution_id = ? AND", (execution_id,), after)
 
     @refuses_loop_thread
     def iter_scan(self, tier: str, *, after: int = 0) -> Iterator[list[TierRecord]]:
         """Every record of the tier with ``global_sequence > after``, ascending, in pages."""
         _check_tier(tier)
-        return self._pages(
-            f"SELECT global_sequence, execution_id, transaction_id, byte_len, payload "
-            f"FROM {tier}_records WHERE global_sequence > ? ORDER BY global_sequence LIMIT ?",
-            (),
-            after,
-        )
+        return self._records(tier, "", (), after)
 
-    def _pages(self, sql: str, head: tuple[object, ...], after: int) -> Iterator[list[TierRecord]]:
+    @refuses_loop_thread
+    def iter_scan_encoded(self, tier: str, *, after: int = 0) -> Iterator[list[tuple[int, bytes]]]:
+        """As :meth:`iter_scan`, encoded and bounded as :meth:`iter_execution_encoded`."""
+        _check_tier(tier)
+        return self._encoded(tier, "", (), after)
+
+    def _records(
+        self, tier: str, condition: str, head: tuple[object, ...], after: int
+    ) -> Iterator[list[TierRecord]]:
+        sql = (
+            f"SELECT {_COLUMNS} FROM {tier}_records WHERE {condition} "
+            "global_sequence > ? ORDER BY global_sequence LIMIT ?"
+        )
+        for rows in self._pages(sql, head, after, lambda rows: rows):
+            yield [TierRecord(*row) for row in rows]
+            if len(rows) < PAGE_ROWS:
+                return
+
+    def _encoded(
+        self, tier: str, condition: str, head: tuple[object, ...], after: int
+    ) -> Iterator[list[tuple[int, bytes]]]:
+        table = f"{tier}_records"
+        if not self.fragments_in_sqlite:
+            sql = _BOUNDED_PAGE_SQL.format(columns=_COLUMNS, table=table, condition=condition)
+            return self._pages(sql, head, after, _encode_rows, PAGE_BYTES)
+        columns = f"global_sequence, {_FRAGMENT_SQL} AS fragment"
+        page = _BOUNDED_PAGE_SQL.format(columns=columns, table=table, condition=condition)
+        sql = _FRAGMENTS_SQL.format(page=page)
+        return self._pages(sql, head, after, _split_fragments, PAGE_BYTES)
+
+    def _pages(
+        self,
+        sql: str,
+        head: tuple[object, ...],
+        after: int,
+        convert: Callable[[list[Any]], list[Row]],
+        *tail: object,
+    ) -> Iterator[list[Row]]:
+        """The pages of ``sql`` (parameters ``head``, then the sort key after which a page
+        starts, :data:`PAGE_ROWS`, then ``tail``) until one is empty."""
         # One short query per page, so no read transaction stays open while the caller
         # encodes a page (or stops early). The connection goes back to the pool when the
         # iteration ends or is dropped.
         with self._connection() as connection:
             while True:
-                rows = connection.execute(sql, (*head, after, PAGE_ROWS)).fetchall()
-                if not rows:
+                rows = connection.execute(sql, (*head, after, PAGE_ROWS, *tail)).fetchall()
+                page = convert(rows)
+                if not page:
                     return
-                yield [TierRecord(*row) for row in rows]
-                if len(rows) < PAGE_ROWS:
-                    return
-                after = rows[-1][0]
+                yield page
+                after = page[-1][0]
+
+
+def _encode_rows(rows: list[Any]) -> list[tuple[int, bytes]]:
+    return [(row[0], record_fragment(*row)) for row in rows]
+
+
+def _split_fragments(rows: list[Any]) -> list[tuple[int, bytes]]:
+    [(sequences, lengths, fragments)] = rows
+    if sequences is None:  # no records: group_concat of nothing
+        return []
+    page = []
+    start = 0
+    for sequence, length in zip(sequences.split(","), lengths.split(","), strict=True):
+        end = start + int(length)
+        page.append((int(sequence), fragments[start:end]))
+        start = end
+    return page
+
+
+def _sqlite_writes_fragments(connection: sqlite3.Connection) -> bool:
+    """Whether this SQLite has ``json_object`` and escapes as our encoder does."""
+    row = (1, _ESCAPE_SAMPLE, "", 2, _ESCAPE_SAMPLE)
+    try:
+        written = connection.execute(
+            f"SELECT 0, {_FRAGMENT_SQL} FROM (SELECT ? AS global_sequence, ? AS execution_id, "
+            "? AS transaction_id, ? AS byte_len, ? AS payload)",
+            row,
+        ).fetchone()[1]
+    except sqlite3.Error:  # built without JSON
+        return False
+    return bool(written == record_fragment(*row))
 
 
 def _check_tier(tier: str) -> None:
