@@ -433,6 +433,40 @@ async def _consume_group(args: argparse.Namespace, record: Recorder, group: str)
         record("event", group=group, sort_key=delivery.sort_key, acked=acked)
 
 
+def abandoner(args: argparse.Namespace, record: Recorder) -> None:
+    """A group (``--groups``) someone started and gave up on: created from the tail
+    ``--create-after`` seconds in, it takes a few events and stops; ``--gap`` seconds
+    later, while its backlog grows, an operator deletes it. Undeleted, its lag would hold
+    its alert (and the deployment's drain) forever."""
+    trio.run(_abandoner, args, record)
+
+
+async def _abandoner(args: argparse.Namespace, record: Recorder) -> None:
+    await trio.sleep(args.create_after)
+    claim = trio_client.ClaimClient(args.ports["evt_claim"], retry=retry_policy())
+    group = args.groups
+    taken = 0
+    while taken < 3:
+        try:
+            delivery = await claim.next("events.>", group=group, start="tail")
+            assert delivery is not None
+            await claim.ack(delivery.sort_key, group=group)
+            taken += 1
+        except TRANSIENT as exc:
+            record("transient", what="abandoned group", error=type(exc).__name__)
+            await trio.sleep(0.1)
+    record("group_abandoned", group=group)
+    await trio.sleep(args.gap)
+    while True:
+        try:  # a retry after a writer restart may find it deleted already: False
+            deleted = await claim.delete_group(group)
+            break
+        except TRANSIENT as exc:
+            record("transient", what="delete_group", error=type(exc).__name__)
+            await trio.sleep(0.1)
+    record("group_deleted", group=group, deleted=deleted)
+
+
 def subscriber(args: argparse.Namespace, record: Recorder) -> None:
     trio.run(_subscriber, args, record)
 
@@ -511,6 +545,7 @@ ROLES = {
     "server": server,
     "worker": worker,
     "materializer": materializer,
+    "abandoner": abandoner,
     "subscriber": subscriber,
     "reader": reader,
 }

@@ -33,6 +33,7 @@ ACTORS = Path(__file__).with_name("actors.py")
 FACES = ("control", "cmd_ingest", "cmd_claim", "evt_ingest", "evt_claim", "evt_subscribe", "tier")
 DEFAULT_GROUPS = ("noetl_materializer", "noetl_result_materializer", "noetl_state_materializer")
 LATE_GROUPS = ("late_audit", "late_search")
+ABANDONED_GROUP = "abandoned"
 ACK_WAIT = 2.0
 TIMERS = {
     # Every timer far below the idle gaps of the run (GAP), so one minute holds many of each.
@@ -285,9 +286,10 @@ def run(
     bursts of ``burst`` commands each with idle gaps of :data:`GAP`; ``workers`` workers
     of each kind per pool in v1 (NoETL's dialect) and v2 (trio and blocking clients), two
     of them SIGKILLed
-    mid-command and replaced; the three default event groups and two more created
-    mid-run from the beginning; a push subscriber that resumes from its cursor once; a
-    reader of finished executions. With ``faults``, the writer is SIGKILLed and restarted
+    mid-command and replaced; the three default event groups, two more created
+    mid-run from the beginning and one created and abandoned mid-run, then deleted; a
+    push subscriber that resumes from its cursor once; a reader of finished executions.
+    With ``faults``, the writer is SIGKILLed and restarted
     twice as well. Returns once every command and event has been consumed."""
     rng = random.Random(seed)
     deployment = Deployment(root, env=env)
@@ -322,6 +324,13 @@ def run(
             )
             deployment.start_actor(
                 "materializer", "groups-late", groups=",".join(LATE_GROUPS), create_after=GAP * 3
+            )
+            deployment.start_actor(
+                "abandoner",
+                "group-abandoned",
+                groups=ABANDONED_GROUP,
+                create_after=GAP * 2,
+                gap=GAP,
             )
             deployment.start_actor("subscriber", "subscriber", reconnect_after=bursts * burst // 2)
             deployment.start_actor("reader", "reader")
@@ -537,6 +546,10 @@ def violations(outcome: Outcome) -> list[str]:
         )
     if not outcome.kind("resume"):
         out.append("the subscriber never resumed from its cursor")
+    if not outcome.kind("group_deleted"):
+        out.append("the abandoned group was never deleted")
+    if f'group="{ABANDONED_GROUP}"' in outcome.metrics:
+        out.append("the deleted group still has metric series")
 
     # Every execution's history complete and in order; the reader's pages agree.
     for execution_id, event_ids in sorted(outcome.tier.items()):
