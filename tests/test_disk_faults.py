@@ -94,7 +94,9 @@ def test_a_full_disk_poisons_the_tier_store_and_a_restart_recovers(tmp_path: Pat
     """A real write failure: the kernel refuses to grow a file past RLIMIT_FSIZE (EFBIG),
     as a full disk would; the bus files stay small and keep working."""
     acknowledged: dict[int, str] = {}
-    with serving(tmp_path, file_size_limit=512 * 1024) as (process, ports):
+    # A tier append of 8 KB writes about 32 KB of WAL (pointer-map pages included since
+    # auto_vacuum): a 1 MiB limit fails one after some thirty.
+    with serving(tmp_path, file_size_limit=1024 * 1024) as (process, ports):
         with TierClient.connect(ports["tier"]) as tier:
             for n in range(1000):
                 payload = json.dumps({"n": n, "pad": "x" * 8000})

@@ -1,6 +1,7 @@
 """Background tasks are supervised like faces: a committer, body reader, claim timers,
-lag sampler, consumer groups or shed watcher that dies is logged, counted, named by
-/readyz, fails /livez after the liveness window, and the control face keeps answering."""
+lag sampler, consumer groups, retention, store-size sampler or shed watcher that dies is
+logged, counted, named by /readyz, fails /livez after the liveness window, and the control
+face keeps answering."""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ from cmdbus_trio.config import DATA_FACE_NAMES, Config
 from .helpers import get, running_writer
 
 
-async def crash(*_: Any, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+async def crash(
+    *_: Any, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED, **__: Any
+) -> None:
     task_status.started()
     await trio.sleep(0.05)
     raise RuntimeError("injected")
@@ -33,6 +36,8 @@ TARGETS: dict[str, tuple[Any, str, list[str]]] = {
     "claim timers": (Claims, "run_timers", ["commands.claim_timers", "events.groups"]),
     "lag sampler": (app, "sample_lag", ["commands.lag_sampler"]),
     "groups": (ConsumerGroups, "run", ["events.groups"]),
+    "retention": (app, "run_retention", ["commands.retention", "events.retention"]),
+    "store sizes": (app, "_measure_stores", ["store_sizes"]),
     "shed watcher": (
         Gate,
         "watch_sheds",

@@ -237,6 +237,7 @@ def test_every_alert_links_to_its_runbook_section() -> None:
         "CmdbusRedeliveriesRising",
         "CmdbusDeadLetters",
         "CmdbusScrapeAbsent",
+        "CmdbusDiskFillingUp",
     }
     for rule in alerts:
         url = rule["annotations"]["runbook_url"]
@@ -374,6 +375,7 @@ def scraped_names(scrape: str) -> set[str]:
 
 
 QUERY_FUNCTIONS = {
+    "predict_linear",
     "sum",
     "max",
     "min",

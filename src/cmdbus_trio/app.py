@@ -32,6 +32,7 @@ from .bus.bodies import BodyReader
 from .bus.claims import open_claims, sample_lag
 from .bus.committer import GroupCommitter
 from .bus.groups import ConsumerGroups
+from .bus.retention import RetentionPolicy, run_retention
 from .bus.subscriptions import Hub
 from .config import DATA_FACE_NAMES, Bind, Config, cpu_quota
 from .faces import (
@@ -49,6 +50,7 @@ from .heartbeat import Heartbeat
 from .logs import event
 from .protocol.bus import BusKind, SubjectRule
 from .protocol.tier import WRITE_OPS as TIER_WRITE_OPS
+from .storage import Store
 from .storage.buslog import BusLog
 from .storage.tier import TierStore
 
@@ -129,6 +131,39 @@ def lanes_for(face: str, config: Config) -> dict[str, Gate]:
         ops=TIER_WRITE_OPS,
     )
     return dict.fromkeys(TIER_WRITE_OPS, writes)
+
+
+def retention_for(bus: str, config: Config) -> RetentionPolicy:
+    """The command bus keeps an acked command ``cmd_keep_acked_ms``; the event bus keeps an
+    event ``evt_retention_ms`` from its publish, and until every group settled it."""
+    commands = bus == "commands"
+    return RetentionPolicy(
+        keep_settled=config.cmd_keep_acked_ms / 1000 if commands else None,
+        keep_published=None if commands else config.evt_retention_ms / 1000,
+        keep_dead=config.dead_retention_ms / 1000,
+        interval=config.retention_interval_ms / 1000,
+    )
+
+
+async def _measure_stores(
+    stores: Mapping[str, Store],
+    data_dir: Path,
+    period: float,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """``cmdbus_store_bytes`` of every store and the data dir's free and total bytes,
+    every ``period`` (stat calls: in a thread, never on the loop)."""
+    limiter = trio.CapacityLimiter(1)
+    task_status.started()
+    while True:
+        for name, store in list(stores.items()):
+            size = await run_in_thread(store.disk_bytes, limiter=limiter)
+            metrics.STORE_BYTES.labels(store=name).set(size)
+        volume = await run_in_thread(os.statvfs, data_dir, limiter=limiter)
+        metrics.DATA_DIR_FREE.set(volume.f_bavail * volume.f_frsize)
+        metrics.DATA_DIR_CAPACITY.set(volume.f_blocks * volume.f_frsize)
+        await trio.sleep(period)
 
 
 def gate_for(face: str, config: Config) -> Gate:
@@ -277,6 +312,29 @@ class Writer:
                                 await self._start_task(
                                     background, f"{name}.groups", store.groups.run
                                 )
+                            await self._start_task(
+                                background,
+                                f"{name}.retention",
+                                partial(
+                                    run_retention,
+                                    name,
+                                    store.log,
+                                    retention_for(name, config),
+                                    # the command bus's one consumer; an event log's groups
+                                    consumers={name: 0} if store.claims is not None else None,
+                                ),
+                            )
+                    if self._stores:  # else there is no data dir to measure
+                        await self._start_task(
+                            background,
+                            "store_sizes",
+                            partial(
+                                _measure_stores,
+                                self.health.stores,
+                                config.data_dir,
+                                config.retention_interval_ms / 1000,
+                            ),
+                        )
                     async with trio.open_nursery() as data:
                         for face in wanted:
                             if face in self._faces:

@@ -298,6 +298,31 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting("dedup_window_ms", "120000", _int_range(0), "how long a publish msg_id is remembered"),
     Setting(
+        "cmd_keep_acked_ms",
+        str(3_600_000),
+        _int_range(0),
+        "an acked command is kept this long (for inspection), then deleted",
+    ),
+    Setting(
+        "evt_retention_ms",
+        str(7 * 86_400_000),
+        _int_range(0),
+        "an event is deleted once every group has settled it and it is older than this "
+        "(the subscribers' replay window)",
+    ),
+    Setting(
+        "dead_retention_ms",
+        str(7 * 86_400_000),
+        _int_range(0),
+        "a dead letter not requeued or purged is deleted after this long",
+    ),
+    Setting(
+        "retention_interval_ms",
+        "10000",
+        _int_range(1),
+        "how often retention runs (and store sizes are measured)",
+    ),
+    Setting(
         "evt_groups",
         "noetl_materializer,noetl_result_materializer,noetl_state_materializer",
         _groups,
@@ -412,6 +437,10 @@ class Config:
     idle_timeout_ms: int
     read_timeout_ms: int
     dedup_window_ms: int
+    cmd_keep_acked_ms: int
+    evt_retention_ms: int
+    dead_retention_ms: int
+    retention_interval_ms: int
     evt_groups: tuple[str, ...]
     evt_max_groups: int
     subject_series: int

@@ -52,8 +52,10 @@ class Health:
         metrics.READY.set_function(lambda: 1 if self.readiness().ready else 0)
 
     def add_store(self, name: str, store: Store) -> None:
-        """Report on ``store``: readiness, /healthz and ``cmdbus_store_state``."""
+        """Report on ``store``: readiness, /healthz, ``cmdbus_store_state`` and
+        ``cmdbus_store_records``."""
         self.stores[name] = store
+        metrics.STORE_RECORDS.labels(store=name).set_function(lambda: store.records)
         for state in StoreState:
             metrics.STORE_STATE.labels(store=name, state=state.value).set_function(
                 partial(_is_state, store, state)

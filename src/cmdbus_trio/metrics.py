@@ -154,6 +154,38 @@ STORE_STATE = Gauge(
     ["store", "state"],
     registry=REGISTRY,
 )
+RETAINED = Counter(
+    "cmdbus_retention_deleted",
+    "Rows retention deleted, by store and kind: records (settled by every consumer and out "
+    "of their keep windows) and dead_letters (older than CMDBUS_DEAD_RETENTION_MS).",
+    ["store", "kind"],
+    registry=REGISTRY,
+)
+STORE_BYTES = Gauge(
+    "cmdbus_store_bytes",
+    "Bytes the store's files take on disk (database and WAL), measured every "
+    "CMDBUS_RETENTION_INTERVAL_MS in a worker thread.",
+    ["store"],
+    registry=REGISTRY,
+)
+DATA_DIR_FREE = Gauge(
+    "cmdbus_data_dir_free_bytes",
+    "Bytes free for the writer on the data dir's file system (its volume), measured with "
+    "the store sizes.",
+    registry=REGISTRY,
+)
+DATA_DIR_CAPACITY = Gauge(
+    "cmdbus_data_dir_capacity_bytes",
+    "Size of the data dir's file system (its volume).",
+    registry=REGISTRY,
+)
+STORE_RECORDS = Gauge(
+    "cmdbus_store_records",
+    "Records the store holds (bus logs: records of the log; tier: records of every tier). "
+    "Read from memory.",
+    ["store"],
+    registry=REGISTRY,
+)
 REDELIVERIES = Counter(
     "cmdbus_redeliveries",
     "Deliveries of a record that had been delivered before (lease expired, nacked, or its "

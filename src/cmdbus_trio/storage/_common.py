@@ -27,5 +27,14 @@ class Store(Protocol):
     @property
     def poisoned_reason(self) -> str | None: ...
 
+    @property
+    def records(self) -> int:
+        """Records held, from memory."""
+        ...
+
+    def disk_bytes(self) -> int:
+        """Bytes of the store's files (blocking: call it in a worker thread)."""
+        ...
+
     before_commit: Callable[[], None] | None
     """Test and drill hook: called inside each write transaction, before COMMIT."""

@@ -12,6 +12,7 @@ corruption, any failure of COMMIT) *poisons* the store: writes then raise
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 import threading
 import time
@@ -33,6 +34,10 @@ _POISONING_CODES: Final = {
     14,  # SQLITE_CANTOPEN
     26,  # SQLITE_NOTADB
 }
+
+
+WAL_SIZE_LIMIT: Final = 64 << 20
+"""Bytes a WAL file is truncated to after a checkpoint."""
 
 
 class SqliteStore:
@@ -68,6 +73,9 @@ class SqliteStore:
         self._asking: dict[object, float] = {}  # writers waiting for the lock: since when
         self.before_commit: Callable[[], None] | None = None
         """Test hook: called inside each write transaction, before COMMIT."""
+        self.returns_space = False
+        """Whether freed pages can go back to the file system: a file made before
+        auto_vacuum was set keeps its size (it reuses its free pages)."""
 
     @classmethod
     @refuses_loop_thread
@@ -77,6 +85,7 @@ class SqliteStore:
         path.parent.mkdir(parents=True, exist_ok=True)
         with store._connection() as connection:
             store._setup(connection)
+            store.returns_space = connection.execute("PRAGMA auto_vacuum").fetchone()[0] == 2
         return store
 
     def _setup(self, connection: sqlite3.Connection) -> None:
@@ -106,7 +115,12 @@ class SqliteStore:
                 connection = sqlite3.connect(
                     self.path, isolation_level=None, check_same_thread=False, timeout=30
                 )
+                # Only a new file takes it (before its first table, and before WAL): freed
+                # pages can then go back to the file system (`vacuum_step`).
+                connection.execute("PRAGMA auto_vacuum=INCREMENTAL")
                 connection.execute("PRAGMA journal_mode=WAL")
+                # A checkpointed WAL is cut back to this, not kept at its largest.
+                connection.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT}")
                 connection.execute(f"PRAGMA synchronous={self._synchronous}")
             except BaseException:
                 with self._pool_lock:
@@ -177,6 +191,32 @@ class SqliteStore:
                 return self._transaction(connection, work)
         finally:
             self._write_lock.release()
+
+    @refuses_loop_thread
+    def vacuum_step(self, pages: int) -> int:
+        """Return up to ``pages`` free pages to the file system (SQLite's incremental
+        vacuum, one short write transaction); the pages returned."""
+        if not self.returns_space:
+            return 0
+
+        def step(connection: sqlite3.Connection) -> int:
+            free = int(connection.execute("PRAGMA freelist_count").fetchone()[0])
+            # The pragma frees one page per step of its statement, and the sqlite3 module
+            # steps a statement without result columns once: one page per execute.
+            for _ in range(min(pages, free)):
+                connection.execute("PRAGMA incremental_vacuum(1)")
+            return free - int(connection.execute("PRAGMA freelist_count").fetchone()[0])
+
+        return self._write(step)
+
+    @refuses_loop_thread
+    def disk_bytes(self) -> int:
+        """Bytes the store's files take (the database and its WAL)."""
+        total = 0
+        for path in (self.path, self.path.with_name(self.path.name + "-wal")):
+            with contextlib.suppress(FileNotFoundError):
+                total += path.stat().st_size
+        return total
 
     def _transaction(
         self, connection: sqlite3.Connection, work: Callable[[sqlite3.Connection], T]

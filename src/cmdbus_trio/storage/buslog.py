@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import sqlite3
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from pathlib import Path
 
 import attrs
@@ -30,6 +30,9 @@ MAX_READ_MANY = 256
 DEAD_PAGE_ROWS = 16
 """Dead letters (bodies included) per query of :meth:`BusLog.iter_dead`: a page of 1 MiB
 records stays small, and a reader that stops early has read little past it."""
+RETENTION_BATCH = 1000
+"""Records (and, apart, dead letters) one retention step deletes at most: one short
+transaction, so a publish never waits long behind it."""
 DEAD_KEYS_PAGE = 1000
 """Dead letters per query (and per requeue or purge transaction) when they are selected by
 sort keys or a filter."""
@@ -60,6 +63,16 @@ class StoredRecord:
 
 
 @attrs.frozen
+class Retained:
+    """What one step of :meth:`BusLog.retain` deleted."""
+
+    records: int
+    dead_letters: int
+    more: bool
+    """A batch was full: there may be more to delete now."""
+
+
+@attrs.frozen
 class DeadRecord:
     sort_key: int
     subject: str
@@ -82,6 +95,7 @@ class BusLog(SqliteStore):
         self.dedup_window = dedup_window
         self._wall_clock = wall_clock  # msg_id ages must mean the same after a restart
         self._last_sort_key = 0
+        self._records = 0
 
     def _setup(self, connection: sqlite3.Connection) -> None:
         connection.executescript(
@@ -115,6 +129,7 @@ class BusLog(SqliteStore):
                 consumer TEXT NOT NULL,
                 sort_key INTEGER NOT NULL,
                 deliveries INTEGER NOT NULL,
+                died_at REAL,
                 PRIMARY KEY (consumer, sort_key)
             ) WITHOUT ROWID;
             CREATE TABLE IF NOT EXISTS deliveries (
@@ -128,8 +143,25 @@ class BusLog(SqliteStore):
                 sort_key INTEGER NOT NULL,
                 PRIMARY KEY (consumer, sort_key)
             ) WITHOUT ROWID;
+            CREATE INDEX IF NOT EXISTS dead_by_key ON dead (sort_key);
+            CREATE INDEX IF NOT EXISTS owed_by_key ON owed (sort_key);
+            CREATE INDEX IF NOT EXISTS dead_by_age ON dead (died_at);
+            CREATE TABLE IF NOT EXISTS marks (
+                at REAL PRIMARY KEY,
+                newest INTEGER NOT NULL,
+                settled INTEGER NOT NULL
+            ) WITHOUT ROWID;
             """
         )
+        columns = {row[1] for row in connection.execute("PRAGMA table_info(dead)")}
+        if "died_at" not in columns:  # a store made before retention
+            connection.execute("ALTER TABLE dead ADD COLUMN died_at REAL")
+            connection.execute("CREATE INDEX IF NOT EXISTS dead_by_age ON dead (died_at)")
+        # Dead letters of unknown age count from now: kept a whole window, never less.
+        connection.execute(
+            "UPDATE dead SET died_at = ? WHERE died_at IS NULL", (self._wall_clock(),)
+        )
+        self._records = int(connection.execute("SELECT count(*) FROM records").fetchone()[0])
         row = connection.execute(
             "SELECT seq FROM sqlite_sequence WHERE name = 'records'"
         ).fetchone()
@@ -189,7 +221,11 @@ class BusLog(SqliteStore):
             if acks:
                 connection.executemany("INSERT OR IGNORE INTO acks VALUES (?, ?)", acks)
             if dead:
-                connection.executemany("INSERT OR REPLACE INTO dead VALUES (?, ?, ?)", dead)
+                died_at = self._wall_clock()
+                connection.executemany(
+                    "INSERT OR REPLACE INTO dead VALUES (?, ?, ?, ?)",
+                    [(*letter, died_at) for letter in dead],
+                )
             # After this batch's acks and dead letters, before the prune of acks below
             # the new position: what is not settled by then is owed.
             for consumer, after, through in owe:
@@ -271,7 +307,92 @@ class BusLog(SqliteStore):
         fresh = [r.sort_key for r in results if not r.duplicate]
         if fresh:
             self._last_sort_key = max(self._last_sort_key, *fresh)
+            self._records += len(fresh)
         return results
+
+    @property
+    def records(self) -> int:
+        """Records in the log. A plain read: never blocks."""
+        return self._records
+
+    @refuses_loop_thread
+    def retain(
+        self,
+        *,
+        consumers: Mapping[str, int] | None,
+        keep_settled: float | None,
+        keep_published: float | None,
+        keep_dead: float,
+        mark_every: float,
+    ) -> Retained:
+        """One bounded step of retention, in one write transaction: delete up to
+        :data:`RETENTION_BATCH` records settled by every consumer and out of their keep
+        windows, and up to as many dead letters older than ``keep_dead``.
+
+        ``consumers``: name -> the sort key it starts after (records up to it are not
+        its); None: the log's groups. A record is *settled* when it is below every
+        consumer's settled position and is neither dead nor owed for any of them; with no
+        consumer at all, every record is. ``keep_settled``: seconds a record is kept once
+        settled (for inspection); ``keep_published``: seconds a record is kept once
+        published (the replay window); None: no such window.
+
+        Ages come from *marks*: at most every ``mark_every`` seconds the step notes the
+        wall clock, the newest sort key and the settled position. A record counts as
+        settled (or published) ``keep`` seconds ago when a mark at least that old says so:
+        never sooner, and at most ``mark_every`` later. Marks are in the log, so a restart
+        keeps the ages."""
+
+        def write(connection: sqlite3.Connection) -> Retained:
+            now = self._wall_clock()
+            settled = self._settled_by_all(connection, consumers)
+            newest_mark = connection.execute("SELECT max(at) FROM marks").fetchone()[0]
+            if newest_mark is None or newest_mark <= now - mark_every:
+                connection.execute(
+                    "INSERT OR REPLACE INTO marks VALUES (?, ?, ?)",
+                    (now, self._last_sort_key, settled),
+                )
+            below = settled
+            if keep_settled is not None:
+                below = min(below, _mark(connection, "settled", now - keep_settled))
+            if keep_published is not None:
+                below = min(below, _mark(connection, "newest", now - keep_published) + 1)
+            deleted = connection.execute(
+                "DELETE FROM records WHERE sort_key IN (SELECT sort_key FROM records r "
+                "WHERE r.sort_key < ? "
+                "AND NOT EXISTS (SELECT 1 FROM dead d WHERE d.sort_key = r.sort_key) "
+                "AND NOT EXISTS (SELECT 1 FROM owed o WHERE o.sort_key = r.sort_key) "
+                "ORDER BY r.sort_key LIMIT ?)",
+                (below, RETENTION_BATCH),
+            ).rowcount
+            # The letter goes; its record follows in a later step once no one needs it.
+            dead = connection.execute(
+                "DELETE FROM dead WHERE (consumer, sort_key) IN (SELECT consumer, sort_key "
+                "FROM dead WHERE died_at <= ? ORDER BY died_at LIMIT ?)",
+                (now - keep_dead, RETENTION_BATCH),
+            ).rowcount
+            # Marks older than the longest window but the newest of them are not needed.
+            longest = max(w for w in (keep_settled, keep_published, 0.0) if w is not None)
+            connection.execute(
+                "DELETE FROM marks WHERE at < (SELECT max(at) FROM marks WHERE at <= ?)",
+                (now - longest,),
+            )
+            more = deleted == RETENTION_BATCH or dead == RETENTION_BATCH
+            return Retained(records=deleted, dead_letters=dead, more=more)
+
+        retained = self._write(write)
+        self._records -= retained.records
+        return retained
+
+    def _settled_by_all(
+        self, connection: sqlite3.Connection, consumers: Mapping[str, int] | None
+    ) -> int:
+        if consumers is None:
+            consumers = dict(connection.execute("SELECT name, start_after FROM groups"))
+        positions = dict(connection.execute("SELECT consumer, settled_below FROM positions"))
+        return min(
+            (max(positions.get(name, 0), start + 1) for name, start in consumers.items()),
+            default=self._last_sort_key + 1,
+        )
 
     @refuses_loop_thread
     def groups(self) -> dict[str, int]:
@@ -472,3 +593,11 @@ def _subject_matches(filter: str | None, subject: str) -> bool:
 def _with_subject_matches(connection: sqlite3.Connection) -> None:
     """``subject_matches(filter, subject)`` in this connection's SQL (NATS filters)."""
     connection.create_function("subject_matches", 2, _subject_matches, deterministic=True)
+
+
+def _mark(connection: sqlite3.Connection, column: str, at_or_before: float) -> int:
+    """``column`` of the newest mark made at or before the time; 0 when none is that old."""
+    row = connection.execute(
+        f"SELECT {column} FROM marks WHERE at <= ? ORDER BY at DESC LIMIT 1", (at_or_before,)
+    ).fetchone()
+    return int(row[0]) if row else 0

@@ -153,6 +153,11 @@ class TierStore(SqliteStore):
         self._counts = dict(connection.execute("SELECT tier, record_count FROM tier_counts"))
         self.fragments_in_sqlite = _sqlite_writes_fragments(connection)
 
+    @property
+    def records(self) -> int:
+        """Records in every tier. A plain read: never blocks."""
+        return sum(self._counts.values())
+
     def statistics(self) -> StoreStatistics:
         return StoreStatistics(
             state=self.state,

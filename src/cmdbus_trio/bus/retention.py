@@ -1,0 +1,86 @@
+"""Retention: a bus log deletes what no one needs any more, in bounded steps.
+
+The command bus is a work queue: an acked command is kept ``CMDBUS_CMD_KEEP_ACKED_MS`` (for
+inspection), then deleted. The event bus keeps an event until every group has settled it
+*and* it is older than ``CMDBUS_EVT_RETENTION_MS`` (the subscribers' replay window). On
+both, a dead letter is kept ``CMDBUS_DEAD_RETENTION_MS`` unless requeued or purged first.
+Sort keys are never reused (the log's ``AUTOINCREMENT`` remembers the largest).
+
+Each step is one short write transaction of at most ``RETENTION_BATCH`` rows in a worker
+thread, followed by a bounded incremental vacuum that gives the freed pages back to the
+file system. While there is more to delete, the task rests as long as its last step took
+before the next, so it holds the store's write lock at most half the time and a publish
+waits for at most one step."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import attrs
+import trio
+
+from cmdbus_trio import metrics
+from cmdbus_trio.admission import run_in_thread
+from cmdbus_trio.storage.buslog import BusLog
+
+VACUUM_PAGES = 2048
+"""Free pages (8 MiB of 4 KiB pages) a step gives back to the file system at most."""
+MARKS_PER_WINDOW = 1000
+"""Marks kept over the longest window at most: a record's age is known to 1/1000 of it."""
+
+
+@attrs.frozen(kw_only=True)
+class RetentionPolicy:
+    """How long a bus log keeps what; seconds. ``keep_settled``: a record settled by every
+    consumer (None: no such window); ``keep_published``: any record, from its publish
+    (None: none); ``keep_dead``: a dead letter, from its death; ``interval``: between
+    passes."""
+
+    keep_settled: float | None
+    keep_published: float | None
+    keep_dead: float
+    interval: float
+
+    @property
+    def mark_every(self) -> float:
+        windows = [w for w in (self.keep_settled, self.keep_published) if w is not None]
+        return max(self.interval, max(windows, default=0.0) / MARKS_PER_WINDOW)
+
+
+async def run_retention(
+    store: str,
+    log: BusLog,
+    policy: RetentionPolicy,
+    *,
+    consumers: Mapping[str, int] | None,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run retention on ``log`` (named ``store`` in metrics) for ever. ``consumers``: as
+    :meth:`BusLog.retain` (None: the log's groups).
+
+    Cancellation: between steps, or while a step's thread runs (the step completes; its
+    transaction is whole either way).
+
+    Error handling: a store error propagates (a poisoned store; the supervisor counts
+    it)."""
+    limiter = trio.CapacityLimiter(1)  # its own: never waits behind a group's load
+    task_status.started()
+    while True:
+        started = trio.current_time()
+        step = await run_in_thread(
+            lambda: log.retain(
+                consumers=consumers,
+                keep_settled=policy.keep_settled,
+                keep_published=policy.keep_published,
+                keep_dead=policy.keep_dead,
+                mark_every=policy.mark_every,
+            ),
+            limiter=limiter,
+        )
+        metrics.RETAINED.labels(store=store, kind="records").inc(step.records)
+        metrics.RETAINED.labels(store=store, kind="dead_letters").inc(step.dead_letters)
+        await run_in_thread(log.vacuum_step, VACUUM_PAGES, limiter=limiter)
+        if step.more:
+            await trio.sleep(trio.current_time() - started)
+        else:
+            await trio.sleep(policy.interval)
