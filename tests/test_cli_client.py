@@ -129,7 +129,7 @@ def test_claim_errors(server: dict[str, str]) -> None:
     assert_fails(run("client", "claim", *claim, "--filter", ">", "--max", "0"), "--max must be")
 
 
-def test_tier_append_read_scan(server: dict[str, str]) -> None:
+def test_tier_append_read_scan_delete(server: dict[str, str]) -> None:
     tier = ("--addr", server["tier"])
     appended = lines(
         run("client", "tier", "append", *tier, "--execution-id", "e1", "--payload", '{"n": 1}')
@@ -161,6 +161,13 @@ def test_tier_append_read_scan(server: dict[str, str]) -> None:
         "invalid: payload",
     )
     assert_fails(run("client", "tier", "scan", *tier, "--limit", "0"), "--limit must be")
+    deleted = lines(run("client", "tier", "delete", *tier, "--execution-id", "e1"))
+    assert deleted == [{"deleted": 2}]
+    assert lines(run("client", "tier", "read", *tier, "--execution-id", "e1")) == []
+    catalog = ("--tier", "catalog")
+    assert lines(run("client", "tier", "delete", *tier, *catalog, "--execution-id", "e1")) == [
+        {"deleted": 1}
+    ]
 
 
 def test_health(server: dict[str, str]) -> None:

@@ -93,6 +93,9 @@ async def test_tier_ops(server: dict[str, str]) -> None:
             assert scanned.records[0].global_sequence == records[-1].global_sequence
             other = await tier.read_execution(execution, tier="projection")
             assert not other.exists and other.records == ()
+            assert await tier.delete_execution(execution, timeout=5) == 7
+            assert not (await tier.read_execution(execution)).exists
+            assert await tier.delete_execution(execution, tier="projection") == 0
 
 
 async def test_errors_are_typed_and_name_the_field(server: dict[str, str]) -> None:

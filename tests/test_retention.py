@@ -13,6 +13,7 @@ import pytest
 import trio
 
 from cmdbus_trio.bus.retention import RetentionPolicy
+from cmdbus_trio.client.trio import SubscribeClient
 from cmdbus_trio.storage.buslog import RETENTION_BATCH, BusEntry, BusLog, Retained
 
 from .helpers import frame_client, metric_sum, metrics_text, serving
@@ -68,7 +69,8 @@ def test_an_acked_command_goes_after_its_window_a_dead_letter_after_its_own(
     clock.now += 9.9  # within the window: kept
     assert retain(log).records == 0
     clock.now += 0.2  # the first mark (settled below 8) is now 10.1 s old
-    assert retain(log) == Retained(records=5, dead_letters=0, more=False)
+    assert retain(log) == Retained(records=5, dead_letters=0, more=False, through=5)
+    assert log.deleted_through == 5
     assert keys(log) == [6, 7, 8, 9, 10] and log.records == 5
     clock.now += 100  # the dead letter's window has passed
     assert retain(log) == Retained(records=0, dead_letters=1, more=False)
@@ -251,6 +253,18 @@ async def test_a_writer_deletes_what_its_windows_let_go_and_keeps_the_rest(
                 text = metrics_text(ports)
                 assert records(text, "events") == 0
                 assert metric_sum(text, 'cmdbus_store_bytes{store="commands"}') > 0
+            # A subscriber replaying from before what was deleted is told so first.
+            async with frame_client(ports["evt_subscribe"]) as subscriber:
+                first = await subscriber.request("subscribe", **{"from": 0})
+                assert first == {"id": 1, "ok": True, "records": [], "deleted_through": 5}
+            async with await SubscribeClient.connect(ports["evt_subscribe"]) as client:
+                async for batch in client.subscribe(0):
+                    assert (list(batch), batch.deleted_through) == ([], 5)
+                    break
+            async with await SubscribeClient.connect(ports["evt_subscribe"]) as client:
+                with trio.move_on_after(0.5):  # after what was deleted: nothing to say
+                    async for batch in client.subscribe(5):
+                        raise AssertionError(f"nothing is kept after 5, got {batch}")
             process.terminate()
             process.wait(timeout=20)
         with serving(tmp_path, **RETENTION) as (_, ports):

@@ -508,3 +508,33 @@ def write_errors(ports: dict[str, str]) -> float:
     name = 'cmdbus_connections_total{face="tier",outcome="write_error"} '
     lines = [line for line in metrics_text(ports).splitlines() if line.startswith(name)]
     return float(lines[0].split()[-1]) if lines else 0.0
+
+
+async def test_v2_delete_execution_is_durable_counted_and_v2_only(server: dict[str, str]) -> None:
+    execution = new_execution()
+    async with frame_client(server["tier"]) as client:
+        await client.request("append_batch", execution_id=execution, payloads=["1", "2", "3"])
+        await client.request("append", execution_id=execution, tier="catalog", payload="{}")
+        before = metric_sum(
+            metrics_text(server), 'cmdbus_retention_deleted_total{kind="records",store="tier"}'
+        )
+        deleted = await client.request("delete_execution", execution_id=execution)
+        assert (deleted["ok"], deleted["deleted"]) == (True, 3)
+        read = await client.request("read_execution", execution_id=execution)
+        assert (read["exists"], read["record_count"], read["records"]) == (False, 0, [])
+        catalog = await client.request("read_execution", execution_id=execution, tier="catalog")
+        assert catalog["record_count"] == 1  # another tier: untouched
+        again = await client.request("delete_execution", execution_id=execution)
+        assert again["deleted"] == 0
+        bad = await client.request("delete_execution", execution_id="../etc", tier="eventlog")
+        assert bad["ok"] is False and bad["error"]["code"] == "invalid"
+        unknown = await client.request("delete_execution", execution_id=execution, limit=1)
+        assert unknown["error"]["message"].startswith("limit")
+    after = metric_sum(
+        metrics_text(server), 'cmdbus_retention_deleted_total{kind="records",store="tier"}'
+    )
+    assert after == before + 3
+    async with frame_client(server["tier"], v2=False) as v1:
+        body = json.dumps({"op": "delete_execution", "execution_id": execution}).encode()
+        assert (await v1.v1(body)).startswith(b"unsupported")
+        assert await v1.v1(b"health") == b"ok tier-service v1"

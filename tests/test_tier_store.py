@@ -366,3 +366,39 @@ def test_an_encoded_page_holds_about_page_bytes_and_at_least_one_record(
     pages = list(store.iter_execution_encoded("eventlog", "e"))
     assert [len(page) for page in pages] == [4, 1, 2]
     assert [key for page in pages for key, _ in page] == list(range(1, 8))
+
+
+def test_delete_execution_deletes_its_records_only_in_bounded_transactions(
+    store: TierStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tier_module, "DELETE_BATCH", 7)  # several transactions
+    store.append_batch("eventlog", "gone", [rec(f'{{"n": {n}}}') for n in range(20)])
+    kept = store.append("eventlog", "kept", rec())
+    store.append("projection", "gone", rec())  # another tier: untouched
+    commits: list[int] = []
+    store.before_commit = lambda: commits.append(1)
+    assert store.delete_execution("eventlog", "gone") == 20
+    assert len(commits) == 4  # 7 + 7 + 6, then one that finds nothing
+    commits.clear()
+    assert store.execution_count("eventlog", "gone") is None
+    assert store.statistics().record_counts["eventlog"] == 1
+    assert read_all(store, "eventlog", "kept") == [kept.global_sequence]
+    assert store.execution_count("projection", "gone") == 1
+    assert store.delete_execution("eventlog", "gone") == 0
+    assert store.delete_execution("eventlog", "kept") == 1  # the newest sequence, 21
+    again = store.append("eventlog", "gone", rec())
+    assert again.global_sequence == 22 and again.log_record_count == 1  # never reused
+    store.before_commit = None
+
+
+def test_delete_execution_survives_a_reopen(tmp_path: Path) -> None:
+    path = tmp_path / "tier.sqlite3"
+    store = TierStore.open(path)
+    store.append_batch("catalog", "x", [rec(), rec()])
+    assert store.delete_execution("catalog", "x") == 2
+    store.close()
+    store = TierStore.open(path)
+    assert store.execution_count("catalog", "x") is None
+    assert store.statistics().record_counts["catalog"] == 0
+    assert store.append("catalog", "x", rec()).global_sequence == 3
+    store.close()

@@ -398,6 +398,7 @@ class Writer:
                 )
                 self._stores[name] = tier
                 self.health.add_store(name, tier)
+                metrics.RETAINED.labels(store=name, kind="records")  # 0 from the start
                 continue
             bus_log = await run_in_thread(
                 partial(
@@ -413,6 +414,8 @@ class Writer:
             committer = GroupCommitter(bus_log, rule)
             bodies = BodyReader(bus_log)
             self.health.add_store(name, bus_log)
+            for kind in ("records", "dead_letters"):  # 0 from the start
+                metrics.RETAINED.labels(store=name, kind=kind)
             if name == "events":
                 groups = ConsumerGroups(
                     bus_log,

@@ -156,8 +156,9 @@ STORE_STATE = Gauge(
 )
 RETAINED = Counter(
     "cmdbus_retention_deleted",
-    "Rows retention deleted, by store and kind: records (settled by every consumer and out "
-    "of their keep windows) and dead_letters (older than CMDBUS_DEAD_RETENTION_MS).",
+    "Rows deleted by retention or clean-up, by store and kind: a bus log's records (settled "
+    "by every consumer and out of their keep windows) and dead_letters (older than "
+    "CMDBUS_DEAD_RETENTION_MS); the tier's records (delete_execution).",
     ["store", "kind"],
     registry=REGISTRY,
 )

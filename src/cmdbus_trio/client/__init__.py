@@ -10,6 +10,7 @@ return the attrs results below, and take an opt-in :class:`RetryPolicy`. This pa
 
 from ._calls import (
     Appended,
+    Batch,
     BatchAppended,
     Call,
     Delivery,
@@ -38,6 +39,7 @@ from ._shards import ShardDelivery, ShardMap
 
 __all__ = [
     "Appended",
+    "Batch",
     "BatchAppended",
     "Busy",
     "Call",

@@ -133,8 +133,18 @@ def _page(reply: dict[str, Any]) -> Page:
     )
 
 
-def subscribed(reply: dict[str, Any]) -> list[Subscribed]:
-    return [Subscribed(r["sort_key"], r["subject"], r["record"]) for r in reply["records"]]
+class Batch(list[Subscribed]):
+    """One frame of a subscription: its records, and ``deleted_through`` when the writer's
+    retention had deleted records after the cursor (the stream starts at the oldest kept;
+    the first frame says so, with no records)."""
+
+    deleted_through: int | None = None
+
+
+def subscribed(reply: dict[str, Any]) -> Batch:
+    batch = Batch(Subscribed(r["sort_key"], r["subject"], r["record"]) for r in reply["records"])
+    batch.deleted_through = reply.get("deleted_through")
+    return batch
 
 
 def _options(**fields: Any) -> dict[str, Any]:
@@ -290,6 +300,11 @@ def append_batch(
     return Call("append_batch", fields, parse, idempotent=False)
 
 
+def delete_execution(execution_id: str | int, *, tier: str | None = None) -> Call[int]:
+    fields = _options(execution_id=execution_id, tier=tier)
+    return Call("delete_execution", fields, lambda r: int(r["deleted"]), idempotent=True)
+
+
 def read_execution(
     execution_id: str | int,
     *,
@@ -311,8 +326,8 @@ def tier_health() -> Call[dict[str, Any]]:
     return Call("health", {}, dict, idempotent=True)
 
 
-def subscribe(start: int = 0, filter: str | None = None) -> Call[list[Subscribed]]:
-    """Each frame of the stream reads into a list of records."""
+def subscribe(start: int = 0, filter: str | None = None) -> Call[Batch]:
+    """Each frame of the stream reads into a :class:`Batch` of records."""
     return Call(
         "subscribe",
         _options(filter=filter, **{"from": start}),

@@ -23,6 +23,7 @@ from cmdbus_trio.protocol import NEED_DATA
 from . import _calls as calls
 from ._calls import (
     Appended,
+    Batch,
     BatchAppended,
     Call,
     DeadPage,
@@ -31,7 +32,6 @@ from ._calls import (
     Page,
     Published,
     Record,
-    Subscribed,
     TierRecord,
 )
 from ._core import LOCAL_GRACE, ClientProtocol, Reply, ServerHello, split_address
@@ -406,6 +406,14 @@ class TierClient(Connection):
         call = calls.append_batch(execution_id, payloads, tier=tier, transaction_id=transaction_id)
         return self.call(call, timeout=timeout)
 
+    def delete_execution(
+        self, execution_id: str | int, *, tier: str | None = None, timeout: float | None = None
+    ) -> int:
+        """Delete the execution's history in ``tier`` (default ``eventlog``), durably; the
+        records deleted (0: it had none). For clean-up tooling: the tier keeps history
+        unless told otherwise."""
+        return self.call(calls.delete_execution(execution_id, tier=tier), timeout=timeout)
+
     def read_execution(
         self,
         execution_id: str | int,
@@ -447,7 +455,7 @@ class TierClient(Connection):
 class SubscribeClient(Connection):
     """The event subscribe face (:9108). A subscription holds its connection."""
 
-    def subscribe(self, start: int = 0, *, filter: str | None = None) -> Iterator[list[Subscribed]]:
+    def subscribe(self, start: int = 0, *, filter: str | None = None) -> Iterator[Batch]:
         """Batches of records with sort key > ``start``: history first, then live."""
         return self._stream_replies(calls.subscribe(start, filter))
 

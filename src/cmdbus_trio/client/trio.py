@@ -24,6 +24,7 @@ from cmdbus_trio.protocol import NEED_DATA
 from . import _calls as calls
 from ._calls import (
     Appended,
+    Batch,
     BatchAppended,
     Call,
     DeadPage,
@@ -32,7 +33,6 @@ from ._calls import (
     Page,
     Published,
     Record,
-    Subscribed,
     TierRecord,
 )
 from ._core import LOCAL_GRACE, ClientProtocol, Reply, ServerHello, split_address
@@ -427,6 +427,14 @@ class TierClient(Connection):
         call = calls.append_batch(execution_id, payloads, tier=tier, transaction_id=transaction_id)
         return await self.call(call, timeout=timeout)
 
+    async def delete_execution(
+        self, execution_id: str | int, *, tier: str | None = None, timeout: float | None = None
+    ) -> int:
+        """Delete the execution's history in ``tier`` (default ``eventlog``), durably; the
+        records deleted (0: it had none). For clean-up tooling: the tier keeps history
+        unless told otherwise."""
+        return await self.call(calls.delete_execution(execution_id, tier=tier), timeout=timeout)
+
     async def read_execution(
         self,
         execution_id: str | int,
@@ -469,9 +477,7 @@ class TierClient(Connection):
 class SubscribeClient(Connection):
     """The event subscribe face (:9108). A subscription holds its connection."""
 
-    async def subscribe(
-        self, start: int = 0, *, filter: str | None = None
-    ) -> AsyncIterator[list[Subscribed]]:
+    async def subscribe(self, start: int = 0, *, filter: str | None = None) -> AsyncIterator[Batch]:
         """Batches of records with sort key > ``start``: history first, then live.
         Raises :class:`Busy` when the server cut this subscriber off as too slow."""
         async for batch in self._stream_replies(calls.subscribe(start, filter)):

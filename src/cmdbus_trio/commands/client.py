@@ -65,6 +65,7 @@ def add_parser(commands: Any) -> None:
         ("append", "append one payload"),
         ("read", "every record of an execution (all pages)"),
         ("scan", "records of every execution, by sequence"),
+        ("delete", "delete an execution's history, durably (clean-up tooling)"),
     ):
         parser: argparse.ArgumentParser = tier_ops.add_parser(name, help=help, description=help)
         _common(parser)
@@ -236,6 +237,13 @@ def _tier_read(args: argparse.Namespace, output: Output) -> int:
     return 0
 
 
+def _tier_delete(args: argparse.Namespace, output: Output) -> int:
+    with blocking.TierClient.connect(args.addr, **_options(args)) as tier:
+        deleted = tier.delete_execution(args.execution_id, tier=args.tier, timeout=CALL_TIMEOUT)
+        output.row({"deleted": deleted})
+    return 0
+
+
 def _tier_scan(args: argparse.Namespace, output: Output) -> int:
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be at least 1, got {args.limit}")
@@ -317,6 +325,7 @@ _RUNNERS = {
     "claim": _claim,
     "tier append": _tier_append,
     "tier read": _tier_read,
+    "tier delete": _tier_delete,
     "tier scan": _tier_scan,
     "lag": _lag,
     "dead": _dead,

@@ -5,8 +5,10 @@ it is near the end; then it registers with the live :class:`Hub` and catches up 
 then it streams live records, skipping any it already sent, so the boundary between
 catch-up and live has no gap and no duplicate. v1: ``{"shard": n, "cursor": c}`` → frames
 that are JSON arrays of ``{sort_key, subject, record}``. v2: ``subscribe {from, filter?}``
-→ frames ``{"id", "ok": true, "records": [...]}``. A subscriber that falls more than
-``CMDBUS_SUBSCRIBER_BUFFER`` records behind gets ``busy`` (slow consumer) and is closed.
+→ frames ``{"id", "ok": true, "records": [...]}``; when retention has deleted records after
+the cursor, the first frame is ``{"id", "ok": true, "records": [], "deleted_through": D}``.
+A subscriber that falls more than ``CMDBUS_SUBSCRIBER_BUFFER`` records behind gets
+``busy`` (slow consumer) and is closed.
 """
 
 from __future__ import annotations
@@ -84,6 +86,12 @@ class SubscribeHandler:
 
     async def _v2(self, request_id: int, after: int, tokens: tuple[str, ...] | None) -> bytes:
         head = f'{{"id":{request_id},"ok":true,"records":['.encode()
+        if after < (deleted := self.bus.log.deleted_through):
+            # Retention deleted records after the cursor: say so before anything else, so
+            # a subscriber replaying from an old cursor knows it starts at the oldest kept.
+            notice = head + f'],"deleted_through":{deleted}}}'.encode()
+            if not await self.send(encode_frame(notice)):
+                raise CloseConnection("write_error")
         completed = await self._stream(after, tokens, lambda f: head + b",".join(f) + b"]}")
         if completed:  # the writer is draining
             raise CloseConnection(

@@ -14,6 +14,7 @@ from typing import Any
 
 import trio
 
+from cmdbus_trio import metrics
 from cmdbus_trio.protocol import (
     ErrorCode,
     FieldError,
@@ -39,7 +40,7 @@ _NO_ID = -1  # marks a v1 request in the thread functions
 
 
 class TierHandler:
-    gated_ops = frozenset({"append", "append_batch", "read_execution", "scan"})
+    gated_ops = frozenset({"append", "append_batch", "read_execution", "scan", "delete_execution"})
     large_reply_ops = frozenset({"read_execution", "scan"})
 
     def __init__(self, ctx: FaceContext, store: TierStore) -> None:
@@ -104,6 +105,10 @@ class TierHandler:
         return dumps(body) if request_id == _NO_ID else encode_ok(request_id, body)
 
     def _write(self, request: codec.TierRequest, request_id: int) -> bytes:
+        if isinstance(request, codec.DeleteExecution):
+            deleted = self.store.delete_execution(request.tier, request.execution_id)
+            metrics.RETAINED.labels(store="tier", kind="records").inc(deleted)
+            return self._reply(request_id, {"deleted": deleted})
         if isinstance(request, codec.Append):
             records = [
                 NewRecord(

@@ -72,8 +72,17 @@ class Scan:
     op = "scan"
 
 
-TierRequest = Health | Append | AppendBatch | ReadExecution | Scan
-WRITE_OPS: Final = frozenset({"append", "append_batch"})
+@attrs.frozen
+class DeleteExecution:
+    tier: str
+    execution_id: str
+    op = "delete_execution"
+
+
+TierRequest = Health | Append | AppendBatch | ReadExecution | Scan | DeleteExecution
+WRITE_OPS: Final = frozenset({"append", "append_batch", "delete_execution"})
+V2_ONLY_OPS: Final = frozenset({"delete_execution"})
+"""Clean-up tooling's ops: not in NoETL's v1 dialect."""
 
 _FIELDS: Final[dict[str, frozenset[str]]] = {
     "health": frozenset({"tier"}),
@@ -81,6 +90,7 @@ _FIELDS: Final[dict[str, frozenset[str]]] = {
     "append_batch": frozenset({"tier", "execution_id", "payloads", "transaction_id"}),
     "read_execution": frozenset({"tier", "execution_id", "after", "limit"}),
     "scan": frozenset({"tier", "after", "limit"}),
+    "delete_execution": frozenset({"tier", "execution_id"}),
 }
 
 
@@ -98,6 +108,8 @@ def decode_v1(frame: bytes) -> TierRequest:
     op = value.get("op")
     if not isinstance(op, str):
         raise FieldError("op", "expected a string")
+    if op in V2_ONLY_OPS:
+        raise UnsupportedOp(op, sorted(set(_FIELDS) - V2_ONLY_OPS))
     # v1 is what NoETL clients send: members we do not know are ignored, not refused.
     return decode_op(op, {k: v for k, v in value.items() if k != "op"}, strict=False)
 
@@ -117,6 +129,8 @@ def decode_op(op: str, fields: Mapping[str, Any], *, strict: bool = True) -> Tie
     execution = str(execution_id(fields.get("execution_id")))
     if op == "read_execution":
         return ReadExecution(tier, execution, _after(fields), _limit(fields, MAX_RECORDS_PER_REPLY))
+    if op == "delete_execution":
+        return DeleteExecution(tier, execution)
     transaction = transaction_id(fields.get("transaction_id"))
     if op == "append":
         expected = fields.get("expected_version")

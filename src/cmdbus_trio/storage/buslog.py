@@ -70,6 +70,8 @@ class Retained:
     dead_letters: int
     more: bool
     """A batch was full: there may be more to delete now."""
+    through: int = 0
+    """The newest sort key of the records deleted (0: none)."""
 
 
 @attrs.frozen
@@ -96,6 +98,7 @@ class BusLog(SqliteStore):
         self._wall_clock = wall_clock  # msg_id ages must mean the same after a restart
         self._last_sort_key = 0
         self._records = 0
+        self._deleted_through = 0
 
     def _setup(self, connection: sqlite3.Connection) -> None:
         connection.executescript(
@@ -146,6 +149,10 @@ class BusLog(SqliteStore):
             CREATE INDEX IF NOT EXISTS dead_by_key ON dead (sort_key);
             CREATE INDEX IF NOT EXISTS owed_by_key ON owed (sort_key);
             CREATE INDEX IF NOT EXISTS dead_by_age ON dead (died_at);
+            CREATE TABLE IF NOT EXISTS retention_floor (
+                only INTEGER PRIMARY KEY CHECK (only = 0),
+                deleted_through INTEGER NOT NULL
+            );
             CREATE TABLE IF NOT EXISTS marks (
                 at REAL PRIMARY KEY,
                 newest INTEGER NOT NULL,
@@ -162,6 +169,8 @@ class BusLog(SqliteStore):
             "UPDATE dead SET died_at = ? WHERE died_at IS NULL", (self._wall_clock(),)
         )
         self._records = int(connection.execute("SELECT count(*) FROM records").fetchone()[0])
+        row = connection.execute("SELECT deleted_through FROM retention_floor").fetchone()
+        self._deleted_through = int(row[0]) if row else 0
         row = connection.execute(
             "SELECT seq FROM sqlite_sequence WHERE name = 'records'"
         ).fetchone()
@@ -315,6 +324,13 @@ class BusLog(SqliteStore):
         """Records in the log. A plain read: never blocks."""
         return self._records
 
+    @property
+    def deleted_through(self) -> int:
+        """The newest sort key retention has deleted (0: none): a reader starting before
+        it misses records (dead letters and owed records below it may remain). A plain
+        read: never blocks."""
+        return self._deleted_through
+
     @refuses_loop_thread
     def retain(
         self,
@@ -356,14 +372,20 @@ class BusLog(SqliteStore):
                 below = min(below, _mark(connection, "settled", now - keep_settled))
             if keep_published is not None:
                 below = min(below, _mark(connection, "newest", now - keep_published) + 1)
-            deleted = connection.execute(
+            gone = connection.execute(
                 "DELETE FROM records WHERE sort_key IN (SELECT sort_key FROM records r "
                 "WHERE r.sort_key < ? "
                 "AND NOT EXISTS (SELECT 1 FROM dead d WHERE d.sort_key = r.sort_key) "
                 "AND NOT EXISTS (SELECT 1 FROM owed o WHERE o.sort_key = r.sort_key) "
-                "ORDER BY r.sort_key LIMIT ?)",
+                "ORDER BY r.sort_key LIMIT ?) RETURNING sort_key",
                 (below, RETENTION_BATCH),
-            ).rowcount
+            ).fetchall()
+            deleted = len(gone)
+            through = max((key for (key,) in gone), default=0)
+            if through > self._deleted_through:
+                connection.execute(
+                    "INSERT OR REPLACE INTO retention_floor VALUES (0, ?)", (through,)
+                )
             # The letter goes; its record follows in a later step once no one needs it.
             dead = connection.execute(
                 "DELETE FROM dead WHERE (consumer, sort_key) IN (SELECT consumer, sort_key "
@@ -377,10 +399,11 @@ class BusLog(SqliteStore):
                 (now - longest,),
             )
             more = deleted == RETENTION_BATCH or dead == RETENTION_BATCH
-            return Retained(records=deleted, dead_letters=dead, more=more)
+            return Retained(records=deleted, dead_letters=dead, more=more, through=through)
 
         retained = self._write(write)
         self._records -= retained.records
+        self._deleted_through = max(self._deleted_through, retained.through)
         return retained
 
     def _settled_by_all(

@@ -22,6 +22,8 @@ from ._sqlite import SqliteStore
 Row = TypeVar("Row", bound=tuple[Any, ...])
 
 TIERS: Final = ("eventlog", "projection", "catalog")
+DELETE_BATCH: Final = 10_000
+"""Records one transaction of :meth:`TierStore.delete_execution` deletes at most."""
 PAGE_ROWS: Final = 256
 """Rows fetched per SQL query when iterating; callers check for cancellation between pages."""
 
@@ -251,6 +253,42 @@ class TierStore(SqliteStore):
         results, added = self._write(write)
         self._counts[tier] += added
         return results
+
+    @refuses_loop_thread
+    def delete_execution(self, tier: str, execution_id: str) -> int:
+        """Delete the execution's records in ``tier``, durably; the number deleted (0: it
+        had none). In transactions of at most :data:`DELETE_BATCH` records, so a big
+        execution never holds the write lock long: a crash part way leaves the rest, and
+        deleting again finishes. Sequences are never reused (``AUTOINCREMENT``)."""
+        _check_tier(tier)
+
+        def step(connection: sqlite3.Connection) -> int:
+            deleted = connection.execute(
+                f"DELETE FROM {tier}_records WHERE global_sequence IN (SELECT global_sequence "
+                f"FROM {tier}_records WHERE execution_id = ? LIMIT ?)",
+                (execution_id, DELETE_BATCH),
+            ).rowcount
+            if deleted:
+                connection.execute(
+                    f"UPDATE {tier}_executions SET record_count = record_count - ? "
+                    "WHERE execution_id = ?",
+                    (deleted, execution_id),
+                )
+                connection.execute(
+                    f"DELETE FROM {tier}_executions WHERE execution_id = ? AND record_count <= 0",
+                    (execution_id,),
+                )
+                connection.execute(
+                    "UPDATE tier_counts SET record_count = record_count - ? WHERE tier = ?",
+                    (deleted, tier),
+                )
+            return int(deleted)
+
+        total = 0
+        while deleted := self._write(step):
+            self._counts[tier] -= deleted
+            total += deleted
+        return total
 
     @refuses_loop_thread
     def execution_count(self, tier: str, execution_id: str) -> int | None:
