@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 import sqlite3
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import trio
 
-from cmdbus_trio.bus.retention import RetentionPolicy
 from cmdbus_trio.client.trio import SubscribeClient
+from cmdbus_trio.retention import RetentionPolicy
 from cmdbus_trio.storage.buslog import RETENTION_BATCH, BusEntry, BusLog, Retained
 
 from .helpers import frame_client, metric_sum, metrics_text, serving
@@ -279,3 +279,90 @@ def records(text: str, store: str) -> float:
 
 def retained(text: str, store: str, kind: str) -> float:
     return metric_sum(text, f'cmdbus_retention_deleted_total{{kind="{kind}",store="{store}"}}')
+
+
+def test_an_idle_execution_is_found_and_deleted_only_while_still_idle(
+    tmp_path: Path, clock: Clock
+) -> None:
+    from cmdbus_trio.storage.tier import NewRecord, TierStore
+
+    store = TierStore.open(tmp_path / "tier.sqlite3", wall_clock=clock)
+    store.append_batch("eventlog", "old", [NewRecord("{}"), NewRecord("{}")])
+    clock.now += 5
+    store.append("eventlog", "fresh", NewRecord("{}"))
+    assert store.idle_executions("eventlog", 3.0, 10) == ["old"]
+    assert store.delete_execution("eventlog", "fresh", idle_for=3.0) == 0  # not idle: kept
+    store.append("eventlog", "old", NewRecord("{}"))  # active again before the deletion
+    assert store.delete_execution("eventlog", "old", idle_for=3.0) == 0
+    clock.now += 4
+    assert sorted(store.idle_executions("eventlog", 3.0, 10)) == ["fresh", "old"]
+    assert store.delete_execution("eventlog", "old", idle_for=3.0) == 3
+    store.close()
+
+
+def test_a_record_appended_while_its_execution_is_deleted_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cmdbus_trio.storage import tier as tier_module
+    from cmdbus_trio.storage.tier import NewRecord, TierStore
+
+    class AppendingBetweenBatches(TierStore):
+        appended: ClassVar[list[int]] = []
+
+        def _write(self, work: Any) -> Any:
+            result = super()._write(work)
+            if not self.appended and work.__name__ == "step":  # after the first batch
+                self.appended.append(self.append("eventlog", "e", NewRecord("{}")).global_sequence)
+            return result
+
+    monkeypatch.setattr(tier_module, "DELETE_BATCH", 2)
+    store = AppendingBetweenBatches.open(tmp_path / "tier.sqlite3")
+    store.append_batch("eventlog", "e", [NewRecord("{}") for _ in range(5)])
+    assert store.delete_execution("eventlog", "e") == 5
+    kept = [r.global_sequence for page in store.iter_execution("eventlog", "e") for r in page]
+    assert kept == store.appended == [6]
+    assert store.execution_count("eventlog", "e") == 1
+    store.close()
+
+
+def test_a_tier_store_made_before_tier_retention_counts_its_executions_from_now(
+    tmp_path: Path, clock: Clock
+) -> None:
+    from cmdbus_trio.storage.tier import TierStore
+
+    path = tmp_path / "tier.sqlite3"
+    with sqlite3.connect(path) as connection:  # the old schema: no last_at
+        for tier in ("eventlog", "projection", "catalog"):
+            connection.execute(
+                f"CREATE TABLE {tier}_executions (execution_id TEXT PRIMARY KEY, "
+                "record_count INTEGER NOT NULL) WITHOUT ROWID"
+            )
+        connection.execute("INSERT INTO eventlog_executions VALUES ('old', 0)")
+    store = TierStore.open(path, wall_clock=clock)
+    assert store.idle_executions("eventlog", 10.0, 10) == []  # a whole window from now
+    clock.now += 11
+    assert store.idle_executions("eventlog", 10.0, 10) == ["old"]
+    store.close()
+
+
+async def test_a_tier_with_a_window_deletes_idle_executions_and_keeps_the_rest(
+    tmp_path: Path,
+) -> None:
+    """The eventlog tier with a 300 ms window, the others without: an execution idle
+    longer goes, one appended to all along and every execution of the other tiers stay."""
+    settings = {
+        "CMDBUS_TIER_EVENTLOG_RETENTION_MS": "300",
+        "CMDBUS_RETENTION_INTERVAL_MS": "50",
+    }
+    with trio.fail_after(60), serving(tmp_path, **settings) as (_, ports):
+        async with frame_client(ports["tier"]) as tier:
+            await tier.request("append_batch", execution_id="idle", payloads=["1", "2"])
+            await tier.request("append", execution_id="idle", tier="catalog", payload="{}")
+            for _ in range(15):  # 1.5 s: five windows, "busy" never idle for one
+                await tier.request("append", execution_id="busy", payload="{}")
+                await trio.sleep(0.1)
+            gone = await tier.request("read_execution", execution_id="idle")
+            busy = await tier.request("read_execution", execution_id="busy")
+            catalog = await tier.request("read_execution", execution_id="idle", tier="catalog")
+        assert (gone["exists"], busy["record_count"], catalog["record_count"]) == (False, 15, 1)
+        assert retained(metrics_text(ports), "tier", "records") == 2

@@ -37,6 +37,7 @@ TARGETS: dict[str, tuple[Any, str, list[str]]] = {
     "lag sampler": (app, "sample_lag", ["commands.lag_sampler"]),
     "groups": (ConsumerGroups, "run", ["events.groups"]),
     "retention": (app, "run_retention", ["commands.retention", "events.retention"]),
+    "tier retention": (app, "run_tier_retention", ["tier.retention"]),
     "store sizes": (app, "_measure_stores", ["store_sizes"]),
     "shed watcher": (
         Gate,
@@ -57,7 +58,7 @@ async def test_a_crashed_background_task_is_seen_and_contained(
     monkeypatch.setattr(owner, attribute, crash)
     before = {t: _crashes(t) for t in tasks}
     binds = {f"{face}_bind": "127.0.0.1:0" for face in DATA_FACE_NAMES}
-    config = make_config(liveness_window_ms=1500, **binds)
+    config = make_config(liveness_window_ms=1500, tier_eventlog_retention_ms=3_600_000, **binds)
     with trio.fail_after(20):
         async with running_writer(config) as (_, addresses):
             await trio.sleep(0.2)

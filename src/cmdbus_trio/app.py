@@ -32,7 +32,6 @@ from .bus.bodies import BodyReader
 from .bus.claims import open_claims, sample_lag
 from .bus.committer import GroupCommitter
 from .bus.groups import ConsumerGroups
-from .bus.retention import RetentionPolicy, run_retention
 from .bus.subscriptions import Hub
 from .config import DATA_FACE_NAMES, Bind, Config, cpu_quota
 from .faces import (
@@ -50,6 +49,7 @@ from .heartbeat import Heartbeat
 from .logs import event
 from .protocol.bus import BusKind, SubjectRule
 from .protocol.tier import WRITE_OPS as TIER_WRITE_OPS
+from .retention import RetentionPolicy, run_retention, run_tier_retention
 from .storage import Store
 from .storage.buslog import BusLog
 from .storage.tier import TierStore
@@ -143,6 +143,17 @@ def retention_for(bus: str, config: Config) -> RetentionPolicy:
         keep_dead=config.dead_retention_ms / 1000,
         interval=config.retention_interval_ms / 1000,
     )
+
+
+def tier_windows(config: Config) -> dict[str, float]:
+    """Seconds each tier keeps an idle execution's history, for the tiers that do not keep
+    it for ever."""
+    windows = {
+        "eventlog": config.tier_eventlog_retention_ms,
+        "projection": config.tier_projection_retention_ms,
+        "catalog": config.tier_catalog_retention_ms,
+    }
+    return {tier: ms / 1000 for tier, ms in windows.items() if ms}
 
 
 async def _measure_stores(
@@ -324,6 +335,18 @@ class Writer:
                                     consumers={name: 0} if store.claims is not None else None,
                                 ),
                             )
+                    tier = self._stores.get("tier")
+                    if isinstance(tier, TierStore) and (windows := tier_windows(config)):
+                        await self._start_task(
+                            background,
+                            "tier.retention",
+                            partial(
+                                run_tier_retention,
+                                tier,
+                                windows,
+                                config.retention_interval_ms / 1000,
+                            ),
+                        )
                     if self._stores:  # else there is no data dir to measure
                         await self._start_task(
                             background,

@@ -316,6 +316,16 @@ SETTINGS: tuple[Setting, ...] = (
         _int_range(0),
         "a dead letter not requeued or purged is deleted after this long",
     ),
+    *(
+        Setting(
+            f"tier_{tier}_retention_ms",
+            "0",
+            _int_range(0),
+            f"the {tier} tier deletes the history of an execution nothing was appended to "
+            "for this long; 0: kept for ever",
+        )
+        for tier in ("eventlog", "projection", "catalog")
+    ),
     Setting(
         "retention_interval_ms",
         "10000",
@@ -440,6 +450,9 @@ class Config:
     cmd_keep_acked_ms: int
     evt_retention_ms: int
     dead_retention_ms: int
+    tier_eventlog_retention_ms: int
+    tier_projection_retention_ms: int
+    tier_catalog_retention_ms: int
     retention_interval_ms: int
     evt_groups: tuple[str, ...]
     evt_max_groups: int

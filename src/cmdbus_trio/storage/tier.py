@@ -7,6 +7,7 @@ on disk)."""
 from __future__ import annotations
 
 import sqlite3
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Final, TypeVar
@@ -118,8 +119,11 @@ class TierStore(SqliteStore):
 
     name = "tier"
 
-    def __init__(self, path: Path, **options: object) -> None:
+    def __init__(
+        self, path: Path, *, wall_clock: Callable[[], float] = time.time, **options: object
+    ) -> None:
         super().__init__(path, **options)  # type: ignore[arg-type]
+        self._wall_clock = wall_clock  # executions' ages must mean the same after a restart
         self._counts: dict[str, int] = {}
         self.fragments_in_sqlite = False
         """Whether :meth:`iter_execution_encoded` has SQLite encode (else Python)."""
@@ -142,9 +146,24 @@ class TierStore(SqliteStore):
                     ON {tier}_records (execution_id, event_id) WHERE event_id IS NOT NULL;
                 CREATE TABLE IF NOT EXISTS {tier}_executions (
                     execution_id TEXT PRIMARY KEY,
-                    record_count INTEGER NOT NULL
+                    record_count INTEGER NOT NULL,
+                    last_at REAL
                 ) WITHOUT ROWID;
                 """
+            )
+            columns = {
+                row[1] for row in connection.execute(f"PRAGMA table_info({tier}_executions)")
+            }
+            if "last_at" not in columns:  # a store made before tier retention
+                connection.execute(f"ALTER TABLE {tier}_executions ADD COLUMN last_at REAL")
+            # Executions of unknown age count from now: kept a whole window, never less.
+            connection.execute(
+                f"UPDATE {tier}_executions SET last_at = ? WHERE last_at IS NULL",
+                (self._wall_clock(),),
+            )
+            connection.execute(
+                f"CREATE INDEX IF NOT EXISTS {tier}_executions_by_age "
+                f"ON {tier}_executions (last_at)"
             )
         connection.execute(
             "CREATE TABLE IF NOT EXISTS tier_counts "
@@ -238,9 +257,10 @@ class TierStore(SqliteStore):
             added = sum(1 for _, deduplicated in results if not deduplicated)
             if added:
                 connection.execute(
-                    f"INSERT INTO {tier}_executions VALUES (?, ?) ON CONFLICT (execution_id) "
-                    "DO UPDATE SET record_count = record_count + excluded.record_count",
-                    (execution_id, added),
+                    f"INSERT INTO {tier}_executions VALUES (?, ?, ?) ON CONFLICT (execution_id) "
+                    "DO UPDATE SET record_count = record_count + excluded.record_count, "
+                    "last_at = excluded.last_at",
+                    (execution_id, added, self._wall_clock()),
                 )
                 connection.execute(
                     "UPDATE tier_counts SET record_count = record_count + ? WHERE tier = ?",
@@ -255,18 +275,37 @@ class TierStore(SqliteStore):
         return results
 
     @refuses_loop_thread
-    def delete_execution(self, tier: str, execution_id: str) -> int:
+    def delete_execution(
+        self, tier: str, execution_id: str, *, idle_for: float | None = None
+    ) -> int:
         """Delete the execution's records in ``tier``, durably; the number deleted (0: it
-        had none). In transactions of at most :data:`DELETE_BATCH` records, so a big
-        execution never holds the write lock long: a crash part way leaves the rest, and
-        deleting again finishes. Sequences are never reused (``AUTOINCREMENT``)."""
+        had none). With ``idle_for``, only if nothing was appended to it for that many
+        seconds (retention).
+
+        The records deleted are those it had when the deletion began: one appended
+        meanwhile is kept. In transactions of at most :data:`DELETE_BATCH` records, so a
+        big execution never holds the write lock long: a crash part way leaves the rest,
+        and deleting again finishes. Sequences are never reused (``AUTOINCREMENT``)."""
         _check_tier(tier)
+        through: int | None = None  # the newest record when the deletion began
 
         def step(connection: sqlite3.Connection) -> int:
+            nonlocal through
+            if through is None:
+                row = connection.execute(
+                    f"SELECT last_at FROM {tier}_executions WHERE execution_id = ?",
+                    (execution_id,),
+                ).fetchone()
+                if row is None or (idle_for is not None and row[0] > self._wall_clock() - idle_for):
+                    return 0
+                (through,) = connection.execute(
+                    f"SELECT max(global_sequence) FROM {tier}_records WHERE execution_id = ?",
+                    (execution_id,),
+                ).fetchone()
             deleted = connection.execute(
                 f"DELETE FROM {tier}_records WHERE global_sequence IN (SELECT global_sequence "
-                f"FROM {tier}_records WHERE execution_id = ? LIMIT ?)",
-                (execution_id, DELETE_BATCH),
+                f"FROM {tier}_records WHERE execution_id = ? AND global_sequence <= ? LIMIT ?)",
+                (execution_id, through or 0, DELETE_BATCH),
             ).rowcount
             if deleted:
                 connection.execute(
@@ -289,6 +328,19 @@ class TierStore(SqliteStore):
             self._counts[tier] -= deleted
             total += deleted
         return total
+
+    @refuses_loop_thread
+    def idle_executions(self, tier: str, idle_for: float, limit: int) -> list[str]:
+        """Up to ``limit`` executions of ``tier`` that nothing was appended to for
+        ``idle_for`` seconds (wall clock, kept across restarts), the longest idle first."""
+        _check_tier(tier)
+        with self._connection() as connection:
+            rows = connection.execute(
+                f"SELECT execution_id FROM {tier}_executions WHERE last_at <= ? "
+                "ORDER BY last_at LIMIT ?",
+                (self._wall_clock() - idle_for, limit),
+            ).fetchall()
+        return [str(row[0]) for row in rows]
 
     @refuses_loop_thread
     def execution_count(self, tier: str, execution_id: str) -> int | None:

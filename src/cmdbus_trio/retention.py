@@ -1,10 +1,12 @@
-"""Retention: a bus log deletes what no one needs any more, in bounded steps.
+"""Retention: the stores delete what no one needs any more, in bounded steps.
 
 The command bus is a work queue: an acked command is kept ``CMDBUS_CMD_KEEP_ACKED_MS`` (for
 inspection), then deleted. The event bus keeps an event until every group has settled it
 *and* it is older than ``CMDBUS_EVT_RETENTION_MS`` (the subscribers' replay window). On
 both, a dead letter is kept ``CMDBUS_DEAD_RETENTION_MS`` unless requeued or purged first.
-Sort keys are never reused (the log's ``AUTOINCREMENT`` remembers the largest).
+Sort keys are never reused (the log's ``AUTOINCREMENT`` remembers the largest). The tier
+keeps history for ever by default; a tier with ``CMDBUS_TIER_<TIER>_RETENTION_MS`` set deletes
+the history of an execution nothing was appended to for that long.
 
 Each step is one short write transaction of at most ``RETENTION_BATCH`` rows in a worker
 thread, followed by a bounded incremental vacuum that gives the freed pages back to the
@@ -15,6 +17,7 @@ waits for at most one step."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 
 import attrs
 import trio
@@ -22,9 +25,12 @@ import trio
 from cmdbus_trio import metrics
 from cmdbus_trio.admission import run_in_thread
 from cmdbus_trio.storage.buslog import BusLog
+from cmdbus_trio.storage.tier import TierStore
 
 VACUUM_PAGES = 2048
 """Free pages (8 MiB of 4 KiB pages) a step gives back to the file system at most."""
+IDLE_EXECUTIONS_PER_STEP = 100
+"""Executions one tier retention step deletes at most."""
 MARKS_PER_WINDOW = 1000
 """Marks kept over the longest window at most: a record's age is known to 1/1000 of it."""
 
@@ -84,3 +90,34 @@ async def run_retention(
             await trio.sleep(trio.current_time() - started)
         else:
             await trio.sleep(policy.interval)
+
+
+async def run_tier_retention(
+    store: TierStore,
+    windows: Mapping[str, float],
+    interval: float,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Delete, every ``interval`` seconds, the history of executions nothing was appended
+    to for their tier's window (``windows``: tier -> seconds), up to
+    :data:`IDLE_EXECUTIONS_PER_STEP` per tier a step, resting as :func:`run_retention`
+    does.
+
+    Cancellation and error handling: as :func:`run_retention`."""
+    limiter = trio.CapacityLimiter(1)
+    task_status.started()
+    while True:
+        started = trio.current_time()
+        more = False
+        for tier, window in windows.items():
+            idle = await run_in_thread(
+                store.idle_executions, tier, window, IDLE_EXECUTIONS_PER_STEP, limiter=limiter
+            )
+            for execution_id in idle:  # one appended to meanwhile is skipped
+                delete = partial(store.delete_execution, tier, execution_id, idle_for=window)
+                deleted = await run_in_thread(delete, limiter=limiter)
+                metrics.RETAINED.labels(store="tier", kind="records").inc(deleted)
+            more = more or len(idle) == IDLE_EXECUTIONS_PER_STEP
+        await run_in_thread(store.vacuum_step, VACUUM_PAGES, limiter=limiter)
+        await trio.sleep(trio.current_time() - started if more else interval)
