@@ -104,6 +104,25 @@ def test_an_event_goes_once_every_group_settled_it_and_its_window_passed(
     log.close()
 
 
+def test_a_group_created_after_retention_starts_after_what_it_deleted(
+    tmp_path: Path, clock: Clock
+) -> None:
+    """Found by the system-level test: a group made from the beginning was handed a
+    deleted record (its key was still in the shared tail) and answered `internal`."""
+    log = BusLog.open(tmp_path / "events.sqlite3", name="events", wall_clock=clock)
+    log.create_group("old", 0)
+    publish(log, 5)
+    log.commit(positions=[("old", 6)])
+    events = {"consumers": None, "keep_settled": None, "keep_published": 0.0}
+    assert retain(log, **events) == Retained(records=5, dead_letters=0, more=False, through=5)
+    assert log.create_group("new", 0) == 5
+    assert log.create_group("newer", 7) == 7  # a later start stays
+    log.close()
+    log = BusLog.open(tmp_path / "events.sqlite3", name="events", wall_clock=clock)
+    assert log.deleted_through == 5 and log.create_group("after-restart", 0) == 5
+    log.close()
+
+
 def test_sort_keys_are_never_reused_after_the_log_was_emptied_and_reopened(
     tmp_path: Path, clock: Clock
 ) -> None:
@@ -257,6 +276,13 @@ async def test_a_writer_deletes_what_its_windows_let_go_and_keeps_the_rest(
             async with frame_client(ports["evt_subscribe"]) as subscriber:
                 first = await subscriber.request("subscribe", **{"from": 0})
                 assert first == {"id": 1, "ok": True, "records": [], "deleted_through": 5}
+            async with frame_client(ports["evt_claim"]) as claim:  # a group made now
+                first = await claim.request(
+                    "next", filter=">", group="late", timeout_ms=100, **{"from": "beginning"}
+                )
+                assert first == {"id": 1, "ok": True, "delivery": None, "deleted_through": 5}
+                again = await claim.request("next", filter=">", group="late", timeout_ms=100)
+                assert again == {"id": 2, "ok": True, "delivery": None}
             async with await SubscribeClient.connect(ports["evt_subscribe"]) as client:
                 async for batch in client.subscribe(0):
                     assert (list(batch), batch.deleted_through) == ([], 5)

@@ -194,7 +194,10 @@ class ClaimHandler:
             with trio.move_on_after(float("inf") if timeout_ms is None else timeout_ms / 1000):
                 delivery, stored = await self._next(claims, filter_tokens, budget)
                 result = _delivery(delivery, stored)
-            return encode_ok(request_id, {"delivery": result})
+            body: dict[str, Any] = {"delivery": result}
+            if fields.get("from") == "beginning" and (deleted := self.bus.log.deleted_through):
+                body["deleted_through"] = deleted  # the group starts at the oldest kept
+            return encode_ok(request_id, body)
         if op == "lag":
             tokens = None if fields.get("filter") is None else parse_filter(fields["filter"])
             subjects = await claims.backlog(tokens)

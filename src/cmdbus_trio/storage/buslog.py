@@ -427,10 +427,14 @@ class BusLog(SqliteStore):
 
     @refuses_loop_thread
     def create_group(self, name: str, start_after: int) -> int:
-        """Create a group unless it exists; returns its start (the existing one if any)."""
+        """Create a group unless it exists; returns its start (the existing one if any).
+        A group never starts before what retention deleted: read in the same transaction
+        as the insert, so a retention step that commits just before is seen."""
 
         def write(connection: sqlite3.Connection) -> int:
-            connection.execute("INSERT OR IGNORE INTO groups VALUES (?, ?)", (name, start_after))
+            row = connection.execute("SELECT deleted_through FROM retention_floor").fetchone()
+            start = max(start_after, int(row[0]) if row else 0)
+            connection.execute("INSERT OR IGNORE INTO groups VALUES (?, ?)", (name, start))
             row = connection.execute(
                 "SELECT start_after FROM groups WHERE name = ?", (name,)
             ).fetchone()
