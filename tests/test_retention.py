@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -13,6 +14,7 @@ import pytest
 import trio
 
 from cmdbus_trio.client.trio import SubscribeClient
+from cmdbus_trio.config import Config
 from cmdbus_trio.retention import RetentionPolicy
 from cmdbus_trio.storage.buslog import RETENTION_BATCH, BusEntry, BusLog, Retained
 
@@ -392,3 +394,29 @@ async def test_a_tier_with_a_window_deletes_idle_executions_and_keeps_the_rest(
             catalog = await tier.request("read_execution", execution_id="idle", tier="catalog")
         assert (gone["exists"], busy["record_count"], catalog["record_count"]) == (False, 15, 1)
         assert retained(metrics_text(ports), "tier", "records") == 2
+
+
+async def test_retention_skips_a_poisoned_store_and_the_writer_stays_live(
+    make_config: Callable[..., Config],
+) -> None:
+    """A poisoned store fails readiness and waits for the operator's restart; retention
+    must not turn it into a crashed task (which fails liveness and restarts a writer that
+    still serves reads)."""
+    from .helpers import get, running_writer
+
+    binds = {f"{face}_bind": "127.0.0.1:0" for face in ("cmd_ingest", "evt_ingest", "tier")}
+    config = make_config(
+        liveness_window_ms=300,
+        retention_interval_ms=10,
+        tier_eventlog_retention_ms=1,
+        **binds,
+    )
+    with trio.fail_after(20):
+        async with running_writer(config) as (writer, addresses):
+            for name, store in writer._stores.items():
+                (store.log if name != "tier" else store)._poisoned = "injected"
+            await trio.sleep(1.0)  # a hundred passes, three liveness windows
+            assert (await get(addresses["control"], "/livez")).status == 200
+            readyz = (await get(addresses["control"], "/readyz")).json()
+            assert not [r for r in readyz["reasons"] if "crashed" in r]
+            assert any("poisoned" in r for r in readyz["reasons"])

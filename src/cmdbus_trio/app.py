@@ -117,8 +117,8 @@ def lanes_for(face: str, config: Config) -> dict[str, Gate]:
 
     One write at a time: SQLite takes one writer, so a second slot only had a thread wait
     for the write lock, where the Gate can neither see nor shed it, while two threads
-    competed with the readers for the GIL (the same appends/s with one slot, and the
-    readers 35 % faster: docs/benchmarks.md)."""
+    competed with the readers for the GIL (one slot: 293 appends/s against 325, and the
+    readers 35 % faster; docs/benchmarks.md)."""
     if face != "tier" or config.tier_writes != "lane":
         return {}
     writes = Gate(
@@ -304,60 +304,7 @@ class Writer:
                     )
                 await self._open_stores(wanted)
                 async with trio.open_nursery() as background:
-                    for name, store in self._stores.items():
-                        if isinstance(store, Bus):
-                            await self._start_task(
-                                background, f"{name}.committer", store.committer.run
-                            )
-                            await self._start_task(background, f"{name}.bodies", store.bodies.run)
-                            if store.claims is not None:
-                                await self._start_task(
-                                    background, f"{name}.claim_timers", store.claims.run_timers
-                                )
-                                await self._start_task(
-                                    background,
-                                    f"{name}.lag_sampler",
-                                    partial(sample_lag, store.claims, store.committer),
-                                )
-                            if store.groups is not None:
-                                await self._start_task(
-                                    background, f"{name}.groups", store.groups.run
-                                )
-                            await self._start_task(
-                                background,
-                                f"{name}.retention",
-                                partial(
-                                    run_retention,
-                                    name,
-                                    store.log,
-                                    retention_for(name, config),
-                                    # the command bus's one consumer; an event log's groups
-                                    consumers={name: 0} if store.claims is not None else None,
-                                ),
-                            )
-                    tier = self._stores.get("tier")
-                    if isinstance(tier, TierStore) and (windows := tier_windows(config)):
-                        await self._start_task(
-                            background,
-                            "tier.retention",
-                            partial(
-                                run_tier_retention,
-                                tier,
-                                windows,
-                                config.retention_interval_ms / 1000,
-                            ),
-                        )
-                    if self._stores:  # else there is no data dir to measure
-                        await self._start_task(
-                            background,
-                            "store_sizes",
-                            partial(
-                                _measure_stores,
-                                self.health.stores,
-                                config.data_dir,
-                                config.retention_interval_ms / 1000,
-                            ),
-                        )
+                    await self._start_background(background)
                     async with trio.open_nursery() as data:
                         for face in wanted:
                             if face in self._faces:
@@ -373,6 +320,38 @@ class Writer:
                 event(log, logging.INFO, "stopped")
                 self._control_stop.set()
                 control_nursery.cancel_scope.cancel()
+
+    async def _start_background(self, background: trio.Nursery) -> None:
+        """Start the stores' background tasks, each supervised (:meth:`_start_task`)."""
+        config = self.config
+        for name, store in self._stores.items():
+            if not isinstance(store, Bus):
+                continue
+            await self._start_task(background, f"{name}.committer", store.committer.run)
+            await self._start_task(background, f"{name}.bodies", store.bodies.run)
+            if store.claims is not None:
+                await self._start_task(background, f"{name}.claim_timers", store.claims.run_timers)
+                await self._start_task(
+                    background,
+                    f"{name}.lag_sampler",
+                    partial(sample_lag, store.claims, store.committer),
+                )
+            if store.groups is not None:
+                await self._start_task(background, f"{name}.groups", store.groups.run)
+            # The command bus has one consumer, itself; an event log's are its groups.
+            consumers = {name: 0} if store.claims is not None else None
+            policy = retention_for(name, config)
+            retain = partial(run_retention, name, store.log, policy, consumers=consumers)
+            await self._start_task(background, f"{name}.retention", retain)
+        tier = self._stores.get("tier")
+        if isinstance(tier, TierStore) and (windows := tier_windows(config)):
+            interval = config.retention_interval_ms / 1000
+            retain_tier = partial(run_tier_retention, tier, windows, interval)
+            await self._start_task(background, "tier.retention", retain_tier)
+        if self._stores:  # else there is no data dir to measure
+            interval = config.retention_interval_ms / 1000
+            measure = partial(_measure_stores, self.health.stores, config.data_dir, interval)
+            await self._start_task(background, "store_sizes", measure)
 
     async def _start(self, nursery: trio.Nursery, face: str, bind: Bind, serve: StartFn) -> None:
         self.health.faces[face] = FaceState.STARTING

@@ -16,6 +16,7 @@ waits for at most one step."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from functools import partial
 
@@ -24,6 +25,7 @@ import trio
 
 from cmdbus_trio import metrics
 from cmdbus_trio.admission import run_in_thread
+from cmdbus_trio.storage import StoreUnavailable
 from cmdbus_trio.storage.buslog import BusLog
 from cmdbus_trio.storage.tier import TierStore
 
@@ -67,25 +69,32 @@ async def run_retention(
     Cancellation: between steps, or while a step's thread runs (the step completes; its
     transaction is whole either way).
 
-    Error handling: a store error propagates (a poisoned store; the supervisor counts
-    it)."""
+    Error handling: a poisoned (or closed) store is skipped until the next pass: its
+    state already fails readiness, and the restart that reopens it is the operator's (a
+    crashed task would fail liveness and restart a writer still serving reads). Any
+    other error propagates to the supervisor."""
     limiter = trio.CapacityLimiter(1)  # its own: never waits behind a group's load
     task_status.started()
     while True:
         started = trio.current_time()
-        step = await run_in_thread(
-            lambda: log.retain(
-                consumers=consumers,
-                keep_settled=policy.keep_settled,
-                keep_published=policy.keep_published,
-                keep_dead=policy.keep_dead,
-                mark_every=policy.mark_every,
-            ),
-            limiter=limiter,
-        )
+        try:
+            step = await run_in_thread(
+                lambda: log.retain(
+                    consumers=consumers,
+                    keep_settled=policy.keep_settled,
+                    keep_published=policy.keep_published,
+                    keep_dead=policy.keep_dead,
+                    mark_every=policy.mark_every,
+                ),
+                limiter=limiter,
+            )
+        except StoreUnavailable:
+            await trio.sleep(policy.interval)
+            continue
         metrics.RETAINED.labels(store=store, kind="records").inc(step.records)
         metrics.RETAINED.labels(store=store, kind="dead_letters").inc(step.dead_letters)
-        await run_in_thread(log.vacuum_step, VACUUM_PAGES, limiter=limiter)
+        with contextlib.suppress(StoreUnavailable):  # poisoned since: skipped as above
+            await run_in_thread(log.vacuum_step, VACUUM_PAGES, limiter=limiter)
         if step.more:
             await trio.sleep(trio.current_time() - started)
         else:
@@ -110,14 +119,17 @@ async def run_tier_retention(
     while True:
         started = trio.current_time()
         more = False
-        for tier, window in windows.items():
-            idle = await run_in_thread(
-                store.idle_executions, tier, window, IDLE_EXECUTIONS_PER_STEP, limiter=limiter
-            )
-            for execution_id in idle:  # one appended to meanwhile is skipped
-                delete = partial(store.delete_execution, tier, execution_id, idle_for=window)
-                deleted = await run_in_thread(delete, limiter=limiter)
-                metrics.RETAINED.labels(store="tier", kind="records").inc(deleted)
-            more = more or len(idle) == IDLE_EXECUTIONS_PER_STEP
-        await run_in_thread(store.vacuum_step, VACUUM_PAGES, limiter=limiter)
+        try:
+            for tier, window in windows.items():
+                idle = await run_in_thread(
+                    store.idle_executions, tier, window, IDLE_EXECUTIONS_PER_STEP, limiter=limiter
+                )
+                for execution_id in idle:  # one appended to meanwhile is skipped
+                    delete = partial(store.delete_execution, tier, execution_id, idle_for=window)
+                    deleted = await run_in_thread(delete, limiter=limiter)
+                    metrics.RETAINED.labels(store="tier", kind="records").inc(deleted)
+                more = more or len(idle) == IDLE_EXECUTIONS_PER_STEP
+            await run_in_thread(store.vacuum_step, VACUUM_PAGES, limiter=limiter)
+        except StoreUnavailable:
+            more = False
         await trio.sleep(trio.current_time() - started if more else interval)
