@@ -195,6 +195,24 @@ def test_deleted_records_give_their_space_back(tmp_path: Path, clock: Clock) -> 
     log.close()
 
 
+def test_a_checkpointed_wal_is_cut_back_to_its_limit(
+    tmp_path: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cmdbus_trio.storage import _sqlite
+
+    limit = 64 * 1024  # small, to see it; 64 MiB in the writer
+    monkeypatch.setattr(_sqlite, "WAL_SIZE_LIMIT", limit)
+    log = open_log(tmp_path / "commands.sqlite3", clock)
+    wal = tmp_path / "commands.sqlite3-wal"
+    for _ in range(8):
+        publish(log, 100, size=1000)  # the WAL grows past the limit
+    assert wal.stat().st_size > limit
+    checkpoint(tmp_path / "commands.sqlite3", mode="PASSIVE")
+    publish(log, 1)  # the next write starts the WAL over, cut back to the limit
+    assert wal.stat().st_size <= limit
+    log.close()
+
+
 def test_a_store_made_before_auto_vacuum_keeps_its_size_and_says_so(tmp_path: Path) -> None:
     path = tmp_path / "commands.sqlite3"
     with sqlite3.connect(path) as connection:  # an old file: tables, no auto_vacuum
@@ -205,9 +223,9 @@ def test_a_store_made_before_auto_vacuum_keeps_its_size_and_says_so(tmp_path: Pa
     log.close()
 
 
-def checkpoint(path: Path) -> None:
+def checkpoint(path: Path, mode: str = "TRUNCATE") -> None:
     with sqlite3.connect(path) as connection:
-        connection.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        connection.execute(f"PRAGMA wal_checkpoint({mode})")
 
 
 def test_marks_are_noted_at_most_a_thousandth_of_the_longest_window_apart() -> None:
@@ -274,6 +292,8 @@ async def test_a_writer_deletes_what_its_windows_let_go_and_keeps_the_rest(
                 text = metrics_text(ports)
                 assert records(text, "events") == 0
                 assert metric_sum(text, 'cmdbus_store_bytes{store="commands"}') > 0
+                capacity = metric_sum(text, "cmdbus_data_dir_capacity_bytes ")
+                assert 0 < metric_sum(text, "cmdbus_data_dir_free_bytes ") <= capacity
             # A subscriber replaying from before what was deleted is told so first.
             async with frame_client(ports["evt_subscribe"]) as subscriber:
                 first = await subscriber.request("subscribe", **{"from": 0})
