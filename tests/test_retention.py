@@ -223,6 +223,24 @@ def test_a_store_made_before_auto_vacuum_keeps_its_size_and_says_so(tmp_path: Pa
     log.close()
 
 
+def test_a_bus_log_made_before_retention_opens_and_keeps_its_dead_letters_a_window(
+    tmp_path: Path, clock: Clock
+) -> None:
+    path = tmp_path / "commands.sqlite3"
+    with sqlite3.connect(path) as connection:  # the old schema: a dead table without died_at
+        connection.execute(
+            "CREATE TABLE dead (consumer TEXT NOT NULL, sort_key INTEGER NOT NULL, "
+            "deliveries INTEGER NOT NULL, PRIMARY KEY (consumer, sort_key)) WITHOUT ROWID"
+        )
+        connection.execute("INSERT INTO dead VALUES ('commands', 3, 5)")
+    log = open_log(path, clock)
+    clock.now += 99  # within the dead letter's window, counted from this open
+    assert retain(log).dead_letters == 0
+    clock.now += 2
+    assert retain(log).dead_letters == 1
+    log.close()
+
+
 def checkpoint(path: Path, mode: str = "TRUNCATE") -> None:
     with sqlite3.connect(path) as connection:
         connection.execute(f"PRAGMA wal_checkpoint({mode})")

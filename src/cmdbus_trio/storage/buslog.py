@@ -148,7 +148,6 @@ class BusLog(SqliteStore):
             ) WITHOUT ROWID;
             CREATE INDEX IF NOT EXISTS dead_by_key ON dead (sort_key);
             CREATE INDEX IF NOT EXISTS owed_by_key ON owed (sort_key);
-            CREATE INDEX IF NOT EXISTS dead_by_age ON dead (died_at);
             CREATE TABLE IF NOT EXISTS retention_floor (
                 only INTEGER PRIMARY KEY CHECK (only = 0),
                 deleted_through INTEGER NOT NULL
@@ -163,7 +162,8 @@ class BusLog(SqliteStore):
         columns = {row[1] for row in connection.execute("PRAGMA table_info(dead)")}
         if "died_at" not in columns:  # a store made before retention
             connection.execute("ALTER TABLE dead ADD COLUMN died_at REAL")
-            connection.execute("CREATE INDEX IF NOT EXISTS dead_by_age ON dead (died_at)")
+        # After the column exists: in the script above, an old store's dead table has none.
+        connection.execute("CREATE INDEX IF NOT EXISTS dead_by_age ON dead (died_at)")
         # Dead letters of unknown age count from now: kept a whole window, never less.
         connection.execute(
             "UPDATE dead SET died_at = ? WHERE died_at IS NULL", (self._wall_clock(),)
