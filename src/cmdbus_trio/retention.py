@@ -17,7 +17,7 @@ waits for at most one step."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
 
 import attrs
@@ -74,31 +74,26 @@ async def run_retention(
     crashed task would fail liveness and restart a writer still serving reads). Any
     other error propagates to the supervisor."""
     limiter = trio.CapacityLimiter(1)  # its own: never waits behind a group's load
-    task_status.started()
-    while True:
-        started = trio.current_time()
-        try:
-            step = await run_in_thread(
-                lambda: log.retain(
-                    consumers=consumers,
-                    keep_settled=policy.keep_settled,
-                    keep_published=policy.keep_published,
-                    keep_dead=policy.keep_dead,
-                    mark_every=policy.mark_every,
-                ),
-                limiter=limiter,
-            )
-        except StoreUnavailable:
-            await trio.sleep(policy.interval)
-            continue
-        metrics.RETAINED.labels(store=store, kind="records").inc(step.records)
-        metrics.RETAINED.labels(store=store, kind="dead_letters").inc(step.dead_letters)
-        with contextlib.suppress(StoreUnavailable):  # poisoned since: skipped as above
+
+    async def step() -> bool:
+        retained = await run_in_thread(
+            lambda: log.retain(
+                consumers=consumers,
+                keep_settled=policy.keep_settled,
+                keep_published=policy.keep_published,
+                keep_dead=policy.keep_dead,
+                mark_every=policy.mark_every,
+            ),
+            limiter=limiter,
+        )
+        metrics.RETAINED.labels(store=store, kind="records").inc(retained.records)
+        metrics.RETAINED.labels(store=store, kind="dead_letters").inc(retained.dead_letters)
+        with contextlib.suppress(StoreUnavailable):  # poisoned since: the next step says so
             await run_in_thread(log.vacuum_step, VACUUM_PAGES, limiter=limiter)
-        if step.more:
-            await trio.sleep(trio.current_time() - started)
-        else:
-            await trio.sleep(policy.interval)
+        return retained.more
+
+    task_status.started()
+    await _in_steps(step, policy.interval)
 
 
 async def run_tier_retention(
@@ -115,21 +110,34 @@ async def run_tier_retention(
 
     Cancellation and error handling: as :func:`run_retention`."""
     limiter = trio.CapacityLimiter(1)
+
+    async def step() -> bool:
+        more = False
+        for tier, window in windows.items():
+            idle = await run_in_thread(
+                store.idle_executions, tier, window, IDLE_EXECUTIONS_PER_STEP, limiter=limiter
+            )
+            for execution_id in idle:  # one appended to meanwhile is skipped
+                delete = partial(store.delete_execution, tier, execution_id, idle_for=window)
+                deleted = await run_in_thread(delete, limiter=limiter)
+                metrics.RETAINED.labels(store="tier", kind="records").inc(deleted)
+            more = more or len(idle) == IDLE_EXECUTIONS_PER_STEP
+        await run_in_thread(store.vacuum_step, VACUUM_PAGES, limiter=limiter)
+        return more
+
     task_status.started()
+    await _in_steps(step, interval)
+
+
+async def _in_steps(step: Callable[[], Awaitable[bool]], interval: float) -> None:
+    """Run ``step`` for ever: while it says there is more, again after resting as long as
+    it took (so it holds the store's write lock at most half the time); else after
+    ``interval``. A step that finds its store poisoned or closed is over until the next
+    pass."""
     while True:
         started = trio.current_time()
-        more = False
         try:
-            for tier, window in windows.items():
-                idle = await run_in_thread(
-                    store.idle_executions, tier, window, IDLE_EXECUTIONS_PER_STEP, limiter=limiter
-                )
-                for execution_id in idle:  # one appended to meanwhile is skipped
-                    delete = partial(store.delete_execution, tier, execution_id, idle_for=window)
-                    deleted = await run_in_thread(delete, limiter=limiter)
-                    metrics.RETAINED.labels(store="tier", kind="records").inc(deleted)
-                more = more or len(idle) == IDLE_EXECUTIONS_PER_STEP
-            await run_in_thread(store.vacuum_step, VACUUM_PAGES, limiter=limiter)
+            more = await step()
         except StoreUnavailable:
             more = False
         await trio.sleep(trio.current_time() - started if more else interval)

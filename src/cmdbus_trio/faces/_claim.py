@@ -16,7 +16,7 @@ task: the same steps, without waiting.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
 
@@ -42,7 +42,7 @@ from cmdbus_trio.storage import StoreUnavailable
 from cmdbus_trio.storage.buslog import DEAD_KEYS_PAGE, DeadRecord, StoredRecord
 
 from . import FaceContext
-from ._connection import CloseConnection, Deferred, V1Reply
+from ._connection import CloseConnection, Deferred, V1Reply, each_checked
 
 Resolve = Callable[[Any, Any], Awaitable[Claims]]
 """(group field, from field) -> the group's coordinator; raises FieldError."""
@@ -368,14 +368,9 @@ class ClaimHandler:
         with contextlib.closing(
             self.bus.log.iter_dead(group, after=after, filter=filter_text)
         ) as pages:
-
-            def fragments() -> Iterator[tuple[int, bytes]]:
-                for page in pages:
-                    trio.from_thread.check_cancelled()  # a spent budget stops within a page
-                    yield from ((dead.sort_key, _dead_fragment(dead)) for dead in page)
-
+            fragments = ((dead.sort_key, _dead_fragment(dead)) for dead in each_checked(pages))
             return tier_codec.page(
-                head, fragments(), limit=limit, max_reply=self.max_reply, name="dead letter"
+                head, fragments, limit=limit, max_reply=self.max_reply, name="dead letter"
             )
 
     async def _move_dead(

@@ -19,9 +19,9 @@ import ipaddress
 import logging
 import math
 import ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from functools import partial
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import attrs
 import trio
@@ -49,6 +49,8 @@ from cmdbus_trio.protocol import (
 from cmdbus_trio.storage import StoreUnavailable
 
 from . import FaceContext
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +113,14 @@ class Deferred:
         self._callback = callback
         if self._outcome is not None:
             callback(self._outcome)
+
+
+def each_checked(pages: Iterable[Iterable[T]]) -> Iterator[T]:
+    """The items of ``pages``, read in a worker thread, with a cancellation check before
+    each page: an expired budget or a vanished client stops the thread within one page."""
+    for page in pages:
+        trio.from_thread.check_cancelled()
+        yield from page
 
 
 def as_face_error(exc: Exception) -> FaceError | None:

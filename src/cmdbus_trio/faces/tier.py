@@ -29,7 +29,7 @@ from cmdbus_trio.protocol import tier as codec
 from cmdbus_trio.storage.tier import NewRecord, TierStore, VersionConflict
 
 from . import FaceContext
-from ._connection import FaceError, V1Reply, as_face_error
+from ._connection import FaceError, V1Reply, as_face_error, each_checked
 from ._connection import serve as serve_connections
 
 Pages = Iterator[list[tuple[int, bytes]]]
@@ -170,7 +170,7 @@ class TierHandler:
     ) -> bytes:
         return codec.page(
             head,
-            _records(pages),
+            each_checked(pages),
             limit=limit,
             max_reply=self.max_reply,
             name="record",
@@ -187,7 +187,7 @@ class TierHandler:
         count = 0
         last = None
         more = False
-        for sequence, fragment in _records(pages):
+        for sequence, fragment in each_checked(pages):
             if count == limit:
                 more = True
                 break
@@ -203,15 +203,6 @@ class TierHandler:
         if total > self.max_reply:
             raise FaceError(ErrorCode.TOO_LARGE, codec.too_large_message(total, self.max_reply))
         return codec.with_records(head, fragments, tail)
-
-
-def _records(pages: Pages) -> Iterator[tuple[int, bytes]]:
-    """The store's records as ``(global_sequence, fragment)``, with a cancellation check
-    before each page: an expired budget or a vanished client stops the thread within one
-    page."""
-    for page in pages:
-        trio.from_thread.check_cancelled()
-        yield from page
 
 
 async def serve(
