@@ -2,15 +2,25 @@
 
     python benchmarks/retention.py                  # 2 targets x 180 s at 400 commands/s
     python benchmarks/retention.py --duration 60    # shorter
+    python benchmarks/retention.py --bus events     # the event log's byte cap
 
 Runs the same workload twice in one run, one writer at a time: producers publish
-~230-byte commands at a steady --rate (open loop, one publish per tick over 8
-connections), consumers claim and ack them as they come. Target "retention" keeps an
-acked command --keep seconds (CMDBUS_CMD_KEEP_ACKED_MS) and runs retention every second;
-target "keep all" sets the window to a year (the writer before retention). Every --every
-seconds it prints the data dir's size (database and WAL), the records the log holds, the
-rows retention deleted, and publish latency (p50 / p99) over that interval. The load
-generator runs in its own process, so the writer's figures are its own.
+~230-byte records at a steady --rate (open loop, one publish per tick over 8
+connections), consumers claim and ack them as they come.
+
+On the command bus, target "retention" keeps an acked command --keep seconds
+(CMDBUS_CMD_KEEP_ACKED_MS) and runs retention every second; target "keep all" sets the
+window to a year (the writer before retention).
+
+On the event bus, group "fast" consumes every event and group "slow" none (a
+materializer that is down): retention can delete nothing. Target "capped" sets
+CMDBUS_EVT_MAX_BYTES to --cap MiB, so the oldest events are evicted; target "no cap" keeps
+them all (the default).
+
+Every --every seconds it prints the data dir's size (database and WAL), the records the
+log holds, the rows deleted (evicted, on the event bus), and publish latency (p50 / p99)
+over that interval. The load generator runs in its own process, so the writer's figures
+are its own.
 """
 
 from __future__ import annotations
@@ -34,22 +44,31 @@ from _client import Client, percentiles
 from cmdbus_trio.commands.spawn import spawn_writer
 
 TARGETS = {
-    "retention": {},
-    "keep all": {"CMDBUS_CMD_KEEP_ACKED_MS": str(365 * 86_400_000)},
+    "commands": {
+        "retention": {},
+        "keep all": {"CMDBUS_CMD_KEEP_ACKED_MS": str(365 * 86_400_000)},
+    },
+    "events": {"capped": {}, "no cap": {"CMDBUS_EVT_MAX_BYTES": "0"}},
 }
+FACES = {"commands": ("cmd_ingest", "cmd_claim"), "events": ("evt_ingest", "evt_claim")}
+DELETED = {"commands": "records", "events": "evicted"}
 PRODUCERS = 8
 CONSUMERS = 8
 
 
-async def generate(ports: dict[str, str], rate: float, duration: float, every: float) -> None:
-    """Publish at ``rate`` and consume everything; print one JSON line of latencies per
-    ``every`` seconds (read by the parent)."""
+async def generate(
+    ports: dict[str, str], rate: float, duration: float, every: float, bus: str
+) -> None:
+    """Publish at ``rate`` and consume everything (on the event bus, as group "fast");
+    print one JSON line of latencies per ``every`` seconds (read by the parent)."""
     latencies: list[float] = []
-    payload = json.dumps({"execution_pool": "shared", "step": "x" * 180})
+    payload = json.dumps({"execution_pool": "shared", "event_type": "e", "step": "x" * 180})
     stop = trio.current_time() + duration
+    ingest, claim = FACES[bus]
+    group = {"group": "fast"} if bus == "events" else {}
 
     async def producer(n: int) -> None:
-        client = await Client.connect(ports["cmd_ingest"])
+        client = await Client.connect(ports[ingest])
         tick = trio.current_time() + n / rate
         i = 0
         while tick < stop:
@@ -63,12 +82,12 @@ async def generate(ports: dict[str, str], rate: float, duration: float, every: f
             i += 1
 
     async def consumer() -> None:
-        client = await Client.connect(ports["cmd_claim"])
+        client = await Client.connect(ports[claim])
         while trio.current_time() < stop + 5:
-            reply = await client.call("next", filter=">", timeout_ms=1000)
+            reply = await client.call("next", filter=">", timeout_ms=1000, **group)
             delivery = reply.get("delivery")
             if delivery:
-                await client.call("ack", sort_key=delivery["sort_key"])
+                await client.call("ack", sort_key=delivery["sort_key"], **group)
 
     async def report() -> None:
         while trio.current_time() < stop:
@@ -88,14 +107,14 @@ def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
 
 
-def scrape(control: str) -> dict[str, float]:
+def scrape(control: str, bus: str) -> dict[str, float]:
     import urllib.request
 
     with urllib.request.urlopen(f"http://{control}/metrics", timeout=10) as response:
         text = response.read().decode()
     wanted = {
-        'cmdbus_store_records{store="commands"}': "records",
-        'cmdbus_retention_deleted_total{kind="records",store="commands"}': "deleted",
+        f'cmdbus_store_records{{store="{bus}"}}': "records",
+        f'cmdbus_retention_deleted_total{{kind="{DELETED[bus]}",store="{bus}"}}': "deleted",
     }
     found = {}
     for line in text.splitlines():
@@ -106,18 +125,20 @@ def scrape(control: str) -> dict[str, float]:
 
 
 def run_target(
-    kind: str, workdir: Path, rate: float, duration: float, every: float, keep: float
+    bus: str, kind: str, workdir: Path, args: argparse.Namespace
 ) -> list[dict[str, Any]]:
     shutil.rmtree(workdir, ignore_errors=True)
     env = {
-        "CMDBUS_CMD_KEEP_ACKED_MS": str(int(keep * 1000)),
+        "CMDBUS_CMD_KEEP_ACKED_MS": str(int(args.keep * 1000)),
+        "CMDBUS_EVT_MAX_BYTES": str(int(args.cap * 2**20)),
+        "CMDBUS_EVT_GROUPS": "fast,slow",
         "CMDBUS_RETENTION_INTERVAL_MS": "1000",
-        **TARGETS[kind],
+        **TARGETS[bus][kind],
     }
-    process, ports = spawn_writer(workdir, ("cmd_ingest", "cmd_claim"), env=env)
+    process, ports = spawn_writer(workdir, FACES[bus], env=env)
     rows: list[dict[str, Any]] = []
     try:
-        load = [json.dumps(ports), str(rate), str(duration), str(every)]
+        load = [json.dumps(ports), str(args.rate), str(args.duration), str(args.every), bus]
         generator = subprocess.Popen(
             [sys.executable, __file__, "--load-gen", *load],
             stdout=subprocess.PIPE,
@@ -127,7 +148,7 @@ def run_target(
         assert generator.stdout is not None
         for line in generator.stdout:
             row = json.loads(line)
-            row |= scrape(ports["control"])
+            row |= scrape(ports["control"], bus)
             row |= {"t": time.monotonic() - started, "mib": dir_bytes(workdir / "data") / 2**20}
             rows.append(row)
             print(
@@ -150,22 +171,32 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=180.0, help="seconds per target")
     parser.add_argument("--every", type=float, default=15.0, help="seconds per printed row")
     parser.add_argument("--keep", type=float, default=20.0, help="acked commands kept, s")
+    parser.add_argument("--bus", choices=sorted(TARGETS), default="commands")
+    parser.add_argument("--cap", type=float, default=4.0, help="the event log's cap, MiB")
+    parser.add_argument(
+        "--reverse", action="store_true", help="run the baseline first (to see order effects)"
+    )
     parser.add_argument("--workdir", type=Path)
     args = parser.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="cmdbus-retention-"))
+    kept = (
+        f"acked commands kept {args.keep:.0f} s"
+        if args.bus == "commands"
+        else f"one group of two consuming; cap {args.cap:.0f} MiB"
+    )
     print(
-        f"machine: {os.cpu_count()} CPUs; {args.rate:.0f} commands/s for {args.duration:.0f} s "
-        f"per target; acked commands kept {args.keep:.0f} s"
+        f"machine: {os.cpu_count()} CPUs; {args.rate:.0f} {args.bus}/s for "
+        f"{args.duration:.0f} s per target; {kept}"
     )
     print(
         f"{'target':<10}{'time':>8}{'data dir':>13}{'records':>9}{'deleted':>10}"
         f"{'p50 ms':>9}{'p99 ms':>9}"
     )
     results = {
-        kind: run_target(
-            kind, workdir / kind.replace(" ", "-"), args.rate, args.duration, args.every, args.keep
+        kind: run_target(args.bus, kind, workdir / kind.replace(" ", "-"), args)
+        for kind in sorted(
+            TARGETS[args.bus], key=list(TARGETS[args.bus]).index, reverse=args.reverse
         )
-        for kind in TARGETS
     }
     print()
     for kind, rows in results.items():
@@ -181,10 +212,15 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 6 and sys.argv[1] == "--load-gen":
-        _, _, ports_arg, rate_arg, duration_arg, every_arg = sys.argv
+    if len(sys.argv) == 7 and sys.argv[1] == "--load-gen":
+        _, _, ports_arg, rate_arg, duration_arg, every_arg, bus_arg = sys.argv
         trio.run(
-            generate, json.loads(ports_arg), float(rate_arg), float(duration_arg), float(every_arg)
+            generate,
+            json.loads(ports_arg),
+            float(rate_arg),
+            float(duration_arg),
+            float(every_arg),
+            bus_arg,
         )
     else:
         main()

@@ -184,3 +184,41 @@ async def test_a_failed_body_read_does_not_count_as_a_delivery(setup: Setup) -> 
         await answer(setup.handler.v2(request("next", filter="commands.>"), 0.0))
     again = setup.claims.take(("commands", ">"), object())
     assert again is not None and (again.deliveries, again.redelivered) == (1, False)
+
+
+async def next_after_eviction(setup: Setup, *, forget: bool) -> Any:
+    """A `next` leases record 1, then waits for the Gate's only slot; meanwhile record 1
+    is evicted from the store (after the group forgot it, unless not ``forget``)."""
+    await use_the_group(setup)
+    held = setup.gate.acquire_nowait("next")
+    replies: list[Any] = []
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+
+            async def consumer() -> None:
+                pending = setup.handler.v2(request("next", filter="commands.>"), 0.0)
+                try:
+                    replies.append(await answer(pending))
+                except LookupError as exc:
+                    replies.append(exc)
+
+            nursery.start_soon(consumer)
+            await trio.sleep(0.1)
+            assert setup.claims.leased == 1  # record 1, leased before its slot
+            if forget:
+                assert setup.claims.evict_through(1) == 1
+            await trio.to_thread.run_sync(setup.log.evict, 1)
+            held.release()
+    return replies[0]
+
+
+async def test_a_next_whose_record_was_evicted_while_it_waited_takes_the_next_one(
+    setup: Setup,
+) -> None:
+    reply = await next_after_eviction(setup, forget=True)
+    assert reply["delivery"]["sort_key"] == 2
+
+
+async def test_a_record_missing_without_an_eviction_is_still_an_error(setup: Setup) -> None:
+    assert isinstance(await next_after_eviction(setup, forget=False), LookupError)
+    assert setup.claims.leased == 0  # given back, as any failed read

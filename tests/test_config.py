@@ -112,6 +112,8 @@ def test_bind_str_round_trips() -> None:
         ("CMDBUS_DEBUG_HOOKS", "maybe", "true or false"),
         ("CMDBUS_SWITCH_INTERVAL_MS", "0", "a positive number"),
         ("CMDBUS_SWITCH_INTERVAL_MS", "nan", "a positive number"),
+        ("CMDBUS_EVT_MAX_BYTES", "1048575", "0 (no cap) or an integer >= 1048576"),
+        ("CMDBUS_EVT_MAX_BYTES", "-1", "an integer >= 0"),
     ],
 )
 def test_bad_values_name_the_setting_the_value_and_what_is_allowed(
@@ -197,3 +199,8 @@ def test_docs_list_every_setting() -> None:
     docs = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
     for setting in SETTINGS:
         assert f"| `{setting.env}` | `--{setting.flag}` |" in docs, setting.env
+
+
+@pytest.mark.parametrize(("value", "cap"), [("0", 0), ("1048576", 1 << 20), ("5000000", 5_000_000)])
+def test_the_event_log_cap_is_off_or_at_least_a_mebibyte(value: str, cap: int) -> None:
+    assert load({}, environ={"CMDBUS_EVT_MAX_BYTES": value}).evt_max_bytes == cap

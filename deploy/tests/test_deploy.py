@@ -238,6 +238,7 @@ def test_every_alert_links_to_its_runbook_section() -> None:
         "CmdbusDeadLetters",
         "CmdbusScrapeAbsent",
         "CmdbusDiskFillingUp",
+        "CmdbusEventsEvicted",
     }
     for rule in alerts:
         url = rule["annotations"]["runbook_url"]

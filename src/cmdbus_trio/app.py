@@ -49,7 +49,7 @@ from .heartbeat import Heartbeat
 from .logs import event
 from .protocol.bus import BusKind, SubjectRule
 from .protocol.tier import WRITE_OPS as TIER_WRITE_OPS
-from .retention import RetentionPolicy, run_retention, run_tier_retention
+from .retention import Eviction, RetentionPolicy, run_retention, run_tier_retention
 from .storage import Store
 from .storage.buslog import BusLog
 from .storage.tier import TierStore
@@ -341,7 +341,12 @@ class Writer:
             # The command bus has one consumer, itself; an event log's are its groups.
             consumers = {name: 0} if store.claims is not None else None
             policy = retention_for(name, config)
-            retain = partial(run_retention, name, store.log, policy, consumers=consumers)
+            eviction = None
+            if store.groups is not None and config.evt_max_bytes:
+                eviction = Eviction(store.log, store.groups, store.bodies, config.evt_max_bytes)
+            retain = partial(
+                run_retention, name, store.log, policy, consumers=consumers, eviction=eviction
+            )
             await self._start_task(background, f"{name}.retention", retain)
         tier = self._stores.get("tier")
         if isinstance(tier, TierStore) and (windows := tier_windows(config)):
@@ -416,7 +421,8 @@ class Writer:
             committer = GroupCommitter(bus_log, rule)
             bodies = BodyReader(bus_log)
             self.health.add_store(name, bus_log)
-            for kind in ("records", "dead_letters"):  # 0 from the start
+            kinds = ("records", "dead_letters", *(("evicted",) if name == "events" else ()))
+            for kind in kinds:  # 0 from the start
                 metrics.RETAINED.labels(store=name, kind=kind)
             if name == "events":
                 groups = ConsumerGroups(

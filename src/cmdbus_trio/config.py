@@ -101,6 +101,19 @@ def _int_range(low: int, high: int | None = None) -> Callable[[str], int]:
 _ORDINAL = re.compile(r"-(\d+)$")
 
 
+MIN_EVT_MAX_BYTES = 1 << 20
+"""The smallest event-log cap: an empty log's tables and indexes take about 100 KiB, and
+a cap near that would evict every event as soon as it is published."""
+
+
+def _byte_cap(text: str) -> int:
+    """0 (no cap), or a cap of at least :data:`MIN_EVT_MAX_BYTES`."""
+    value = _int_range(0)(text)
+    if 0 < value < MIN_EVT_MAX_BYTES:
+        raise ValueError(f"expected 0 (no cap) or an integer >= {MIN_EVT_MAX_BYTES} (1 MiB)")
+    return value
+
+
 def _shard(text: str) -> int | str:
     """A shard number, or ``auto``: resolved from the host name by :func:`load`."""
     if text.strip() == "auto":
@@ -311,6 +324,14 @@ SETTINGS: tuple[Setting, ...] = (
         "(the subscribers' replay window)",
     ),
     Setting(
+        "evt_max_bytes",
+        "0",
+        _byte_cap,
+        "the event log's pages in use are kept under this many bytes by evicting the oldest "
+        "events, whatever the groups did (counted in cmdbus_evicted_unconsumed_total); "
+        "0: no cap",
+    ),
+    Setting(
         "dead_retention_ms",
         str(7 * 86_400_000),
         _int_range(0),
@@ -449,6 +470,7 @@ class Config:
     dedup_window_ms: int
     cmd_keep_acked_ms: int
     evt_retention_ms: int
+    evt_max_bytes: int
     dead_retention_ms: int
     tier_eventlog_retention_ms: int
     tier_projection_retention_ms: int

@@ -158,8 +158,18 @@ RETAINED = Counter(
     "cmdbus_retention_deleted",
     "Rows deleted by retention or clean-up, by store and kind: a bus log's records (settled "
     "by every consumer and out of their keep windows) and dead_letters (older than "
-    "CMDBUS_DEAD_RETENTION_MS); the tier's records (delete_execution).",
+    "CMDBUS_DEAD_RETENTION_MS); the event log's evicted records (the oldest, deleted "
+    "whatever the groups did to keep it under CMDBUS_EVT_MAX_BYTES); the tier's records "
+    "(delete_execution).",
     ["store", "kind"],
+    registry=REGISTRY,
+)
+EVICTED_UNCONSUMED = Counter(
+    "cmdbus_evicted_unconsumed",
+    "Events evicted to keep the event log under CMDBUS_EVT_MAX_BYTES before the group "
+    "acked them (undelivered, in flight, waiting for a redelivery, or dead letters), by "
+    "consumer group: events that group never processed.",
+    ["group"],
     registry=REGISTRY,
 )
 STORE_BYTES = Gauge(

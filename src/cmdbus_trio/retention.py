@@ -8,6 +8,11 @@ Sort keys are never reused (the log's ``AUTOINCREMENT`` remembers the largest). 
 keeps history for ever by default; a tier with ``CMDBUS_TIER_<TIER>_RETENTION_MS`` set deletes
 the history of an execution nothing was appended to for that long.
 
+With ``CMDBUS_EVT_MAX_BYTES`` set, the event log is also kept under that many bytes of
+pages in use whatever the groups did: the oldest events are evicted, and what a group had
+not acked is counted in ``cmdbus_evicted_unconsumed_total{group}`` and logged once per
+burst (:class:`Eviction`).
+
 Each step is one short write transaction of at most ``RETENTION_BATCH`` rows in a worker
 thread, followed by a bounded incremental vacuum that gives the freed pages back to the
 file system. While there is more to delete, the task rests as long as its last step took
@@ -17,6 +22,8 @@ waits for at most one step."""
 from __future__ import annotations
 
 import contextlib
+import logging
+from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
 
@@ -25,9 +32,14 @@ import trio
 
 from cmdbus_trio import metrics
 from cmdbus_trio.admission import run_in_thread
+from cmdbus_trio.bus.bodies import BodyReader
+from cmdbus_trio.bus.groups import ConsumerGroups
+from cmdbus_trio.logs import event
 from cmdbus_trio.storage import StoreUnavailable
 from cmdbus_trio.storage.buslog import BusLog
 from cmdbus_trio.storage.tier import TierStore
+
+log = logging.getLogger(__name__)
 
 VACUUM_PAGES = 2048
 """Free pages (8 MiB of 4 KiB pages) a step gives back to the file system at most."""
@@ -55,16 +67,78 @@ class RetentionPolicy:
         return max(self.interval, max(windows, default=0.0) / MARKS_PER_WINDOW)
 
 
+class Eviction:
+    """Keeps an event log's pages in use under ``max_bytes``, oldest events first,
+    whatever the groups did (``CMDBUS_EVT_MAX_BYTES``).
+
+    A step asks the store how far to evict (:meth:`BusLog.eviction_floor`), has every
+    group forget those records (:meth:`ConsumerGroups.evict_through`, counting what each
+    had not acked), waits until the bodies already asked for are read, then deletes the
+    records (:meth:`BusLog.evict`): no delivery is handed out without its body. A burst
+    (steps in a row until the log is within its cap) is logged once, when it ends."""
+
+    def __init__(
+        self, log: BusLog, groups: ConsumerGroups, bodies: BodyReader, max_bytes: int
+    ) -> None:
+        self.log = log
+        self.groups = groups
+        self.bodies = bodies
+        self.max_bytes = max_bytes
+        self._burst_records = 0
+        self._burst_unconsumed: Counter[str] = Counter()
+
+    async def step(self, limiter: trio.CapacityLimiter) -> bool:
+        """Evict one batch if the log is over its cap; True when it did (there may be
+        more).
+
+        Cancellation: between the groups forgetting the records and their deletion, the
+        records stay in the store and are delivered again after a restart.
+
+        Error handling: a store error propagates (as from :meth:`BusLog.evict`); the
+        groups have forgotten the records, which the restart that a poisoned store needs
+        reloads."""
+        through = await run_in_thread(self.log.eviction_floor, self.max_bytes, limiter=limiter)
+        if not through:
+            self._end_burst()
+            return False
+        self._burst_unconsumed.update(self.groups.evict_through(through))
+        await self.bodies.caught_up()
+        evicted = await run_in_thread(self.log.evict, through, limiter=limiter)
+        for group, letters in evicted.dead_letters.items():
+            self.groups.count_evicted(group, letters)
+            self._burst_unconsumed[group] += letters
+        metrics.RETAINED.labels(store=self.log.name, kind="evicted").inc(evicted.records)
+        self._burst_records += evicted.records
+        return True
+
+    def _end_burst(self) -> None:
+        if not self._burst_records:
+            return
+        event(
+            log,
+            logging.WARNING,
+            "events_evicted",
+            records=self._burst_records,
+            through=self.log.deleted_through,
+            max_bytes=self.max_bytes,
+            unconsumed=dict(sorted(self._burst_unconsumed.items())),
+        )
+        self._burst_records = 0
+        self._burst_unconsumed.clear()
+
+
 async def run_retention(
     store: str,
     log: BusLog,
     policy: RetentionPolicy,
     *,
     consumers: Mapping[str, int] | None,
+    eviction: Eviction | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run retention on ``log`` (named ``store`` in metrics) for ever. ``consumers``: as
-    :meth:`BusLog.retain` (None: the log's groups).
+    :meth:`BusLog.retain` (None: the log's groups). ``eviction``: the log's byte cap, if
+    it has one (a step of it follows each step of retention).
 
     Cancellation: between steps, or while a step's thread runs (the step completes; its
     transaction is whole either way).
@@ -88,9 +162,12 @@ async def run_retention(
         )
         metrics.RETAINED.labels(store=store, kind="records").inc(retained.records)
         metrics.RETAINED.labels(store=store, kind="dead_letters").inc(retained.dead_letters)
+        more = retained.more
+        if eviction is not None:
+            more = await eviction.step(limiter) or more
         with contextlib.suppress(StoreUnavailable):  # poisoned since: the next step says so
             await run_in_thread(log.vacuum_step, VACUUM_PAGES, limiter=limiter)
-        return retained.more
+        return more
 
     task_status.started()
     await _in_steps(step, policy.interval)

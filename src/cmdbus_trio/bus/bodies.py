@@ -53,6 +53,9 @@ class BodyReader:
         )
         self.batches = 0
         """Batches read so far (one query each; one thread call reads several in a row)."""
+        self._asked = 0
+        self._answered = 0  # asks are answered in the order they were made
+        self._progress = trio.Event()
 
     async def read(self, sort_key: int) -> StoredRecord:
         """The record with ``sort_key``, read with every other one asked for meanwhile.
@@ -60,8 +63,9 @@ class BodyReader:
         Cancellation: only the wait stops; the read goes on for the others.
 
         Error handling: raises the store's error (e.g. ``StoreUnavailable``), and
-        ``LookupError`` for a sort key that has no record (records are never deleted, so
-        that is a bug).
+        ``LookupError`` for a sort key that has no record (deleted by retention only once
+        no one needs it, or evicted after :meth:`caught_up`: a consumer group asking for
+        it is told first, so this is a bug unless the record was evicted).
         """
         ask = self._ask(sort_key)
         await ask.done.wait()
@@ -81,7 +85,17 @@ class BodyReader:
     ) -> _Ask:
         ask = _Ask(sort_key, then=then)
         self._batches.put(ask)
+        self._asked += 1
         return ask
+
+    async def caught_up(self) -> None:
+        """Wait until every body asked for so far is read (an eviction waits for this
+        before it deletes the records it took from the groups).
+
+        Cancellation: only the wait stops."""
+        target = self._asked
+        while self._answered < target:
+            await self._progress.wait()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Read queued asks until cancelled (in the background nursery, which ends before
@@ -96,6 +110,9 @@ class BodyReader:
 
     def _settle(self, batch: list[_Ask], outcome: dict[int, StoredRecord] | Exception) -> None:
         self.batches += 1
+        self._answered += len(batch)
+        self._progress.set()
+        self._progress = trio.Event()
         for ask in batch:
             if isinstance(outcome, Exception):
                 ask.error = outcome

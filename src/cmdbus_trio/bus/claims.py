@@ -157,6 +157,9 @@ class Claims:
         self.persisted_low_water = start_after + 1
         """The settled position last made durable (see :func:`persist_low_water`):
         every record below it is settled or recorded as owed."""
+        self.evicted_through = 0
+        """Every record up to this sort key was evicted from the store for space (see
+        :meth:`evict_through`): none is delivered any more."""
 
     # --- records arriving ----------------------------------------------------------------
 
@@ -234,6 +237,57 @@ class Claims:
         if self._tail is not None:
             self._tail.groups.pop(self, None)
         self._timers_changed.set()
+
+    def evict_through(self, through: int) -> int:
+        """Every record up to ``through`` is being deleted from the store whatever this
+        group did with it (``CMDBUS_EVT_MAX_BYTES``): forget each, delivered or not, so
+        none is leased from now on. Returns how many the group had not settled (fresh,
+        leased, or waiting to be redelivered); an ack under way completes as usual, and
+        an ack of a lease dropped here answers as for an expired one."""
+        if through <= self.evicted_through:
+            return 0
+        self.evicted_through = through
+        dropped = self._drop_queued(self._fresh, "fresh", through)
+        dropped += self._drop_queued(self._again, "again", through)
+        for sort_key in [key for key in self._leases if key <= through]:
+            lease = self._end_lease(sort_key)
+            assert lease is not None
+            self._count(lease.subject, -1)
+            dropped += 1
+        delayed = [entry for entry in self._delayed if entry[1] > through]
+        for _, _, subject in (entry for entry in self._delayed if entry[1] <= through):
+            self._count(subject, -1)
+            dropped += 1
+        self._delayed = delayed
+        heapq.heapify(self._delayed)
+        self._deliveries = {k: n for k, n in self._deliveries.items() if k > through}
+        self._last_added = max(self._last_added, through)
+        if self._tail is not None:
+            tail = self._tail
+            past = tail.position(through)
+            if past > self.cursor:
+                keys, base, taken = tail.keys, tail.base, self._taken
+                untaken = sum(1 for at in range(self.cursor, past) if keys[at - base] not in taken)
+                self._total -= untaken
+                dropped += untaken
+                self._taken = {key for key in self._taken if key > through}
+                self.cursor = past
+                self._advance()
+        return dropped
+
+    def _drop_queued(self, queues: dict[str, Any], kind: str, through: int) -> int:
+        """Drop the records up to ``through`` from fresh queues or redelivery heaps."""
+        dropped = 0
+        # A fresh queue's oldest is first, a heap's smallest too.
+        for subject in [s for s, queued in queues.items() if queued[0] <= through]:
+            queued = queues.pop(subject)
+            kept = sorted(key for key in queued if key > through)
+            dropped += len(queued) - len(kept)
+            self._count(subject, len(kept) - len(queued))
+            if kept:  # a sorted list is a heap, and ordered like a fresh queue
+                queues[subject] = deque(kept) if kind == "fresh" else kept
+                self._indexed(subject, kind, kept[0])
+        return dropped
 
     def arrived(self, start: int) -> None:
         """The tail has new records from position ``start``."""
@@ -507,7 +561,12 @@ class Claims:
         self._count(subject, -1)
 
     def abort_ack(self, sort_key: int) -> None:
-        self._redeliver(sort_key, self._settling.pop(sort_key))
+        subject = self._settling.pop(sort_key)
+        if sort_key <= self.evicted_through:  # gone from the store meanwhile
+            self._deliveries.pop(sort_key, None)
+            self._count(subject, -1)
+        else:
+            self._redeliver(sort_key, subject)
 
     def nack(self, sort_key: int, owner: object, delay: float = 0.0) -> bool:
         lease = self._end_lease(sort_key, owner)

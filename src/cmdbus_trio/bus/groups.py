@@ -64,6 +64,8 @@ class ConsumerGroups:
         self._creating: dict[str, _Creation] = {}  # groups whose history is loading
         self._nursery: trio.Nursery | None = None
         self._closed = False
+        self.evicted_through = 0
+        """Records up to this sort key are evicted (see :meth:`evict_through`)."""
 
     async def open(self, defaults: tuple[str, ...]) -> None:
         """Load the persisted groups and create the configured ones that are missing."""
@@ -157,7 +159,7 @@ class ConsumerGroups:
         )
         with self.tail.pinned():  # nothing after ``after`` is trimmed until attached
             settled_below = await run_in_thread(self.log.settled_below, name, limiter=self._limiter)
-            after = max(start_after, settled_below - 1)
+            after = max(start_after, settled_below - 1, self.evicted_through)
             await self.tail.cover(after)
             settled, counts = await run_in_thread(
                 self.log.group_state, name, after, limiter=self._limiter
@@ -167,7 +169,11 @@ class ConsumerGroups:
             claims.attach(after, settled)
             claims.restore_owed(owed)
             claims.persisted_low_water = after + 1
+        # An eviction that began while this group loaded: what it loaded of it goes too.
+        evicted = claims.evict_through(self.evicted_through)
         self.claims[name] = claims
+        metrics.EVICTED_UNCONSUMED.labels(group=name)  # 0 from the start
+        self.count_evicted(name, evicted)
         if self._closed:  # created while draining: it leases nothing
             claims.close()
         if self._nursery is not None:
@@ -189,8 +195,9 @@ class ConsumerGroups:
             return False
         claims.delete()
         metrics.GROUPS_DELETED.inc()
-        with contextlib.suppress(KeyError):  # no series yet if never sampled
-            metrics.EVENTS_GROUP_LAG.remove(name)
+        for series in (metrics.EVENTS_GROUP_LAG, metrics.EVICTED_UNCONSUMED):
+            with contextlib.suppress(KeyError):  # no series yet if never sampled
+                series.remove(name)
         deleting = self._creating[name] = _Creation()  # a re-creation waits for this
         ticket = Ticket(dropped=[name])
         self.committer.enqueue(ticket)  # after any ack of the group already enqueued
@@ -213,6 +220,24 @@ class ConsumerGroups:
         finally:
             del self._creating[name]
             deleting.done.set()
+
+    def evict_through(self, through: int) -> dict[str, int]:
+        """Records up to ``through`` are about to be deleted whatever the groups did
+        (``CMDBUS_EVT_MAX_BYTES``): every group forgets them now, before the store
+        deletes them, so none is delivered without its body. Returns, per group, how
+        many it had not settled (also counted in ``cmdbus_evicted_unconsumed_total``)."""
+        self.evicted_through = max(self.evicted_through, through)
+        unconsumed = {}
+        for name, claims in self.claims.items():
+            if dropped := claims.evict_through(through):
+                unconsumed[name] = dropped
+                self.count_evicted(name, dropped)
+        return unconsumed
+
+    def count_evicted(self, group: str, unconsumed: int) -> None:
+        """Count ``unconsumed`` events of ``group`` evicted (unless the group is gone)."""
+        if unconsumed and group in self.claims:
+            metrics.EVICTED_UNCONSUMED.labels(group=group).inc(unconsumed)
 
     def release(self, owner: object) -> None:
         for claims in self.claims.values():

@@ -6,7 +6,9 @@ then it streams live records, skipping any it already sent, so the boundary betw
 catch-up and live has no gap and no duplicate. v1: ``{"shard": n, "cursor": c}`` → frames
 that are JSON arrays of ``{sort_key, subject, record}``. v2: ``subscribe {from, filter?}``
 → frames ``{"id", "ok": true, "records": [...]}``; when retention has deleted records after
-the cursor, the first frame is ``{"id", "ok": true, "records": [], "deleted_through": D}``.
+the cursor, the first frame is ``{"id", "ok": true, "records": [], "deleted_through": D}``,
+and so is the next frame whenever an eviction (``CMDBUS_EVT_MAX_BYTES``) overtakes a
+subscriber still catching up.
 A subscriber that falls more than ``CMDBUS_SUBSCRIBER_BUFFER`` records behind gets
 ``busy`` (slow consumer) and is closed.
 """
@@ -40,6 +42,23 @@ MOST_PER_FRAME = 1000
 FrameOf = Callable[[Sequence[bytes]], bytes]
 
 
+class _Gaps:
+    """Tells a v2 subscriber catching up from the store that records after its cursor
+    were deleted (``deleted_through``), once for each new floor it meets."""
+
+    def __init__(self, bus: Bus, head: bytes) -> None:
+        self._bus = bus
+        self._head = head
+        self._told = 0
+
+    def notice(self, after: int) -> bytes | None:
+        deleted = self._bus.log.deleted_through
+        if after >= deleted or deleted <= self._told:
+            return None
+        self._told = deleted
+        return encode_frame(self._head + f'],"deleted_through":{deleted}}}'.encode())
+
+
 class SubscribeHandler:
     gated_ops: frozenset[str] = frozenset()
     """A subscription takes a Gate lease per catch-up page, never for its life: a live
@@ -69,7 +88,9 @@ class SubscribeHandler:
             raise CloseConnection("protocol_error") from None
         if shard != self.ctx.config.shard:
             raise CloseConnection("protocol_error")  # PROTOCOL.md: another shard closes
-        await self._stream(cursor, None, lambda fragments: b"[" + b",".join(fragments) + b"]")
+        await self._stream(
+            cursor, None, lambda fragments: b"[" + b",".join(fragments) + b"]", gaps=None
+        )
         raise CloseConnection("closed")  # slow consumer or drain: v1 can only close
 
     def v2(self, request: Request, arrival: float) -> Awaitable[bytes]:
@@ -86,13 +107,9 @@ class SubscribeHandler:
 
     async def _v2(self, request_id: int, after: int, tokens: tuple[str, ...] | None) -> bytes:
         head = f'{{"id":{request_id},"ok":true,"records":['.encode()
-        if after < (deleted := self.bus.log.deleted_through):
-            # Retention deleted records after the cursor: say so before anything else, so
-            # a subscriber replaying from an old cursor knows it starts at the oldest kept.
-            notice = head + f'],"deleted_through":{deleted}}}'.encode()
-            if not await self.send(encode_frame(notice)):
-                raise CloseConnection("write_error")
-        completed = await self._stream(after, tokens, lambda f: head + b",".join(f) + b"]}")
+        completed = await self._stream(
+            after, tokens, lambda f: head + b",".join(f) + b"]}", gaps=_Gaps(self.bus, head)
+        )
         if completed:  # the writer is draining
             raise CloseConnection(
                 "closed", encode_error(request_id, ErrorCode.UNAVAILABLE, "the writer is draining")
@@ -107,16 +124,19 @@ class SubscribeHandler:
             ),
         )
 
-    async def _stream(self, after: int, tokens: tuple[str, ...] | None, frame_of: FrameOf) -> bool:
+    async def _stream(
+        self, after: int, tokens: tuple[str, ...] | None, frame_of: FrameOf, *, gaps: _Gaps | None
+    ) -> bool:
         """Push records after ``after``; returns True when the stream ended by a drain,
-        False when the subscriber was cut off (or went away)."""
+        False when the subscriber was cut off (or went away). ``gaps``: how to tell a
+        v2 subscriber of deleted records (v1 cannot be told)."""
         # Catch up without buffering live records (a long history would overflow the
         # buffer), then register and catch up what was committed meanwhile: a record
         # committed before the registration is in the store, one after it in the buffer,
         # and one in both is skipped by its sort key.
-        last = await self._catch_up(after, tokens, frame_of)
+        last = await self._catch_up(after, tokens, frame_of, gaps)
         with self.hub.subscribe(tokens) as live:
-            last = await self._catch_up(last, tokens, frame_of)
+            last = await self._catch_up(last, tokens, frame_of, gaps)
             async for batch in live.batches(MOST_PER_FRAME):
                 fresh = [pushed for pushed in batch if pushed.sort_key > last]
                 if fresh:
@@ -125,10 +145,17 @@ class SubscribeHandler:
                     last = fresh[-1].sort_key
             return not live.overflowed
 
-    async def _catch_up(self, after: int, tokens: tuple[str, ...] | None, frame_of: FrameOf) -> int:
+    async def _catch_up(
+        self, after: int, tokens: tuple[str, ...] | None, frame_of: FrameOf, gaps: _Gaps | None
+    ) -> int:
         """Push stored records after ``after`` until the end of the store; returns the last
-        sort key read."""
+        sort key read. Before a page, a subscriber whose cursor is below what retention
+        deleted is told so (before anything else, so one replaying from an old cursor
+        knows it starts at the oldest kept)."""
         while True:
+            notice = None if gaps is None else gaps.notice(after)
+            if notice is not None and not await self.send(notice):
+                raise CloseConnection("write_error")
             with await self.gate.acquire("subscribe") as lease:
                 page = await lease.run_cancellable(self.bus.log.read_after, after, CATCH_UP_PAGE)
             chosen = [r for r in page if tokens is None or matches(tokens, r.subject)]

@@ -75,6 +75,16 @@ class Retained:
 
 
 @attrs.frozen
+class Evicted:
+    """What one :meth:`BusLog.evict` deleted."""
+
+    records: int
+    dead_letters: dict[str, int]
+    """Per consumer, its dead letters deleted with their records."""
+    through: int
+
+
+@attrs.frozen
 class DeadRecord:
     sort_key: int
     subject: str
@@ -406,6 +416,72 @@ class BusLog(SqliteStore):
         self._deleted_through = max(self._deleted_through, retained.through)
         return retained
 
+    @refuses_loop_thread
+    def used_bytes(self) -> int:
+        """Bytes of the database's pages in use (records, indexes, acks; not the free
+        pages a vacuum step has yet to return, nor the WAL)."""
+        with self._connection() as connection:
+            return _used_bytes(connection)
+
+    @refuses_loop_thread
+    def eviction_floor(self, max_bytes: int) -> int:
+        """The newest sort key :meth:`evict` should delete through so that the pages in
+        use fall to ``max_bytes``; 0 when they are within it. The oldest records, as
+        many as the excess is of the pages in use in records (each record taken as its
+        average share), at least one and at most :data:`RETENTION_BATCH`: a step
+        estimates, the next measures again."""
+        with self._connection() as connection:
+            used = _used_bytes(connection)
+            if used <= max_bytes or not self._records:
+                return 0
+            count = min(RETENTION_BATCH, max(1, -(-self._records * (used - max_bytes) // used)))
+            row = connection.execute(
+                "SELECT max(sort_key) FROM (SELECT sort_key FROM records "
+                "ORDER BY sort_key LIMIT ?)",
+                (count,),
+            ).fetchone()
+        return int(row[0] or 0)
+
+    @refuses_loop_thread
+    def evict(self, through: int) -> Evicted:
+        """Delete every record up to ``through`` whatever the consumers did with it, with
+        all they recorded about it (dead letters, owed records, delivery counts, acks),
+        in one write transaction: keep ``through`` to what :meth:`eviction_floor` said,
+        so the transaction stays short. Readers see it as retention: a reader starting
+        before ``through`` is told :attr:`deleted_through`."""
+
+        def write(connection: sqlite3.Connection) -> Evicted:
+            gone = connection.execute(
+                "DELETE FROM records WHERE sort_key <= ?", (through,)
+            ).rowcount
+            dead: dict[str, int] = {}
+            for (consumer,) in connection.execute(
+                "DELETE FROM dead WHERE sort_key <= ? RETURNING consumer", (through,)
+            ).fetchall():
+                dead[consumer] = dead.get(consumer, 0) + 1
+            connection.execute("DELETE FROM owed WHERE sort_key <= ?", (through,))
+            consumers = [
+                row[0]
+                for row in connection.execute(
+                    "SELECT name FROM groups UNION SELECT consumer FROM positions"
+                )
+            ]
+            for table in ("acks", "deliveries"):  # by their primary key, per consumer
+                connection.executemany(
+                    f"DELETE FROM {table} WHERE consumer = ? AND sort_key <= ?",
+                    [(consumer, through) for consumer in consumers],
+                )
+            if through > self._deleted_through:
+                connection.execute(
+                    "INSERT OR REPLACE INTO retention_floor VALUES (0, ?)", (through,)
+                )
+            return Evicted(records=gone, dead_letters=dead, through=through)
+
+        evicted = self._write(write)
+        self._records -= evicted.records
+        self._deleted_through = max(self._deleted_through, through)
+        return evicted
+
     def _settled_by_all(
         self, connection: sqlite3.Connection, consumers: Mapping[str, int] | None
     ) -> int:
@@ -620,6 +696,13 @@ def _subject_matches(filter: str | None, subject: str) -> bool:
 def _with_subject_matches(connection: sqlite3.Connection) -> None:
     """``subject_matches(filter, subject)`` in this connection's SQL (NATS filters)."""
     connection.create_function("subject_matches", 2, _subject_matches, deterministic=True)
+
+
+def _used_bytes(connection: sqlite3.Connection) -> int:
+    pages = connection.execute("PRAGMA page_count").fetchone()[0]
+    free = connection.execute("PRAGMA freelist_count").fetchone()[0]
+    size = connection.execute("PRAGMA page_size").fetchone()[0]
+    return int((pages - free) * size)
 
 
 def _mark(connection: sqlite3.Connection, column: str, at_or_before: float) -> int:

@@ -1,0 +1,283 @@
+"""The event log's byte cap (issue 17, ``CMDBUS_EVT_MAX_BYTES``): the oldest events are
+evicted whatever the groups did, the groups forget them before the store deletes them (no
+delivery without its body), what a group had not acked is counted per group, and readers
+are told where the log now starts."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import trio
+
+from cmdbus_trio import metrics
+from cmdbus_trio.bus.bodies import BodyReader
+from cmdbus_trio.bus.claims import Claims
+from cmdbus_trio.bus.committer import GroupCommitter, Ticket
+from cmdbus_trio.bus.groups import ConsumerGroups
+from cmdbus_trio.faces.evt_subscribe import _Gaps
+from cmdbus_trio.protocol.bus import BusKind, PublishRecord, SubjectRule
+from cmdbus_trio.retention import Eviction
+from cmdbus_trio.storage.buslog import RETENTION_BATCH, BusEntry, BusLog
+
+from .helpers import frame_client, metric_sum, metrics_text, server_log, serving
+
+CAP = 1 << 20
+EVENTS = ("events", ">")
+
+
+def publish(log: BusLog, count: int, size: int) -> list[int]:
+    entries = [BusEntry("events.e", json.dumps({"pad": "x" * size})) for _ in range(count)]
+    return [p.sort_key for p in log.publish(entries)]
+
+
+def kept(log: BusLog) -> list[int]:
+    return [r.sort_key for r in log.read_after(0, 100_000)]
+
+
+def test_the_oldest_events_go_until_the_log_is_within_its_cap(tmp_path: Path) -> None:
+    log = BusLog.open(tmp_path / "events.sqlite3", name="events")
+    log.create_group("g", 0)
+    published = publish(log, 400, 8000)  # about 3.3 MiB
+    log.commit(dead=[("g", 1, 3)], counts=[("g", 3, 2)], acks=[("g", 4)])
+    log.commit(dead=[("g", 2, 3)])
+    log.commit(dead_moves=[("g", 2, True)])  # requeued: owed
+    assert log.used_bytes() > 3 * CAP
+    steps = []
+    while through := log.eviction_floor(CAP):
+        evicted = log.evict(through)
+        assert 0 < evicted.records <= RETENTION_BATCH
+        steps.append(evicted)
+    assert log.used_bytes() <= CAP
+    assert steps[0].dead_letters == {"g": 1}
+    assert sum(step.dead_letters.get("g", 0) for step in steps[1:]) == 0
+    remaining = kept(log)
+    assert remaining == published[-len(remaining) :]  # the newest are kept
+    assert 0 < len(remaining) < 150
+    assert log.deleted_through == remaining[0] - 1 == steps[-1].through
+    assert log.records == len(remaining)
+    assert log.owed("g", remaining[0]) == [] and list(log.iter_dead("g")) == []
+    assert log.group_state("g", 0) == ([], [])  # its acks and counts went too
+    assert log.create_group("late", 0) == log.deleted_through  # starts after the gap
+    log.close()
+    reopened = BusLog.open(tmp_path / "events.sqlite3", name="events")
+    assert reopened.deleted_through == remaining[0] - 1
+    assert publish(reopened, 1, 10) == [published[-1] + 1]  # sort keys never reused
+    reopened.close()
+
+
+def test_a_log_within_its_cap_evicts_nothing(tmp_path: Path) -> None:
+    log = BusLog.open(tmp_path / "events.sqlite3", name="events")
+    publish(log, 50, 8000)
+    assert log.used_bytes() < CAP
+    assert log.eviction_floor(CAP) == 0
+    assert log.eviction_floor(log.used_bytes() - 1) > 0  # its twin: one byte over
+    log.close()
+
+
+@pytest.fixture
+async def log(tmp_path: Path) -> AsyncIterator[BusLog]:
+    opened = await trio.to_thread.run_sync(BusLog.open, tmp_path / "events.sqlite3")
+    yield opened
+    await trio.to_thread.run_sync(opened.close)
+
+
+async def publish_events(committer: GroupCommitter, count: int) -> None:
+    tickets = [
+        Ticket([(PublishRecord(n, json.dumps({"event_type": "e"})), None, "record")])
+        for n in range(count)
+    ]
+    for ticket in tickets:
+        committer.enqueue(ticket)
+    await tickets[-1].wait()
+
+
+def evicted_unconsumed(group: str) -> float:
+    value = metrics.REGISTRY.get_sample_value("cmdbus_evicted_unconsumed_total", {"group": group})
+    return value or 0.0
+
+
+async def test_a_group_forgets_evicted_records_in_every_state_and_counts_the_unacked(
+    log: BusLog,
+) -> None:
+    committer = GroupCommitter(log, SubjectRule(BusKind.EVENTS))
+    groups = ConsumerGroups(
+        log, committer, ack_wait=30, max_deliver=0, limiter=trio.CapacityLimiter(1)
+    )
+    before = evicted_unconsumed("forgets")
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(committer.run)
+            await publish_events(committer, 10)
+            claims = await groups.get("forgets", "beginning")
+            worker = object()
+            taken = [claims.take(EVENTS, worker) for _ in range(4)]
+            assert [d.sort_key for d in taken if d] == [1, 2, 3, 4]
+            assert claims.nack(2, worker)  # waiting for a redelivery
+            assert claims.nack(3, worker, delay=60)  # delayed
+            assert claims.begin_ack(4, worker)  # an ack under way
+            # 1 leased, 2 again, 3 delayed, 5 and 6 fresh: five the group never acked.
+            assert groups.evict_through(6) == {"forgets": 5}
+            assert evicted_unconsumed("forgets") - before == 5
+            assert claims.total == 5  # 7 to 10, and 4 until its ack is durable
+            assert not claims.begin_ack(1, worker)  # its lease went with it
+            claims.finish_ack(4)
+            assert claims.total == 4
+            delivery = claims.take(EVENTS, worker)
+            assert delivery is not None and delivery.sort_key == 7
+            assert claims.low_water() == 7
+            assert groups.evict_through(6) == {}  # once
+            nursery.cancel_scope.cancel()
+
+
+async def test_an_ack_that_fails_after_its_record_was_evicted_does_not_redeliver_it() -> None:
+    claims = Claims("commands", ack_wait=30)
+    claims.add_many((key, "commands.shared.x") for key in range(1, 7))
+    worker = object()
+    for _ in range(2):
+        claims.take(("commands", ">"), worker)
+    assert claims.begin_ack(1, worker) and claims.nack(2, worker)
+    assert claims.evict_through(3) == 2  # 2 (to redeliver) and 3 (fresh); 1 is settling
+    claims.abort_ack(1)  # its commit failed: it would be redelivered, but it is gone
+    assert claims.total == 3
+    delivery = claims.take(("commands", ">"), worker)
+    assert delivery is not None and delivery.sort_key == 4
+
+
+async def test_a_group_loading_while_an_eviction_begins_skips_what_it_evicts(
+    log: BusLog,
+) -> None:
+    committer = GroupCommitter(log, SubjectRule(BusKind.EVENTS))
+    groups = ConsumerGroups(
+        log, committer, ack_wait=30, max_deliver=0, limiter=trio.CapacityLimiter(1)
+    )
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(committer.run)
+            await publish_events(committer, 10)
+            groups.evict_through(4)  # before the group exists; the store still has 1-4
+            claims = await groups.get("late", "beginning")
+            delivery = claims.take(EVENTS, object())
+            assert delivery is not None and delivery.sort_key == 5
+            nursery.cancel_scope.cancel()
+
+
+async def test_an_eviction_deletes_only_after_the_bodies_asked_for_are_read(
+    log: BusLog,
+) -> None:
+    """A ``next`` that leased a record just before the eviction gets its body: the
+    eviction waits for the reads already asked for. Without that wait the store deletes
+    the record first (the reader is not even running when the eviction starts)."""
+    committer = GroupCommitter(log, SubjectRule(BusKind.EVENTS))
+    groups = ConsumerGroups(
+        log, committer, ack_wait=30, max_deliver=0, limiter=trio.CapacityLimiter(1)
+    )
+    bodies = BodyReader(log)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(committer.run)
+            await publish_events(committer, 400)
+            claims = await groups.get("reader", "beginning")
+            delivery = claims.take(EVENTS, object())
+            assert delivery is not None and delivery.sort_key == 1
+            read: list[object] = []
+            bodies.read_then(delivery.sort_key, read.append)
+            used = await trio.to_thread.run_sync(log.used_bytes)
+            eviction = Eviction(log, groups, bodies, max_bytes=used // 2)
+            stepped = trio.Event()
+
+            async def step() -> None:
+                assert await eviction.step(trio.CapacityLimiter(1))
+                stepped.set()
+
+            nursery.start_soon(step)
+            await trio.sleep(0.2)  # the eviction waits for the read
+            assert not stepped.is_set() and log.deleted_through == 0
+            await nursery.start(bodies.run)
+            await stepped.wait()
+            assert read and not isinstance(read[0], Exception)
+            assert log.deleted_through >= 1
+            assert groups.evicted_through == log.deleted_through
+            nursery.cancel_scope.cancel()
+
+
+def test_a_subscriber_is_told_of_each_new_floor_below_its_cursor_once() -> None:
+    class Log:
+        deleted_through = 0
+
+    class Bus:
+        log = Log()
+
+    gaps = _Gaps(Bus(), b'{"id":1,"ok":true,"records":[')  # type: ignore[arg-type]
+    assert gaps.notice(0) is None  # nothing deleted
+    Bus.log.deleted_through = 10
+    assert gaps.notice(10) is None  # at the floor: nothing missed
+    notice = gaps.notice(3)
+    assert notice is not None and notice.endswith(b'"records":[],"deleted_through":10}')
+    assert gaps.notice(3) is None  # told once
+    Bus.log.deleted_through = 20
+    assert gaps.notice(15) is not None  # overtaken again while catching up
+
+
+EVICTING = {
+    "CMDBUS_TIER_BIND": "",
+    "CMDBUS_EVT_MAX_BYTES": str(CAP),
+    "CMDBUS_RETENTION_INTERVAL_MS": "50",
+    "CMDBUS_EVT_GROUPS": "fast,slow",
+}
+
+
+async def test_a_capped_writer_evicts_the_oldest_events_and_counts_what_a_group_missed(
+    tmp_path: Path,
+) -> None:
+    """The deployment's case: one group keeps up, one holds a lease and reads nothing
+    more. The log stays within its cap (the file too, once vacuumed), only the lagging
+    group counts what it missed, its lease is gone, and readers start after the gap."""
+    pad = "x" * 10_000
+    with trio.fail_after(60), serving(tmp_path, **EVICTING) as (_, ports):
+        async with (
+            frame_client(ports["evt_ingest"]) as ingest,
+            frame_client(ports["evt_claim"]) as fast,
+            frame_client(ports["evt_claim"]) as slow,
+        ):
+            first = {"execution_id": 0, "payload": json.dumps({"event_type": "e", "pad": pad})}
+            await ingest.request("publish_batch", records=[first])
+            held = (await slow.request("next", filter=">", group="slow", timeout_ms=2000))[
+                "delivery"
+            ]
+            for batch in range(30):  # about 3 MiB, the fast group acking as it goes
+                records = [
+                    {"execution_id": n, "payload": json.dumps({"event_type": "e", "pad": pad})}
+                    for n in range(batch * 10, batch * 10 + 10)
+                ]
+                await ingest.request("publish_batch", records=records)
+                while (
+                    delivery := (
+                        await fast.request("next", filter=">", group="fast", timeout_ms=50)
+                    )["delivery"]
+                ) is not None:
+                    await fast.request("ack", group="fast", sort_key=delivery["sort_key"])
+            await trio.sleep(1.0)  # twenty retention intervals
+            text = metrics_text(ports)
+            evicted = metric_sum(
+                text, 'cmdbus_retention_deleted_total{kind="evicted",store="events"}'
+            )
+            assert evicted > 150
+            assert metric_sum(text, 'cmdbus_evicted_unconsumed_total{group="slow"}') == evicted
+            assert metric_sum(text, 'cmdbus_evicted_unconsumed_total{group="fast"}') == 0
+            assert (tmp_path / "data" / "events.sqlite3").stat().st_size < 2 * CAP
+            acked = await slow.request("ack", group="slow", sort_key=held["sort_key"])
+            assert acked == {"id": 2, "ok": True, "acked": False}  # its lease went too
+            after = (await slow.request("next", filter=">", group="slow", timeout_ms=2000))[
+                "delivery"
+            ]
+            assert after["sort_key"] == evicted + 1  # the oldest kept
+        async with frame_client(ports["evt_subscribe"]) as subscriber:
+            notice = await subscriber.request("subscribe", **{"from": 0})
+            assert notice == {"id": 1, "ok": True, "records": [], "deleted_through": evicted}
+            page = await subscriber.receive_json()
+            assert page["records"][0]["sort_key"] == evicted + 1
+    lines = [line for line in server_log(tmp_path).splitlines() if "events_evicted" in line]
+    assert lines and '"slow"' in lines[0] and '"fast"' not in lines[0]
