@@ -6,6 +6,7 @@ are told where the log now starts."""
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -84,6 +85,18 @@ async def log(tmp_path: Path) -> AsyncIterator[BusLog]:
     await trio.to_thread.run_sync(opened.close)
 
 
+@pytest.fixture
+async def groups(log: BusLog) -> AsyncIterator[ConsumerGroups]:
+    """The event bus's groups over ``log``, its committer running."""
+    committer = GroupCommitter(log, SubjectRule(BusKind.EVENTS))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(committer.run)
+        yield ConsumerGroups(
+            log, committer, ack_wait=30, max_deliver=0, limiter=trio.CapacityLimiter(1)
+        )
+        nursery.cancel_scope.cancel()
+
+
 async def publish_events(committer: GroupCommitter, count: int) -> None:
     tickets = [
         Ticket([(PublishRecord(n, json.dumps({"event_type": "e"})), None, "record")])
@@ -100,36 +113,29 @@ def evicted_unconsumed(group: str) -> float:
 
 
 async def test_a_group_forgets_evicted_records_in_every_state_and_counts_the_unacked(
-    log: BusLog,
+    groups: ConsumerGroups,
 ) -> None:
-    committer = GroupCommitter(log, SubjectRule(BusKind.EVENTS))
-    groups = ConsumerGroups(
-        log, committer, ack_wait=30, max_deliver=0, limiter=trio.CapacityLimiter(1)
-    )
     before = evicted_unconsumed("forgets")
     with trio.fail_after(20):
-        async with trio.open_nursery() as nursery:
-            await nursery.start(committer.run)
-            await publish_events(committer, 10)
-            claims = await groups.get("forgets", "beginning")
-            worker = object()
-            taken = [claims.take(EVENTS, worker) for _ in range(4)]
-            assert [d.sort_key for d in taken if d] == [1, 2, 3, 4]
-            assert claims.nack(2, worker)  # waiting for a redelivery
-            assert claims.nack(3, worker, delay=60)  # delayed
-            assert claims.begin_ack(4, worker)  # an ack under way
-            # 1 leased, 2 again, 3 delayed, 5 and 6 fresh: five the group never acked.
-            assert groups.evict_through(6) == {"forgets": 5}
-            assert evicted_unconsumed("forgets") - before == 5
-            assert claims.total == 5  # 7 to 10, and 4 until its ack is durable
-            assert not claims.begin_ack(1, worker)  # its lease went with it
-            claims.finish_ack(4)
-            assert claims.total == 4
-            delivery = claims.take(EVENTS, worker)
-            assert delivery is not None and delivery.sort_key == 7
-            assert claims.low_water() == 7
-            assert groups.evict_through(6) == {}  # once
-            nursery.cancel_scope.cancel()
+        await publish_events(groups.committer, 10)
+        claims = await groups.get("forgets", "beginning")
+        worker = object()
+        taken = [claims.take(EVENTS, worker) for _ in range(4)]
+        assert [d.sort_key for d in taken if d] == [1, 2, 3, 4]
+        assert claims.nack(2, worker)  # waiting for a redelivery
+        assert claims.nack(3, worker, delay=60)  # delayed
+        assert claims.begin_ack(4, worker)  # an ack under way
+        # 1 leased, 2 again, 3 delayed, 5 and 6 fresh: five the group never acked.
+        assert groups.evict_through(6) == {"forgets": 5}
+        assert evicted_unconsumed("forgets") - before == 5
+        assert claims.total == 5  # 7 to 10, and 4 until its ack is durable
+        assert not claims.begin_ack(1, worker)  # its lease went with it
+        claims.finish_ack(4)
+        assert claims.total == 4
+        delivery = claims.take(EVENTS, worker)
+        assert delivery is not None and delivery.sort_key == 7
+        assert claims.low_water() == 7
+        assert groups.evict_through(6) == {}  # once
 
 
 async def test_an_ack_that_fails_after_its_record_was_evicted_does_not_redeliver_it() -> None:
@@ -147,60 +153,70 @@ async def test_an_ack_that_fails_after_its_record_was_evicted_does_not_redeliver
 
 
 async def test_a_group_loading_while_an_eviction_begins_skips_what_it_evicts(
-    log: BusLog,
+    groups: ConsumerGroups,
 ) -> None:
-    committer = GroupCommitter(log, SubjectRule(BusKind.EVENTS))
-    groups = ConsumerGroups(
-        log, committer, ack_wait=30, max_deliver=0, limiter=trio.CapacityLimiter(1)
-    )
     with trio.fail_after(20):
-        async with trio.open_nursery() as nursery:
-            await nursery.start(committer.run)
-            await publish_events(committer, 10)
-            groups.evict_through(4)  # before the group exists; the store still has 1-4
-            claims = await groups.get("late", "beginning")
-            delivery = claims.take(EVENTS, object())
-            assert delivery is not None and delivery.sort_key == 5
-            nursery.cancel_scope.cancel()
+        await publish_events(groups.committer, 10)
+        groups.evict_through(4)  # before the group exists; the store still has 1-4
+        claims = await groups.get("late", "beginning")
+        delivery = claims.take(EVENTS, object())
+        assert delivery is not None and delivery.sort_key == 5
 
 
 async def test_an_eviction_deletes_only_after_the_bodies_asked_for_are_read(
-    log: BusLog,
+    groups: ConsumerGroups,
 ) -> None:
     """A ``next`` that leased a record just before the eviction gets its body: the
     eviction waits for the reads already asked for. Without that wait the store deletes
     the record first (the reader is not even running when the eviction starts)."""
-    committer = GroupCommitter(log, SubjectRule(BusKind.EVENTS))
-    groups = ConsumerGroups(
-        log, committer, ack_wait=30, max_deliver=0, limiter=trio.CapacityLimiter(1)
-    )
+    log = groups.log
     bodies = BodyReader(log)
     with trio.fail_after(20):
+        await publish_events(groups.committer, 400)
+        claims = await groups.get("reader", "beginning")
+        delivery = claims.take(EVENTS, object())
+        assert delivery is not None and delivery.sort_key == 1
+        read: list[object] = []
+        bodies.read_then(delivery.sort_key, read.append)
+        used = await trio.to_thread.run_sync(log.used_bytes)
+        eviction = Eviction(log, groups, bodies, max_bytes=used // 2)
+        stepped = trio.Event()
+
+        async def step() -> None:
+            assert await eviction.step(trio.CapacityLimiter(1))
+            stepped.set()
+
         async with trio.open_nursery() as nursery:
-            await nursery.start(committer.run)
-            await publish_events(committer, 400)
-            claims = await groups.get("reader", "beginning")
-            delivery = claims.take(EVENTS, object())
-            assert delivery is not None and delivery.sort_key == 1
-            read: list[object] = []
-            bodies.read_then(delivery.sort_key, read.append)
-            used = await trio.to_thread.run_sync(log.used_bytes)
-            eviction = Eviction(log, groups, bodies, max_bytes=used // 2)
-            stepped = trio.Event()
-
-            async def step() -> None:
-                assert await eviction.step(trio.CapacityLimiter(1))
-                stepped.set()
-
             nursery.start_soon(step)
             await trio.sleep(0.2)  # the eviction waits for the read
             assert not stepped.is_set() and log.deleted_through == 0
             await nursery.start(bodies.run)
             await stepped.wait()
-            assert read and not isinstance(read[0], Exception)
-            assert log.deleted_through >= 1
-            assert groups.evicted_through == log.deleted_through
             nursery.cancel_scope.cancel()
+        assert read and not isinstance(read[0], Exception)
+        assert log.deleted_through >= 1
+        assert groups.evicted_through == log.deleted_through
+
+
+async def test_a_burst_evicts_to_its_margin_below_the_cap_and_is_logged_once(
+    groups: ConsumerGroups, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Over the cap, a burst goes down to the low-water mark (not just under the cap, which
+    made a step every few milliseconds at a steady rate); between the two, nothing goes."""
+    log = groups.log
+    await trio.to_thread.run_sync(publish, log, 400, 8000)
+    eviction = Eviction(log, groups, BodyReader(log), max_bytes=2 * CAP)
+    assert eviction.low_water == 2 * CAP - 2 * CAP // 16
+    limiter = trio.CapacityLimiter(1)
+    with caplog.at_level(logging.WARNING, logger="cmdbus_trio.retention"):
+        while await eviction.step(limiter):
+            pass
+    assert await trio.to_thread.run_sync(log.used_bytes) <= eviction.low_water
+    assert [r.getMessage() for r in caplog.records].count("events_evicted") == 1
+    await trio.to_thread.run_sync(publish, log, 10, 8000)  # back above the low water
+    used = await trio.to_thread.run_sync(log.used_bytes)
+    assert eviction.low_water < used <= eviction.max_bytes
+    assert not await eviction.step(limiter)  # within the cap: nothing goes
 
 
 def test_a_subscriber_is_told_of_each_new_floor_below_its_cursor_once() -> None:

@@ -33,7 +33,7 @@ from .bus.claims import open_claims, sample_lag
 from .bus.committer import GroupCommitter
 from .bus.groups import ConsumerGroups
 from .bus.subscriptions import Hub
-from .config import DATA_FACE_NAMES, Bind, Config, cpu_quota
+from .config import DATA_FACE_NAMES, LAG_PORT_NAMES, Bind, Config, cpu_quota
 from .faces import (
     FaceContext,
     FaceServe,
@@ -302,6 +302,10 @@ class Writer:
                     await self._start(
                         control_nursery, "control", config.control_bind, self._serve_control
                     )
+                for port in LAG_PORT_NAMES:  # NoETL's old scrape ports, if asked for
+                    if (bind := getattr(config, f"{port}_bind")) is not None:
+                        serve_lag = partial(self._serve_lag_port, port, bind)
+                        await self._start(control_nursery, port, bind, serve_lag)
                 await self._open_stores(wanted)
                 async with trio.open_nursery() as background:
                     await self._start_background(background)
@@ -334,7 +338,7 @@ class Writer:
                 await self._start_task(
                     background,
                     f"{name}.lag_sampler",
-                    partial(sample_lag, store.claims, store.committer),
+                    partial(sample_lag, store.claims, store.committer, shard=config.shard),
                 )
             if store.groups is not None:
                 await self._start_task(background, f"{name}.groups", store.groups.run)
@@ -490,6 +494,17 @@ class Writer:
             self.config.control_bind,
             keepalive=self.config.control_keepalive_ms / 1000,
             debug_hooks=self.config.debug_hooks,
+            shutdown=self._control_stop,
+            task_status=task_status,
+        )
+
+    async def _serve_lag_port(
+        self, port: str, bind: Bind, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        await control.serve_lag_port(
+            port,
+            bind,
+            keepalive=self.config.control_keepalive_ms / 1000,
             shutdown=self._control_stop,
             task_status=task_status,
         )

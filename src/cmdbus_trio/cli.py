@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 from collections.abc import Sequence
 
 import trio
 
-from . import __version__, app, descriptors, logs
+from . import __version__, app, descriptors, logs, noetl
 from .commands import bench, client, diagnose
 from .commands._output import leaves
 from .config import SETTINGS, ConfigError, load
+from .logs import event
+
+log = logging.getLogger(__name__)
 
 _COMMANDS = {"client": client.run, "bench": bench.run, "diagnose": diagnose.run}
 
@@ -53,7 +58,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _serve(flags: dict[str, str | None]) -> int:
     try:
-        config = load(flags)
+        translated = noetl.translate(os.environ, flags)
+        config = load(flags, environ=translated.environ)
     except ConfigError as exc:
         print(f"cmdbus-trio: {exc}", file=sys.stderr)
         return 2
@@ -67,6 +73,10 @@ def _serve(flags: dict[str, str | None]) -> int:
         )
         return 2
     logs.configure(config.log_format, config.log_level)
+    for alias, setting in translated.used:
+        event(log, logging.INFO, "noetl_alias", variable=alias, read_as=setting)
+    if translated.ignored:
+        event(log, logging.WARNING, "noetl_ignored", variables=list(translated.ignored))
     try:
         config = descriptors.fit(config)
     except ConfigError as exc:

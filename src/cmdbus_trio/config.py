@@ -30,6 +30,8 @@ FACE_NAMES = (
     "tier",
 )
 DATA_FACE_NAMES = FACE_NAMES[1:]
+LAG_PORT_NAMES = ("cmd_lag", "evt_lag")
+"""NoETL's lag ports (/metrics of one bus's lag series), served by the control nursery."""
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -230,6 +232,16 @@ def _face_setting(face: str) -> Setting:
 SETTINGS: tuple[Setting, ...] = (
     Setting("data_dir", "./cmdbus-data", Path, "directory holding the stores"),
     *(_face_setting(face) for face in FACE_NAMES),
+    *(
+        Setting(
+            f"{bus}_lag_bind",
+            "",
+            _parse_bind,
+            f"address serving NoETL's {what} lag series at /metrics (the NoETL writer's "
+            f":{port}), HOST:PORT; empty: off",
+        )
+        for bus, what, port in (("cmd", "command-bus", 9102), ("evt", "event-bus", 9106))
+    ),
     Setting(
         "ports_file",
         "",
@@ -447,6 +459,8 @@ class Config:
     evt_claim_bind: Bind | None
     evt_subscribe_bind: Bind | None
     tier_bind: Bind | None
+    cmd_lag_bind: Bind | None
+    evt_lag_bind: Bind | None
     ports_file: Path | None
     shard: int
     shard_count: int
@@ -584,7 +598,7 @@ def _resolve_derived(values: dict[str, Any], cgroup_root: Path, environ: Mapping
             "TLS needs both CMDBUS_TLS_CERT and CMDBUS_TLS_KEY",
         )
     seen: dict[Bind, str] = {}
-    for face in FACE_NAMES:
+    for face in (*FACE_NAMES, *LAG_PORT_NAMES):
         bind = values[f"{face}_bind"]
         if bind is None or bind.port == 0:
             continue

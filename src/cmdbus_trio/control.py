@@ -1,5 +1,6 @@
 """The control face: /livez /readyz /healthz /metrics over HTTP, for Kubernetes and
-Prometheus.
+Prometheus; and NoETL's old lag ports (:9102, :9106), which serve one bus's lag series
+to any GET, as the NoETL writer's did.
 
 A plain ASGI app served by hypercorn in the control nursery (docs/architecture.md says
 why it is not a quart-trio app). Handlers read in-memory state only: they never await a
@@ -197,6 +198,29 @@ def _json(status: int, document: dict[str, Any]) -> tuple[int, bytes, bytes]:
     return status, _JSON, json.dumps(document).encode()
 
 
+class LagPortApp:
+    """The ASGI application of a NoETL lag port: its bus's lag series for any GET (the
+    NoETL writer answered every path with them), read from memory like /metrics."""
+
+    def __init__(self, port: str) -> None:
+        self.port = port
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await ControlApp._lifespan(receive, send)
+        elif scope["type"] == "http":
+            if scope["method"] in ("GET", "HEAD"):
+                body, content_type = metrics.exposition(self.port)
+                status, content = 200, content_type.encode()
+            else:
+                status, content, body = _json(405, {"error": "use GET"})
+            headers = [(b"content-type", content), (b"cache-control", b"no-store")]
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            if scope["method"] == "HEAD":
+                body = b""
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
 async def serve(
     health: Health,
     bind: Bind,
@@ -211,6 +235,44 @@ async def serve(
 
     Cancellation: in-flight probe requests are abandoned; they hold nothing.
     """
+    await _serve_http(
+        lambda nursery: ControlApp(health, nursery=nursery, debug_hooks=debug_hooks),
+        bind,
+        keepalive=keepalive,
+        shutdown=shutdown,
+        task_status=task_status,
+    )
+
+
+async def serve_lag_port(
+    port: str,
+    bind: Bind,
+    *,
+    keepalive: float = 5.0,
+    shutdown: trio.Event | None = None,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve the NoETL lag port ``port`` (``cmd_lag`` or ``evt_lag``) on ``bind`` until
+    ``shutdown`` is set (or cancelled); reports the bound ``host:port``.
+
+    Cancellation: as :func:`serve`."""
+    await _serve_http(
+        lambda _: LagPortApp(port),
+        bind,
+        keepalive=keepalive,
+        shutdown=shutdown,
+        task_status=task_status,
+    )
+
+
+async def _serve_http(
+    app_for: Callable[[trio.Nursery], ControlApp | LagPortApp],
+    bind: Bind,
+    *,
+    keepalive: float,
+    shutdown: trio.Event | None,
+    task_status: trio.TaskStatus[str],
+) -> None:
     config = HypercornConfig()
     config.bind = [str(bind)]
     config.keep_alive_timeout = keepalive
@@ -223,7 +285,7 @@ async def serve(
     config.include_server_header = False
     stop = shutdown if shutdown is not None else trio.Event()
     async with trio.open_nursery() as nursery:
-        app = ControlApp(health, nursery=nursery, debug_hooks=debug_hooks)
+        app = app_for(nursery)
         urls = await nursery.start(
             lambda task_status: hypercorn_serve(
                 app,  # type: ignore[arg-type]  # hypercorn's Framework union is narrower

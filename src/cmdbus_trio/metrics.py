@@ -223,6 +223,32 @@ FEED_TOTAL_LAG = Gauge(
     "Command backlog over all subjects (the sum of ehdb_feed_subject_lag), sampled.",
     registry=REGISTRY,
 )
+FEED_SHARD_LAG = Gauge(
+    "ehdb_feed_shard_lag",
+    "Command backlog of this writer's shard (NoETL's name; equal to ehdb_feed_total_lag, "
+    "one shard per writer), sampled.",
+    ["shard"],
+    registry=REGISTRY,
+)
+FEED_SHARD_COMMITTED = Gauge(
+    "ehdb_feed_shard_committed",
+    "The command bus's durable settled position minus one: every command up to it is acked "
+    "or dead, and a restarted writer reloads what follows (NoETL's committed cursor).",
+    ["shard"],
+    registry=REGISTRY,
+)
+FEED_SHARD_INFLIGHT = Gauge(
+    "ehdb_feed_shard_inflight",
+    "Commands leased to a consumer and not yet acked, in this writer's shard: with "
+    "ehdb_feed_shard_lag, high lag and 0 in flight is a stalled consumer.",
+    ["shard"],
+    registry=REGISTRY,
+)
+FEED_TOTAL_INFLIGHT = Gauge(
+    "ehdb_feed_total_inflight",
+    "Commands leased to a consumer and not yet acked (ehdb_feed_shard_inflight summed).",
+    registry=REGISTRY,
+)
 EVENTS_GROUP_LAG = Gauge(
     "ehdb_events_group_lag",
     "Event backlog per consumer group (undelivered + delivered-unacked; dead letters "
@@ -316,9 +342,26 @@ def child(family: MetricWrapperBase, *labels: str) -> Any:
     return family.labels(*labels)
 
 
-def exposition() -> tuple[bytes, str]:
-    """The Prometheus text of every family, and its content type."""
-    return generate_latest(REGISTRY), CONTENT_TYPE_LATEST
+LAG_PORT_SAMPLES: dict[str, tuple[str, ...]] = {
+    "cmd_lag": (
+        "ehdb_feed_shard_lag",
+        "ehdb_feed_shard_committed",
+        "ehdb_feed_shard_inflight",
+        "ehdb_feed_total_inflight",
+        "ehdb_feed_total_lag",
+        "ehdb_feed_subject_lag",
+    ),
+    "evt_lag": ("ehdb_events_group_lag",),
+}
+"""The samples each NoETL lag port serves: its bus's lag series, nothing else, so that a
+scrape of the old ports beside the control port adds no other series twice."""
+
+
+def exposition(port: str | None = None) -> tuple[bytes, str]:
+    """The Prometheus text of every family (or of one lag port's, by its name in
+    :data:`LAG_PORT_SAMPLES`), and its content type."""
+    registry = REGISTRY if port is None else REGISTRY.restricted_registry(LAG_PORT_SAMPLES[port])
+    return generate_latest(registry), CONTENT_TYPE_LATEST
 
 
 def blocking_calls_total() -> float:

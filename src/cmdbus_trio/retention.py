@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 
 VACUUM_PAGES = 2048
 """Free pages (8 MiB of 4 KiB pages) a step gives back to the file system at most."""
+EVICT_MARGIN = 1 / 16
+"""An eviction burst goes this fraction of the cap below it (the cap's low-water mark)."""
 IDLE_EXECUTIONS_PER_STEP = 100
 """Executions one tier retention step deletes at most."""
 MARKS_PER_WINDOW = 1000
@@ -74,8 +76,12 @@ class Eviction:
     A step asks the store how far to evict (:meth:`BusLog.eviction_floor`), has every
     group forget those records (:meth:`ConsumerGroups.evict_through`, counting what each
     had not acked), waits until the bodies already asked for are read, then deletes the
-    records (:meth:`BusLog.evict`): no delivery is handed out without its body. A burst
-    (steps in a row until the log is within its cap) is logged once, when it ends."""
+    records (:meth:`BusLog.evict`): no delivery is handed out without its body.
+
+    A burst starts when the log passes its cap and evicts, step after step, down to
+    :data:`EVICT_MARGIN` below it, then is logged once. Evicting only what one pass
+    found over the cap made a step (three commits) every few milliseconds at a steady
+    publish rate, each one a wait for the publishes' commits."""
 
     def __init__(
         self, log: BusLog, groups: ConsumerGroups, bodies: BodyReader, max_bytes: int
@@ -84,6 +90,7 @@ class Eviction:
         self.groups = groups
         self.bodies = bodies
         self.max_bytes = max_bytes
+        self.low_water = max_bytes - int(max_bytes * EVICT_MARGIN)
         self._burst_records = 0
         self._burst_unconsumed: Counter[str] = Counter()
 
@@ -97,7 +104,9 @@ class Eviction:
         Error handling: a store error propagates (as from :meth:`BusLog.evict`); the
         groups have forgotten the records, which the restart that a poisoned store needs
         reloads."""
-        through = await run_in_thread(self.log.eviction_floor, self.max_bytes, limiter=limiter)
+        over = self.low_water if self._burst_records else self.max_bytes
+        floor = partial(self.log.eviction_floor, over, self.low_water)
+        through = await run_in_thread(floor, limiter=limiter)
         if not through:
             self._end_burst()
             return False

@@ -782,13 +782,16 @@ async def sample_lag(
     claims: Claims,
     committer: GroupCommitter,
     *,
+    shard: int = 0,
     period: float = 1.0,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Publish the command backlog every ``period`` seconds, so a scrape never computes
     it: the gauge of each subject whose backlog changed (one that empties stays, at 0),
     and the total. Subjects past the exported ones (:class:`metrics.SubjectSeries`) are
-    summed into the ``_other`` series."""
+    summed into the ``_other`` series. NoETL's per-shard families (``shard``: this
+    writer's) are set alongside."""
+    shard_label = str(shard)
     task_status.started()
     while True:
         folded = False
@@ -804,7 +807,11 @@ async def sample_lag(
                 claims.total - named
             )
         metrics.FEED_TOTAL_LAG.set(claims.total)
+        metrics.FEED_SHARD_LAG.labels(shard=shard_label).set(claims.total)
+        metrics.FEED_SHARD_INFLIGHT.labels(shard=shard_label).set(claims.leased)
+        metrics.FEED_TOTAL_INFLIGHT.set(claims.leased)
         persist_low_water(claims, committer)
+        metrics.FEED_SHARD_COMMITTED.labels(shard=shard_label).set(claims.persisted_low_water - 1)
         await trio.sleep(period)
 
 

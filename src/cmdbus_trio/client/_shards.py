@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+
 import attrs
 
 from cmdbus_trio.protocol.subjects import shard_of
@@ -9,6 +12,12 @@ from cmdbus_trio.protocol.subjects import shard_of
 from ._calls import Delivery, Record
 from ._core import split_address
 from ._errors import ClientError, ConnectionLost, DeadlineExceeded, Unavailable
+
+WRITERS_ENV: Mapping[str, tuple[str, ...]] = {
+    "commands": ("CMDBUS_CMD_WRITERS", "NOETL_COMMAND_BUS_WRITER_ADDRS"),
+    "events": ("CMDBUS_EVT_WRITERS", "NOETL_EVENT_BUS_WRITER_ADDRS"),
+}
+"""Where the clients find a bus's writers, first set wins."""
 
 
 @attrs.frozen
@@ -40,6 +49,23 @@ class ShardMap:
                 f"writers: shards {', '.join(map(str, missing))} of 0..{count - 1} have no writer"
             )
         return cls(tuple(owners[shard] for shard in range(count)))
+
+    @classmethod
+    def from_environ(cls, bus: str, environ: Mapping[str, str] | None = None) -> ShardMap | None:
+        """The ingest writers of ``bus`` (``commands`` or ``events``) named in the
+        environment: ``CMDBUS_CMD_WRITERS`` / ``CMDBUS_EVT_WRITERS``, else NoETL's
+        ``NOETL_COMMAND_BUS_WRITER_ADDRS`` / ``NOETL_EVENT_BUS_WRITER_ADDRS`` (the same
+        ``0@host:port,…`` form); None when neither is set.
+
+        Error handling: :class:`ValueError` naming the variable and the bad entry."""
+        environ = os.environ if environ is None else environ
+        for name in WRITERS_ENV[bus]:
+            if text := environ.get(name, "").strip():
+                try:
+                    return cls.parse(text)
+                except ValueError as exc:
+                    raise ValueError(f"{name}: {exc}") from None
+        return None
 
     @property
     def shard_count(self) -> int:

@@ -43,7 +43,11 @@ def add_parser(commands: Any) -> None:
 
     publish = op("publish", "publish records (from the flags, or JSON lines on stdin)")
     publish.add_argument("--addr", help="ingest face (default 127.0.0.1:9100, events :9103)")
-    publish.add_argument("--writers", help="route by shard: 0@HOST:PORT,1@HOST:PORT,…")
+    publish.add_argument(
+        "--writers",
+        help="route by shard: 0@HOST:PORT,1@HOST:PORT,… (default: $CMDBUS_CMD_WRITERS or "
+        "$NOETL_COMMAND_BUS_WRITER_ADDRS; with --events, the EVT / EVENT ones)",
+    )
     publish.add_argument("--events", action="store_true", help="the event bus, not commands")
     publish.add_argument("--execution-id", help="one record with this id (else read stdin)")
     publish.add_argument("--payload", help="the record's payload, JSON text")
@@ -178,9 +182,12 @@ def _publish(args: argparse.Namespace, output: Output) -> int:
     face = "evt_ingest" if args.events else "cmd_ingest"
     if args.writers and args.addr:
         raise ValueError("give --addr or --writers, not both")
+    shards = ShardMap.parse(args.writers) if args.writers else None
+    if shards is None and not args.addr:  # CMDBUS_*_WRITERS, or NoETL's *_WRITER_ADDRS
+        shards = ShardMap.from_environ("events" if args.events else "commands")
     publisher: blocking.Router | blocking.IngestClient = (
-        blocking.Router(ShardMap.parse(args.writers), **_options(args))
-        if args.writers
+        blocking.Router(shards, **_options(args))
+        if shards is not None
         else blocking.IngestClient(args.addr or _default(face), **_options(args))
     )
     with publisher:

@@ -424,17 +424,19 @@ class BusLog(SqliteStore):
             return _used_bytes(connection)
 
     @refuses_loop_thread
-    def eviction_floor(self, max_bytes: int) -> int:
-        """The newest sort key :meth:`evict` should delete through so that the pages in
-        use fall to ``max_bytes``; 0 when they are within it. The oldest records, as
-        many as the excess is of the pages in use in records (each record taken as its
-        average share), at least one and at most :data:`RETENTION_BATCH`: a step
-        estimates, the next measures again."""
+    def eviction_floor(self, over: int, down_to: int | None = None) -> int:
+        """When the pages in use exceed ``over`` bytes, the newest sort key :meth:`evict`
+        should delete through so that they fall to ``down_to`` (default: ``over``); else
+        0. The oldest records, as many as the excess is of the pages in use in records
+        (each record taken as its average share), at least one and at most
+        :data:`RETENTION_BATCH`: a step estimates, the next measures again."""
+        down_to = over if down_to is None else down_to
         with self._connection() as connection:
             used = _used_bytes(connection)
-            if used <= max_bytes or not self._records:
+            if used <= over or not self._records:
                 return 0
-            count = min(RETENTION_BATCH, max(1, -(-self._records * (used - max_bytes) // used)))
+            excess = used - min(down_to, over)
+            count = min(RETENTION_BATCH, max(1, -(-self._records * excess // used)))
             row = connection.execute(
                 "SELECT max(sort_key) FROM (SELECT sort_key FROM records "
                 "ORDER BY sort_key LIMIT ?)",

@@ -1,0 +1,128 @@
+"""The NoETL writer's environment names, read as their ``CMDBUS_*`` equivalents.
+
+A pod spec written for NoETL's ``noetl-cmdbus-writer`` keeps working: each ``NOETL_*``
+variable that has an equivalent sets it, unless the ``CMDBUS_*`` variable or the flag is
+given (they win); ``NOETL_COMMAND_BUS_HOST`` / ``NOETL_EVENT_BUS_HOST`` = ``false`` turn a
+bus's faces off. Every alias used is logged once at start, and every other ``NOETL_*``
+variable is named in one warning line: none is silently ignored. docs/migrating.md has
+the whole map.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import attrs
+
+from .config import SETTINGS_BY_NAME, ConfigError
+
+PREFIX = "NOETL_"
+
+
+def _same(text: str) -> str:
+    return text
+
+
+def _seconds_to_ms(text: str) -> str:
+    try:
+        return str(round(float(text.strip()) * 1000))
+    except ValueError:
+        return text  # the setting's own check names the bad value
+
+
+ALIASES: Mapping[str, tuple[str, Callable[[str], str]]] = {
+    "NOETL_COMMAND_BUS_INGEST_BIND": ("cmd_ingest_bind", _same),
+    "NOETL_COMMAND_BUS_CLAIM_BIND": ("cmd_claim_bind", _same),
+    "NOETL_COMMAND_BUS_METRICS_BIND": ("cmd_lag_bind", _same),
+    "NOETL_EVENT_BUS_INGEST_BIND": ("evt_ingest_bind", _same),
+    "NOETL_EVENT_BUS_CLAIM_BIND": ("evt_claim_bind", _same),
+    "NOETL_EVENT_BUS_METRICS_BIND": ("evt_lag_bind", _same),
+    "NOETL_COMMAND_BUS_SHARD": ("shard", _same),
+    "NOETL_EVENT_BUS_SHARD": ("shard", _same),
+    "NOETL_COMMAND_SHARD_COUNT": ("shard_count", _same),
+    "NOETL_EVENT_SHARD_COUNT": ("shard_count", _same),
+    "NOETL_COMMAND_BUS_ACK_WAIT_SECS": ("ack_wait_ms", _seconds_to_ms),
+    "NOETL_EVENT_BUS_ACK_WAIT_SECS": ("ack_wait_ms", _seconds_to_ms),
+    "NOETL_EHDB_TIER_MAX_INFLIGHT": ("tier_max_inflight", _same),
+    "NOETL_EHDB_TIER_MAX_WAITERS": ("tier_max_waiters", _same),
+    "NOETL_EHDB_TIER_SHED_AFTER_MS": ("tier_shed_after_ms", _same),
+}
+"""``NOETL_*`` name -> (setting, how its value reads as the setting's)."""
+
+HOST_SWITCHES: Mapping[str, tuple[str, ...]] = {
+    "NOETL_COMMAND_BUS_HOST": ("cmd_ingest_bind", "cmd_claim_bind", "cmd_lag_bind"),
+    "NOETL_EVENT_BUS_HOST": (
+        "evt_ingest_bind",
+        "evt_claim_bind",
+        "evt_subscribe_bind",
+        "evt_lag_bind",
+    ),
+}
+"""``true`` made a NoETL worker binary host that bus's writer; ``false`` here turns the
+bus's faces off (an empty bind), ``true`` leaves them on."""
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+@attrs.frozen
+class Translation:
+    environ: dict[str, str]
+    """The environment with each alias's ``CMDBUS_*`` equivalent added."""
+    used: tuple[tuple[str, str], ...]
+    """``(NOETL_* name, CMDBUS_* name)`` of each alias that set a setting."""
+    ignored: tuple[str, ...]
+    """``NOETL_*`` names with no equivalent here, or overridden by ``CMDBUS_*`` / a flag."""
+
+
+def translate(
+    environ: Mapping[str, str], flags: Mapping[str, str | None] | None = None
+) -> Translation:
+    """Read the ``NOETL_*`` variables of ``environ`` as settings.
+
+    Error handling: :class:`ConfigError` when two aliases of one setting disagree (say
+    ``NOETL_COMMAND_BUS_ACK_WAIT_SECS=30`` and ``NOETL_EVENT_BUS_ACK_WAIT_SECS=60``: one
+    writer has one ack wait), or a host switch is neither true nor false."""
+    flags = flags or {}
+    values: dict[str, tuple[str, str]] = {}  # setting -> (alias, value)
+    for alias, (name, convert) in ALIASES.items():
+        if alias not in environ:
+            continue
+        value = convert(environ[alias])
+        earlier = values.get(name)
+        if earlier is not None and earlier[1] != value:
+            setting = SETTINGS_BY_NAME[name]
+            raise ConfigError(
+                setting,
+                value,
+                f"{alias} and {earlier[0]} both set it, differently; set {setting.env}",
+            )
+        values.setdefault(name, (alias, value))
+    for switch, names in HOST_SWITCHES.items():
+        if switch not in environ:
+            continue
+        text = environ[switch].strip().lower()
+        if text not in _TRUE | _FALSE:
+            setting = SETTINGS_BY_NAME[names[0]]
+            raise ConfigError(setting, environ[switch], f"{switch}: expected true or false")
+        if text in _FALSE:
+            for name in names:
+                values.setdefault(name, (switch, ""))
+    out = dict(environ)
+    used: list[tuple[str, str]] = []
+    overridden: set[str] = set()
+    for name, (alias, value) in values.items():
+        setting = SETTINGS_BY_NAME[name]
+        if setting.env in environ or flags.get(name) is not None:
+            overridden.add(alias)
+            continue
+        out[setting.env] = value
+        used.append((alias, setting.env))
+    known = set(ALIASES) | set(HOST_SWITCHES)
+    aliases_used = {alias for alias, _ in used}
+    ignored = sorted(
+        name
+        for name in environ
+        if name.startswith(PREFIX) and (name not in known or name in overridden - aliases_used)
+    )
+    return Translation(out, tuple(sorted(set(used))), tuple(ignored))
