@@ -61,6 +61,9 @@ def test_the_noetl_writer_environment_reads_as_settings() -> None:
         32,  # 8 x inflight, as NoETL's 32 beside 4
     )
     assert ("NOETL_EHDB_TIER_MAX_INFLIGHT", "CMDBUS_TIER_MAX_INFLIGHT") in translated.used
+    # Both agreeing aliases of one setting are used, and logged.
+    assert ("NOETL_EVENT_BUS_ACK_WAIT_SECS", "CMDBUS_ACK_WAIT_MS") in translated.used
+    assert len(translated.used) == 13
     # No equivalent: named, never silently dropped (HOSTNAME is not NoETL's).
     assert translated.ignored == (
         "NOETL_COMMAND_BUS_WRITER_DIR",
@@ -83,6 +86,9 @@ def test_a_bus_not_hosted_has_its_faces_off() -> None:
     config = load({}, environ=translated.environ)
     assert config.cmd_ingest_bind is None and config.cmd_claim_bind is None
     assert config.evt_ingest_bind is not None and config.evt_subscribe_bind is not None
+    both = translate({"NOETL_COMMAND_BUS_HOST": "false", "NOETL_COMMAND_BUS_INGEST_BIND": ":9100"})
+    assert load({}, environ=both.environ).cmd_ingest_bind is None  # not hosted wins
+    assert both.ignored == ("NOETL_COMMAND_BUS_INGEST_BIND",)
     with pytest.raises(ConfigError, match=r"NOETL_EVENT_BUS_HOST: expected true or false"):
         translate({"NOETL_EVENT_BUS_HOST": "maybe"})
 

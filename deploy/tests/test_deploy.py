@@ -41,10 +41,11 @@ def need(tool: str, *, ci_installs: bool = True) -> str:
     return path
 
 
-def raw_documents() -> list[dict[str, Any]]:
-    """Every manifest in deploy/k8s as written (kustomization files excluded)."""
+def raw_documents(under: Path = K8S) -> list[dict[str, Any]]:
+    """Every manifest in deploy/k8s (or a folder of it) as written (kustomization files
+    excluded)."""
     docs = []
-    for path in sorted(K8S.rglob("*.yaml")):
+    for path in sorted(under.rglob("*.yaml")):
         if path.name != "kustomization.yaml":
             docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
     return docs
@@ -81,7 +82,7 @@ def walk(value: Any) -> Iterator[tuple[str, Any]]:
 # --- Kubernetes manifests ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("source", ["raw", "example", "three-shards"])
+@pytest.mark.parametrize("source", ["raw", "example", "three-shards", "noetl"])
 def test_manifests_validate_against_the_kubernetes_schemas(source: str) -> None:
     docs = raw_documents() if source == "raw" else built_documents(source)
     checked = 0
@@ -90,7 +91,7 @@ def test_manifests_validate_against_the_kubernetes_schemas(source: str) -> None:
             continue
         kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
         checked += 1
-    assert checked >= 7
+    assert checked >= 6  # the smallest overlay (noetl) has six built-in kinds
 
 
 def test_the_example_overlay_builds_everything() -> None:
@@ -181,7 +182,8 @@ def test_services_pdb_and_network_policy() -> None:
 
 
 def test_keda_scales_each_pool_on_its_own_lag() -> None:
-    objects = {o["metadata"]["name"]: o for o in by_kind(raw_documents(), "ScaledObject")}
+    workers = raw_documents(K8S / "workers")
+    objects = {o["metadata"]["name"]: o for o in by_kind(workers, "ScaledObject")}
     assert set(objects) == {"worker-shared", "worker-system"}
     for pool in ("shared", "system"):
         spec = objects[f"worker-{pool}"]["spec"]
@@ -275,14 +277,17 @@ def dockerfile() -> tuple[dict[str, str], list[str]]:
 
 
 class running_image_entrypoint:
-    """Run the Dockerfile's ENTRYPOINT with its ENV, in this venv, as the image does;
-    only the binds (loopback, port 0) and the data dir (a temp dir) differ."""
+    """Run the Dockerfile's ENTRYPOINT with its ENV (and ``extra``, as an overlay adds),
+    in this venv, as the image does; only the binds (loopback, port 0) and the data dir
+    (a temp dir) differ."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, extra: dict[str, str] | None = None) -> None:
         self.workdir = workdir
+        self.extra = extra or {}
 
     def __enter__(self) -> dict[str, str]:
         env, entrypoint = dockerfile()
+        env |= self.extra
         assert entrypoint == ["cmdbus-trio", "serve"]
         self.ports_file = self.workdir / "ports.json"
         overrides = {k: "127.0.0.1:0" for k in env if k.endswith("_BIND")}
@@ -453,3 +458,85 @@ def test_the_three_shard_overlay() -> None:
     # KEDA's per-pool query sums over every shard's subjects.
     for scaled in by_kind(docs, "ScaledObject"):
         assert "\\..+" in scaled["spec"]["triggers"][0]["metadata"]["query"]
+
+
+# --- the NoETL overlay -------------------------------------------------------------------
+
+
+def scaled_objects(docs: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
+    return {
+        d["spec"]["scaleTargetRef"]["name"]: d["spec"]["triggers"][0]
+        for d in by_kind(docs, "ScaledObject")
+    }
+
+
+def test_the_noetl_overlay_takes_the_place_of_the_noetl_writer() -> None:
+    docs = built_documents("noetl")
+    statefulset = writer(docs)
+    assert statefulset["metadata"]["name"] == "noetl-cmdbus-writer"  # pod ...-0: shard 0
+    spec = container(statefulset)
+    env = {e["name"]: e.get("value") for e in spec["env"]}
+    assert (env["CMDBUS_CMD_LAG_BIND"], env["CMDBUS_EVT_LAG_BIND"]) == (
+        "0.0.0.0:9102",
+        "0.0.0.0:9106",
+    )
+    assert env["CMDBUS_SHARD"] == "auto"
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert spec[probe]["httpGet"]["port"] == "control"
+    container_ports = {port["name"]: port["containerPort"] for port in spec["ports"]}
+    services = {s["metadata"]["name"]: s for s in by_kind(docs, "Service")}
+    noetl = services["noetl-cmdbus-writer"]
+    pod = noetl["spec"]["selector"]["statefulset.kubernetes.io/pod-name"]
+    assert pod == "noetl-cmdbus-writer-0"
+    served = {port["port"]: container_ports[port["targetPort"]] for port in noetl["spec"]["ports"]}
+    for port in (9090, 9100, 9101, 9102, 9103, 9104, 9106):
+        assert served[port] == port
+    for service in services.values():  # none selects a pod this overlay does not make
+        assert service["spec"]["selector"].get("statefulset.kubernetes.io/pod-name") in (
+            None,
+            pod,
+        )
+    triggers = scaled_objects(docs)
+    assert set(triggers) == {"noetl-worker-rust", "noetl-worker-system-pool"}
+    for trigger in triggers.values():
+        assert trigger["type"] == "metrics-api"
+        assert trigger["metadata"]["url"].startswith("http://noetl-cmdbus-writer.noetl.svc")
+        assert trigger["metadata"]["url"].endswith(":9102/metrics")
+    (policy,) = by_kind(docs, "NetworkPolicy")
+    rules = policy["spec"]["ingress"]
+    same_namespace = [r for r in rules if {"podSelector": {}} in r["from"]]
+    assert same_namespace and {"protocol": "TCP", "port": 9100} in same_namespace[0]["ports"]
+    keda = [
+        r
+        for r in rules
+        for peer in r["from"]
+        if peer.get("namespaceSelector", {})
+        .get("matchLabels", {})
+        .get("kubernetes.io/metadata.name")
+        == "keda"
+    ]
+    assert keda and {"protocol": "TCP", "port": 9102} in keda[0]["ports"]
+
+
+def test_keda_reads_the_noetl_lag_port_as_it_read_the_old_writer(tmp_path: Path) -> None:
+    """KEDA's metrics-api scaler takes the first line of :9102 that starts with the
+    trigger's valueLocation: the overlay's triggers must find each pool's backlog there."""
+    from cmdbus_trio.client.blocking import IngestClient
+
+    triggers = scaled_objects(built_documents("noetl"))
+    lag_ports = {"CMDBUS_CMD_LAG_BIND": "0.0.0.0:9102", "CMDBUS_EVT_LAG_BIND": "0.0.0.0:9106"}
+    with running_image_entrypoint(tmp_path, lag_ports) as ports:
+        with IngestClient.connect(ports["cmd_ingest"]) as ingest:
+            for n, pool in enumerate(["shared", "shared", "shared", "system"]):
+                payload = json.dumps({"execution_pool": pool})
+                ingest.publish({"execution_id": n, "payload": payload})
+        time.sleep(1.5)  # the lag sampler runs every second
+        with urllib.request.urlopen(f"http://{ports['cmd_lag']}/metrics", timeout=10) as r:
+            lines = r.read().decode().splitlines()
+    found = {}
+    for target, trigger in triggers.items():
+        location = trigger["metadata"]["valueLocation"]
+        first = next(line for line in lines if line.startswith(location))
+        found[target] = float(first.split()[-1])
+    # Execution ids 0-3 all route to shard 0 with one shard.
+    assert found == {"noetl-worker-rust": 3.0, "noetl-worker-system-pool": 1.0}

@@ -84,20 +84,21 @@ def translate(
     ``NOETL_COMMAND_BUS_ACK_WAIT_SECS=30`` and ``NOETL_EVENT_BUS_ACK_WAIT_SECS=60``: one
     writer has one ack wait), or a host switch is neither true nor false."""
     flags = flags or {}
-    values: dict[str, tuple[str, str]] = {}  # setting -> (alias, value)
+    values: dict[str, tuple[str, list[str]]] = {}  # setting -> (value, the aliases setting it)
+    overridden: set[str] = set()  # aliases whose value is not used
     for alias, (name, convert) in ALIASES.items():
         if alias not in environ:
             continue
         value = convert(environ[alias])
-        earlier = values.get(name)
-        if earlier is not None and earlier[1] != value:
+        earlier = values.setdefault(name, (value, []))
+        if earlier[0] != value:
             setting = SETTINGS_BY_NAME[name]
             raise ConfigError(
                 setting,
                 value,
-                f"{alias} and {earlier[0]} both set it, differently; set {setting.env}",
+                f"{alias} and {earlier[1][0]} both set it, differently; set {setting.env}",
             )
-        values.setdefault(name, (alias, value))
+        earlier[1].append(alias)
     for switch, names in HOST_SWITCHES.items():
         if switch not in environ:
             continue
@@ -105,19 +106,19 @@ def translate(
         if text not in _TRUE | _FALSE:
             setting = SETTINGS_BY_NAME[names[0]]
             raise ConfigError(setting, environ[switch], f"{switch}: expected true or false")
-        if text in _FALSE:
+        if text in _FALSE:  # the bus is not served: its binds given too are not used
             for name in names:
-                values.setdefault(name, (switch, ""))
+                overridden.update(values.get(name, ("", []))[1])
+                values[name] = ("", [switch])
     out = dict(environ)
-    used: list[tuple[str, str]] = []
-    overridden: set[str] = set()
-    for name, (alias, value) in values.items():
+    used: set[tuple[str, str]] = set()
+    for name, (value, aliases) in values.items():
         setting = SETTINGS_BY_NAME[name]
         if setting.env in environ or flags.get(name) is not None:
-            overridden.add(alias)
+            overridden.update(aliases)
             continue
         out[setting.env] = value
-        used.append((alias, setting.env))
+        used.update((alias, setting.env) for alias in aliases)
     known = set(ALIASES) | set(HOST_SWITCHES)
     aliases_used = {alias for alias, _ in used}
     ignored = sorted(
@@ -125,4 +126,4 @@ def translate(
         for name in environ
         if name.startswith(PREFIX) and (name not in known or name in overridden - aliases_used)
     )
-    return Translation(out, tuple(sorted(set(used))), tuple(ignored))
+    return Translation(out, tuple(sorted(used)), tuple(ignored))

@@ -7,11 +7,13 @@ every guarantee is checked against what each process saw."""
 from __future__ import annotations
 
 import json
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
-from .deployment import figures, run, violations
+from .deployment import ACK_WAIT, Deployment, figures, free_ports, run, violations
 
 pytestmark = pytest.mark.system
 
@@ -37,3 +39,62 @@ def test_a_day_in_a_minute_with_the_writer_killed_twice(tmp_path: Path) -> None:
     problems = violations(outcome)
     assert not problems, report(figures(outcome), problems)
     assert len(outcome.restarts) == 2
+
+
+def test_noetl_workers_and_a_publisher_run_unchanged_on_a_writer_given_noetl_names(
+    tmp_path: Path,
+) -> None:
+    """Issue 18's "done when": the writer started from the NoETL writer's own variable
+    names (binds, lag ports, ack wait, shard, tier) serves the system test's v1 workers and
+    publisher unchanged, and its :9102 lag port reads 0 once they are done."""
+    deployment = Deployment(tmp_path)
+    lag_ports = dict(zip(("cmd", "evt"), free_ports(2), strict=True))
+    for face, noetl in (
+        ("cmd_ingest", "NOETL_COMMAND_BUS_INGEST_BIND"),
+        ("cmd_claim", "NOETL_COMMAND_BUS_CLAIM_BIND"),
+        ("evt_ingest", "NOETL_EVENT_BUS_INGEST_BIND"),
+        ("evt_claim", "NOETL_EVENT_BUS_CLAIM_BIND"),
+    ):
+        deployment.env[noetl] = deployment.env.pop(f"CMDBUS_{face.upper()}_BIND")
+    del deployment.env["CMDBUS_ACK_WAIT_MS"]
+    deployment.env.update(
+        NOETL_COMMAND_BUS_METRICS_BIND=f"127.0.0.1:{lag_ports['cmd']}",
+        NOETL_EVENT_BUS_METRICS_BIND=f"127.0.0.1:{lag_ports['evt']}",
+        NOETL_COMMAND_BUS_ACK_WAIT_SECS=str(ACK_WAIT),
+        NOETL_EVENT_BUS_ACK_WAIT_SECS=str(ACK_WAIT),
+        NOETL_COMMAND_BUS_HOST="true",
+        NOETL_EVENT_BUS_HOST="true",
+        NOETL_COMMAND_BUS_SHARD="0",
+        NOETL_COMMAND_SHARD_COUNT="1",
+        NOETL_EHDB_TIER_MAX_INFLIGHT="4",
+    )
+    deployment.start_writer()
+    try:
+        deployment.start_actor("server", "server-a", client="blocking", executions=30, burst=10)
+        for pool in ("shared", "system"):
+            deployment.start_actor("worker", f"worker-{pool}-v1", pool=pool, dialect="v1")
+        server = deployment.actors.pop("server-a")
+        assert server.wait(timeout=60) == 0
+        deadline = time.monotonic() + 60
+        while True:
+            lines = deployment.lines()
+            published = {x["sort_key"] for x in lines if x["kind"] == "published"}
+            acked = {x["sort_key"] for x in lines if x["kind"] == "acked" and x["ok"]}
+            if published and published <= acked:
+                break
+            assert time.monotonic() < deadline, f"not acked: {sorted(published - acked)}"
+            time.sleep(0.5)
+        time.sleep(1.5)  # the lag sampler runs every second
+        url = f"http://127.0.0.1:{lag_ports['cmd']}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            lag = response.read().decode()
+    finally:
+        deployment.stop_actors()
+        writer_exit = deployment.stop_writer()
+    assert len(published) == 30
+    assert {x["dialect"] for x in lines if x["kind"] == "acked"} == {"v1"}
+    assert "ehdb_feed_total_lag 0.0" in lag.splitlines()
+    log = deployment.writer_log()
+    assert log.count('"noetl_alias"') == 11  # six binds, two ack waits, shard, count, tier
+    assert '"level": "error"' not in log
+    assert writer_exit == 0
