@@ -14,6 +14,12 @@ default) and sharing the readers' Gate (CMDBUS_TIER_WRITES=shared, as before the
 the append figures (appends/s, p50 / p99 ms, shed) compare the two. Then it times
 read_execution of a 100-event execution in a store of 10k vs 1M events.
 
+With --split it instead measures what split roles (deploy/k8s/overlays/split) buy the
+buses: the same tier stall, plus 4 publishers at a steady --publish-rate on the command
+bus, against one writer serving both (target "together") and against two processes, the
+buses in one and the tier in the other (target "split"). It prints the buses' /healthz
+and publish latency during the stall, side by side.
+
 The load generator runs in its own process, so the probe's numbers are the servers'.
 """
 
@@ -90,11 +96,26 @@ TARGETS = {
 """Each target: cmdbus-trio with these settings, or (None) the inline baseline."""
 
 
+BUS_FACES = ("CMD_INGEST", "CMD_CLAIM", "EVT_INGEST", "EVT_CLAIM", "EVT_SUBSCRIBE")
+
+
 class Server:
-    def __init__(self, kind: str, data_dir: Path, workdir: Path) -> None:
+    """One server process: ``kind`` names a target of :data:`TARGETS` (the tier face and
+    the control face), or a cmdbus-trio writer serving ``faces`` with ``settings``."""
+
+    def __init__(
+        self,
+        kind: str,
+        data_dir: Path,
+        workdir: Path,
+        *,
+        faces: tuple[str, ...] = ("TIER",),
+        settings: dict[str, str] | None = None,
+    ) -> None:
         self.ports_file = workdir / f"{kind.replace(' ', '-')}-ports.json"
         self.ports_file.unlink(missing_ok=True)
-        settings = TARGETS.get(kind, {})
+        if settings is None:
+            settings = TARGETS.get(kind, {})
         if settings is not None:
             command = [sys.executable, "-m", "cmdbus_trio", "serve", "--data-dir", str(data_dir)]
             env = {
@@ -102,19 +123,8 @@ class Server:
                 "CMDBUS_PORTS_FILE": str(self.ports_file),
                 "CMDBUS_LOG_LEVEL": "warning",
             }
-            env.update(
-                {
-                    f"CMDBUS_{face}_BIND": ""
-                    for face in (
-                        "CMD_INGEST",
-                        "CMD_CLAIM",
-                        "EVT_INGEST",
-                        "EVT_CLAIM",
-                        "EVT_SUBSCRIBE",
-                    )
-                }
-            )
-            env.update(CMDBUS_CONTROL_BIND="127.0.0.1:0", CMDBUS_TIER_BIND="127.0.0.1:0")
+            env.update({f"CMDBUS_{face}_BIND": "" for face in (*BUS_FACES, "TIER")})
+            env.update({f"CMDBUS_{face}_BIND": "127.0.0.1:0" for face in ("CONTROL", *faces)})
             env.update(settings)
         else:
             command = [
@@ -148,17 +158,51 @@ class Server:
 # --- the load generator (a separate process) ---------------------------------------------
 
 
-async def load(tier: str, readers: int, appenders: int, duration: float) -> dict[str, Any]:
+PUBLISHERS = 4
+
+
+async def load(
+    tier: str,
+    readers: int,
+    appenders: int,
+    duration: float,
+    ingest: str | None = None,
+    publish_rate: float = 0.0,
+) -> dict[str, Any]:
+    """The tier stall (paged readers and appenders on ``tier``); with ``ingest``, also
+    :data:`PUBLISHERS` publishers on the command bus at ``publish_rate`` in all (open
+    loop: one publish per tick, so both targets get the same offered load)."""
     stats: dict[str, Any] = {
         "pages": 0,
         "records_bytes": 0,
         "appends": 0,
         "reads_shed": 0,
         "appends_shed": 0,
+        "publishes": 0,
         "errors": 0,
     }
     append_seconds: list[float] = []
+    publish_seconds: list[float] = []
     deadline = trio.current_time() + duration
+
+    async def publisher(n: int) -> None:
+        assert ingest is not None
+        client = await Client.connect(ingest)
+        tick = trio.current_time() + n / publish_rate
+        payload = json.dumps({"execution_pool": "shared", "step": "x" * 180})
+        i = 0
+        while tick < deadline:
+            await trio.sleep_until(tick)
+            started = trio.current_time()
+            record = {"execution_id": f"{n}-{i}", "payload": payload}
+            reply = await client.call("publish", record=record)
+            if reply.get("ok"):
+                stats["publishes"] += 1
+                publish_seconds.append(trio.current_time() - started)
+            else:
+                stats["errors"] += 1
+            tick += PUBLISHERS / publish_rate
+            i += 1
 
     async def reader() -> None:
         client = await Client.connect(tier)
@@ -198,7 +242,11 @@ async def load(tier: str, readers: int, appenders: int, duration: float) -> dict
             nursery.start_soon(reader)
         for n in range(appenders):
             nursery.start_soon(appender, n)
+        if ingest is not None:
+            for n in range(PUBLISHERS):
+                nursery.start_soon(publisher, n)
     stats["append_ms"] = percentiles(append_seconds)
+    stats["publish_ms"] = percentiles(publish_seconds)
     return stats
 
 
@@ -249,24 +297,83 @@ def run_target(
 ) -> dict[str, Any]:
     server = Server(kind, data_dir, workdir)
     try:
-        generator = subprocess.Popen(
-            [
-                sys.executable,
-                __file__,
-                "--load-gen",
-                server.ports["tier"],
-                str(readers),
-                "4",
-                str(duration),
-            ],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        probed = trio.run(probe, server.ports, duration)
-        out, _ = generator.communicate(timeout=duration + 120)
-        return {"probe": probed, "load": json.loads(out)}
+        return generate_and_probe(server.ports, server.ports, readers, duration)
     finally:
         server.stop()
+
+
+def generate_and_probe(
+    tier: dict[str, str],
+    probed: dict[str, str],
+    readers: int,
+    duration: float,
+    publish_rate: float = 0.0,
+) -> dict[str, Any]:
+    """Run the load generator against ``tier``'s tier face (and ``probed``'s command
+    ingest face, when publishing) while this process probes ``probed``'s control face
+    and ``tier``'s tier face."""
+    command = [sys.executable, __file__, "--load-gen", tier["tier"], str(readers), "4"]
+    command.append(str(duration))
+    if publish_rate:
+        command += [probed["cmd_ingest"], str(publish_rate)]
+    generator = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    samples = trio.run(probe, probed | {"tier": tier["tier"]}, duration)
+    out, _ = generator.communicate(timeout=duration + 120)
+    return {"probe": samples, "load": json.loads(out)}
+
+
+def run_split(data_dir: Path, workdir: Path, readers: int, duration: float, rate: float) -> None:
+    """Target "together": one writer with the buses and the tier; target "split": the
+    buses and the tier in two processes (the split overlay). The same stall and the same
+    publishes against both; the buses' /healthz and publish latency printed side by side."""
+    results = {}
+    together = Server("together", data_dir, workdir, faces=("TIER", *BUS_FACES), settings={})
+    try:
+        results["together"] = generate_and_probe(
+            together.ports, together.ports, readers, duration, rate
+        )
+    finally:
+        together.stop()
+    buses_dir = workdir / "buses-data"
+    shutil.rmtree(buses_dir, ignore_errors=True)
+    buses = Server("buses", buses_dir, workdir, faces=BUS_FACES, settings={})
+    tier = Server("tier", data_dir, workdir, faces=("TIER",), settings={})
+    try:
+        results["split"] = generate_and_probe(tier.ports, buses.ports, readers, duration, rate)
+    finally:
+        tier.stop()
+        buses.stop()
+    print()
+    print(
+        f"{duration:.0f} s of {readers} paged readers of the big execution + 4 appenders on the "
+        f"tier, and {rate:.0f} publishes/s on the command bus; p50 / p99 / max in ms"
+    )
+    print(
+        f"{'target':<10}{'buses /healthz':>24}{'publish':>24}{'publishes/s':>13}"
+        f"{'tier pages/s':>14}{'appends/s':>11}{'errors':>8}"
+    )
+    for kind, result in results.items():
+        health, done = result["probe"]["healthz"], result["load"]
+        cells = [
+            f"{p['p50']:.1f} / {p['p99']:.1f} / {p['max']:.0f}"
+            for p in (health, done["publish_ms"])
+        ]
+        if health["timeouts"]:
+            cells[0] += f" ({health['timeouts']}t)"
+        print(
+            f"{kind:<10}{cells[0]:>24}{cells[1]:>24}{done['publishes'] / duration:>13.1f}"
+            f"{done['pages'] / duration:>14.1f}{done['appends'] / duration:>11.1f}"
+            f"{done['errors']:>8}"
+        )
+    joint, split = results["together"], results["split"]
+    for name, key in (("buses /healthz", "healthz"), ("publish", None)):
+        a = joint["probe"][key] if key else joint["load"]["publish_ms"]
+        b = split["probe"][key] if key else split["load"]["publish_ms"]
+        print(
+            f"{name}: together / split = p50 {a['p50'] / b['p50']:.1f}x, "
+            f"p99 {a['p99'] / b['p99']:.1f}x"
+        )
+    print(f"\nworkdir: {workdir}")
 
 
 async def read_latency(tier: str, execution_id: str, count: int) -> dict[str, float]:
@@ -298,6 +405,12 @@ def main() -> None:
     parser.add_argument(
         "--quick", action="store_true", help="20k events, 5 s phases, 100k scale store"
     )
+    parser.add_argument(
+        "--split", action="store_true", help="the buses beside the tier stall, split or not"
+    )
+    parser.add_argument(
+        "--publish-rate", type=float, default=200.0, help="--split: command publishes/s"
+    )
     parser.add_argument("--workdir", type=Path)
     args = parser.parse_args()
     if args.quick:
@@ -325,6 +438,9 @@ def main() -> None:
         f"and {args.small} small executions: {size / 2**20:.0f} MiB in {took:.0f} s"
     )
 
+    if args.split:
+        run_split(data_dir, workdir, readers, args.duration, args.publish_rate)
+        return
     results = {
         kind: run_target(kind, data_dir, workdir, readers, args.duration) for kind in TARGETS
     }
@@ -393,12 +509,19 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 6 and sys.argv[1] == "--load-gen":
+    if len(sys.argv) in (6, 8) and sys.argv[1] == "--load-gen":
         tier_address, readers_arg, appenders_arg, duration_arg = sys.argv[2:6]
+        ingest, rate = (sys.argv[6], float(sys.argv[7])) if len(sys.argv) == 8 else (None, 0.0)
         print(
             json.dumps(
                 trio.run(
-                    load, tier_address, int(readers_arg), int(appenders_arg), float(duration_arg)
+                    load,
+                    tier_address,
+                    int(readers_arg),
+                    int(appenders_arg),
+                    float(duration_arg),
+                    ingest,
+                    rate,
                 )
             )
         )

@@ -538,3 +538,25 @@ async def test_v2_delete_execution_is_durable_counted_and_v2_only(server: dict[s
         body = json.dumps({"op": "delete_execution", "execution_id": execution}).encode()
         assert (await v1.v1(body)).startswith(b"unsupported")
         assert await v1.v1(b"health") == b"ok tier-service v1"
+
+
+def test_a_connection_reads_ahead_only_what_the_fullest_gate_can_take() -> None:
+    """Frames are batched before they are parsed, so the read-ahead bound is the least
+    room of the face's Gates: with the write lane full, a flood of appends stays unread
+    in its socket instead of running out its budgets in a batch (benchmarks/soak.py saw
+    up to 0.8 x its peak in `deadline` answers a second when the bound was the read
+    Gate's room alone)."""
+    from cmdbus_trio.admission import Gate
+    from cmdbus_trio.app import lanes_for
+    from cmdbus_trio.config import Bind, load
+    from cmdbus_trio.faces import FaceContext
+
+    config = load({}, environ={"CMDBUS_TIER_MAX_INFLIGHT": "2", "CMDBUS_TIER_MAX_WAITERS": "6"})
+    reads = Gate("tier", max_inflight=2, max_waiters=6, shed_after=1.0, default_budget=1.0)
+    lanes = lanes_for("tier", config)
+    ctx = FaceContext("tier", Bind("127.0.0.1", 0), config, reads, trio.Event(), lanes=lanes)
+    writes = lanes["append"]
+    assert ctx.room == min(reads.room, writes.room) > 0
+    for _ in range(writes.room):
+        writes.take_in()
+    assert reads.room == 8 and ctx.room == 0

@@ -82,7 +82,7 @@ def walk(value: Any) -> Iterator[tuple[str, Any]]:
 # --- Kubernetes manifests ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("source", ["raw", "example", "three-shards", "noetl"])
+@pytest.mark.parametrize("source", ["raw", "example", "three-shards", "noetl", "split"])
 def test_manifests_validate_against_the_kubernetes_schemas(source: str) -> None:
     docs = raw_documents() if source == "raw" else built_documents(source)
     checked = 0
@@ -540,3 +540,56 @@ def test_keda_reads_the_noetl_lag_port_as_it_read_the_old_writer(tmp_path: Path)
         found[target] = float(first.split()[-1])
     # Execution ids 0-3 all route to shard 0 with one shard.
     assert found == {"noetl-worker-rust": 3.0, "noetl-worker-system-pool": 1.0}
+
+
+# --- split roles -------------------------------------------------------------------------
+
+
+def test_the_split_overlay_runs_the_buses_and_the_tier_in_two_statefulsets() -> None:
+    docs = built_documents("split")
+    statefulsets = {d["metadata"]["name"]: d for d in by_kind(docs, "StatefulSet")}
+    assert set(statefulsets) == {"cmdbus-trio", "cmdbus-trio-tier"}
+    off = {
+        name: {e["name"] for e in container(d)["env"] if e.get("value") == ""}
+        for name, d in statefulsets.items()
+    }
+    assert off["cmdbus-trio"] == {"CMDBUS_TIER_BIND"}
+    assert off["cmdbus-trio-tier"] == {
+        f"CMDBUS_{face}_BIND"
+        for face in ("CMD_INGEST", "CMD_CLAIM", "EVT_INGEST", "EVT_CLAIM", "EVT_SUBSCRIBE")
+    }
+    pods = {}  # component -> (its pod template labels, its container ports)
+    for statefulset in statefulsets.values():
+        template = statefulset["spec"]["template"]
+        labels = template["metadata"]["labels"]
+        assert statefulset["spec"]["selector"]["matchLabels"] == labels
+        spec = container(statefulset)
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            assert spec[probe]["httpGet"]["port"] == "control"
+        pods[labels["app.kubernetes.io/component"]] = (
+            labels,
+            {port["name"] for port in spec["ports"]},
+        )
+    assert pods["tier"][1] == {"control", "tier"} and "tier" not in pods["buses"][1]
+
+    def selected(selector: dict[str, str]) -> str:
+        (component,) = [c for c, (labels, _) in pods.items() if selector.items() <= labels.items()]
+        return component  # exactly one role's pods
+
+    for service in by_kind(docs, "Service"):
+        component = selected(
+            {k: v for k, v in service["spec"]["selector"].items() if "pod-name" not in k}
+        )
+        for port in service["spec"]["ports"]:
+            assert port["targetPort"] in pods[component][1], (service["metadata"]["name"], port)
+    services = {s["metadata"]["name"]: s for s in by_kind(docs, "Service")}
+    tier_service = services["cmdbus-trio-tier-0"]["spec"]
+    assert tier_service["selector"]["statefulset.kubernetes.io/pod-name"] == "cmdbus-trio-tier-0"
+    budgets = [
+        selected(d["spec"]["selector"]["matchLabels"]) for d in by_kind(docs, "PodDisruptionBudget")
+    ]
+    assert sorted(budgets) == ["buses", "tier"]
+    for policy in by_kind(docs, "NetworkPolicy"):
+        selected(policy["spec"]["podSelector"]["matchLabels"])
+        clients = policy["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"]
+        assert clients == {"cmdbus-trio/client": "true"}  # the workers' label, unchanged

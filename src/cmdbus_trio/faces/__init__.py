@@ -38,6 +38,13 @@ class FaceContext:
     def gate_of(self, op: str) -> Gate:
         return self.lanes.get(op, self.gate)
 
+    @property
+    def room(self) -> int:
+        """Requests a connection may read ahead: the least room of the face's Gates
+        (frames are batched before they are parsed, so any of them may be for the
+        fullest one)."""
+        return min(gate.room for gate in (self.gate, *self.lanes.values()))
+
     def store(self, name: str, kind: type[T]) -> T:
         """The open store ``name``, which must be a ``kind`` (a wiring bug otherwise)."""
         store = self.stores.get(name)

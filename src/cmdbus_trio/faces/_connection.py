@@ -338,10 +338,11 @@ class _Connection:
                 return
             if isinstance(frame, bytes):
                 batch.append((frame, trio.current_time()))
-                if len(batch) >= min(MAX_INFLIGHT_PER_CONNECTION, self.ctx.gate.room):
+                if len(batch) >= min(MAX_INFLIGHT_PER_CONNECTION, self.ctx.room):
                     # No more than can be taken in at once: the rest wait unread, their
                     # clocks not started (frames waiting in a batch would age, and a
-                    # held-back flood would run out its budgets there).
+                    # held-back flood would run out its budgets there). The room is the
+                    # fullest Gate's: a flood of writes fills their lane, not the face's.
                     await out.send(batch)
                     batch = []
                 continue
