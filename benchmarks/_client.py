@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import AsyncIterator
 from typing import Any
 
 import trio
@@ -65,6 +66,19 @@ async def http_get(address: str, path: str) -> int:
         while chunk := await stream.receive_some(1 << 16):
             data += chunk
     return int(data.split(b" ", 2)[1])
+
+
+async def open_loop(n: int, clients: int, rate: float, until: float) -> AsyncIterator[int]:
+    """Open loop for client ``n`` of ``clients`` sharing ``rate`` requests a second:
+    yields the request count at each of its ticks, staggered and whatever the replies
+    take, until trio's clock passes ``until``."""
+    tick = trio.current_time() + n / rate
+    sent = 0
+    while tick < until:
+        await trio.sleep_until(tick)
+        yield sent
+        tick += clients / rate
+        sent += 1
 
 
 def percentiles(samples: list[float]) -> dict[str, float]:

@@ -39,7 +39,7 @@ from typing import Any
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _client import Client, percentiles
+from _client import Client, open_loop, percentiles
 
 from cmdbus_trio.commands.spawn import spawn_writer
 
@@ -69,17 +69,12 @@ async def generate(
 
     async def producer(n: int) -> None:
         client = await Client.connect(ports[ingest])
-        tick = trio.current_time() + n / rate
-        i = 0
-        while tick < stop:
-            await trio.sleep_until(tick)
+        async for i in open_loop(n, PRODUCERS, rate, stop):
             started = trio.current_time()
             record = {"execution_id": f"{n}-{i}", "payload": payload}
             reply = await client.call("publish", record=record)
             assert reply.get("ok"), reply
             latencies.append(trio.current_time() - started)
-            tick += PRODUCERS / rate
-            i += 1
 
     async def consumer() -> None:
         client = await Client.connect(ports[claim])

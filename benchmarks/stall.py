@@ -41,7 +41,7 @@ from typing import Any
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _client import Client, http_get, percentiles
+from _client import Client, http_get, open_loop, percentiles
 
 from cmdbus_trio.config import cpu_quota
 from cmdbus_trio.storage.tier import NewRecord, TierStore
@@ -188,11 +188,8 @@ async def load(
     async def publisher(n: int) -> None:
         assert ingest is not None
         client = await Client.connect(ingest)
-        tick = trio.current_time() + n / publish_rate
         payload = json.dumps({"execution_pool": "shared", "step": "x" * 180})
-        i = 0
-        while tick < deadline:
-            await trio.sleep_until(tick)
+        async for i in open_loop(n, PUBLISHERS, publish_rate, deadline):
             started = trio.current_time()
             record = {"execution_id": f"{n}-{i}", "payload": payload}
             reply = await client.call("publish", record=record)
@@ -201,8 +198,6 @@ async def load(
                 publish_seconds.append(trio.current_time() - started)
             else:
                 stats["errors"] += 1
-            tick += PUBLISHERS / publish_rate
-            i += 1
 
     async def reader() -> None:
         client = await Client.connect(tier)

@@ -303,7 +303,7 @@ class Writer:
                         control_nursery, "control", config.control_bind, self._serve_control
                     )
                 for port in LAG_PORT_NAMES:  # NoETL's old scrape ports, if asked for
-                    if (bind := getattr(config, f"{port}_bind")) is not None:
+                    if (bind := config.bind(port)) is not None:
                         serve_lag = partial(self._serve_lag_port, port, bind)
                         await self._start(control_nursery, port, bind, serve_lag)
                 await self._open_stores(wanted)
@@ -328,6 +328,7 @@ class Writer:
     async def _start_background(self, background: trio.Nursery) -> None:
         """Start the stores' background tasks, each supervised (:meth:`_start_task`)."""
         config = self.config
+        interval = config.retention_interval_ms / 1000
         for name, store in self._stores.items():
             if not isinstance(store, Bus):
                 continue
@@ -354,11 +355,9 @@ class Writer:
             await self._start_task(background, f"{name}.retention", retain)
         tier = self._stores.get("tier")
         if isinstance(tier, TierStore) and (windows := tier_windows(config)):
-            interval = config.retention_interval_ms / 1000
             retain_tier = partial(run_tier_retention, tier, windows, interval)
             await self._start_task(background, "tier.retention", retain_tier)
         if self._stores:  # else there is no data dir to measure
-            interval = config.retention_interval_ms / 1000
             measure = partial(_measure_stores, self.health.stores, config.data_dir, interval)
             await self._start_task(background, "store_sizes", measure)
 

@@ -37,13 +37,9 @@ MAX_BLOCK_SECONDS = 600.0
 _JSON = b"application/json"
 
 
-class ControlApp:
-    """The ASGI application of the control face."""
-
-    def __init__(self, health: Health, *, nursery: trio.Nursery, debug_hooks: bool = False) -> None:
-        self.health = health
-        self.nursery = nursery
-        self.debug_hooks = debug_hooks
+class _PlainApp:
+    """An ASGI application answering each HTTP request whole, from :meth:`_route`'s
+    ``(status, content type, body)`` (no body for HEAD), never cached."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -65,6 +61,18 @@ class ControlApp:
             elif message["type"] == "lifespan.shutdown":
                 await send({"type": "lifespan.shutdown.complete"})
                 return
+
+    async def _route(self, scope: Scope) -> tuple[int, bytes, bytes]:
+        raise NotImplementedError
+
+
+class ControlApp(_PlainApp):
+    """The ASGI application of the control face."""
+
+    def __init__(self, health: Health, *, nursery: trio.Nursery, debug_hooks: bool = False) -> None:
+        self.health = health
+        self.nursery = nursery
+        self.debug_hooks = debug_hooks
 
     async def _route(self, scope: Scope) -> tuple[int, bytes, bytes]:
         path, method = scope["path"], scope["method"]
@@ -198,27 +206,18 @@ def _json(status: int, document: dict[str, Any]) -> tuple[int, bytes, bytes]:
     return status, _JSON, json.dumps(document).encode()
 
 
-class LagPortApp:
+class LagPortApp(_PlainApp):
     """The ASGI application of a NoETL lag port: its bus's lag series for any GET (the
     NoETL writer answered every path with them), read from memory like /metrics."""
 
     def __init__(self, port: str) -> None:
         self.port = port
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            await ControlApp._lifespan(receive, send)
-        elif scope["type"] == "http":
-            if scope["method"] in ("GET", "HEAD"):
-                body, content_type = metrics.exposition(self.port)
-                status, content = 200, content_type.encode()
-            else:
-                status, content, body = _json(405, {"error": "use GET"})
-            headers = [(b"content-type", content), (b"cache-control", b"no-store")]
-            await send({"type": "http.response.start", "status": status, "headers": headers})
-            if scope["method"] == "HEAD":
-                body = b""
-            await send({"type": "http.response.body", "body": body, "more_body": False})
+    async def _route(self, scope: Scope) -> tuple[int, bytes, bytes]:
+        if scope["method"] not in ("GET", "HEAD"):
+            return _json(405, {"error": "use GET"})
+        body, content_type = metrics.exposition(self.port)
+        return 200, content_type.encode(), body
 
 
 async def serve(
@@ -266,7 +265,7 @@ async def serve_lag_port(
 
 
 async def _serve_http(
-    app_for: Callable[[trio.Nursery], ControlApp | LagPortApp],
+    app_for: Callable[[trio.Nursery], _PlainApp],
     bind: Bind,
     *,
     keepalive: float,

@@ -254,12 +254,15 @@ class Claims:
             assert lease is not None
             self._count(lease.subject, -1)
             dropped += 1
-        delayed = [entry for entry in self._delayed if entry[1] > through]
-        for _, _, subject in (entry for entry in self._delayed if entry[1] <= through):
-            self._count(subject, -1)
-            dropped += 1
-        self._delayed = delayed
-        heapq.heapify(self._delayed)
+        kept: list[tuple[float, int, str]] = []
+        for entry in self._delayed:
+            if entry[1] > through:
+                kept.append(entry)
+            else:
+                self._count(entry[2], -1)
+                dropped += 1
+        heapq.heapify(kept)
+        self._delayed = kept
         self._deliveries = {k: n for k, n in self._deliveries.items() if k > through}
         self._last_added = max(self._last_added, through)
         if self._tail is not None:

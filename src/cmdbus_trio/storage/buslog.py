@@ -392,10 +392,7 @@ class BusLog(SqliteStore):
             ).fetchall()
             deleted = len(gone)
             through = max((key for (key,) in gone), default=0)
-            if through > self._deleted_through:
-                connection.execute(
-                    "INSERT OR REPLACE INTO retention_floor VALUES (0, ?)", (through,)
-                )
+            self._raise_floor(connection, through)
             # The letter goes; its record follows in a later step once no one needs it.
             dead = connection.execute(
                 "DELETE FROM dead WHERE (consumer, sort_key) IN (SELECT consumer, sort_key "
@@ -412,9 +409,18 @@ class BusLog(SqliteStore):
             return Retained(records=deleted, dead_letters=dead, more=more, through=through)
 
         retained = self._write(write)
-        self._records -= retained.records
-        self._deleted_through = max(self._deleted_through, retained.through)
+        self._deleted(retained.records, retained.through)
         return retained
+
+    def _raise_floor(self, connection: sqlite3.Connection, through: int) -> None:
+        """In a deleting transaction: readers starting before ``through`` are told so."""
+        if through > self._deleted_through:
+            connection.execute("INSERT OR REPLACE INTO retention_floor VALUES (0, ?)", (through,))
+
+    def _deleted(self, records: int, through: int) -> None:
+        """After a deleting transaction committed: the counts read without the store."""
+        self._records -= records
+        self._deleted_through = max(self._deleted_through, through)
 
     @refuses_loop_thread
     def used_bytes(self) -> int:
@@ -473,15 +479,11 @@ class BusLog(SqliteStore):
                     f"DELETE FROM {table} WHERE consumer = ? AND sort_key <= ?",
                     [(consumer, through) for consumer in consumers],
                 )
-            if through > self._deleted_through:
-                connection.execute(
-                    "INSERT OR REPLACE INTO retention_floor VALUES (0, ?)", (through,)
-                )
+            self._raise_floor(connection, through)
             return Evicted(records=gone, dead_letters=dead, through=through)
 
         evicted = self._write(write)
-        self._records -= evicted.records
-        self._deleted_through = max(self._deleted_through, through)
+        self._deleted(evicted.records, through)
         return evicted
 
     def _settled_by_all(
