@@ -23,13 +23,13 @@ async def sleeper_face(
     ctx: FaceContext, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
 ) -> None:
     """A test face: each connection sends seconds to sleep in a worker thread under a Gate
-    lease (as a write: it always finishes) and gets ``done`` back."""
+    slot (as a write: it always finishes) and gets ``done`` back."""
 
     async def handle(stream: trio.SocketStream) -> None:
         async with stream:
             seconds = float(await stream.receive_some(100))
-            with await ctx.gate.acquire("sleep") as lease:
-                await lease.run_to_completion(time.sleep, seconds)
+            with await ctx.gate.acquire("sleep") as slot:
+                await slot.run_to_completion(time.sleep, seconds)
                 finished_work.append(seconds)
             await stream.send_all(b"done")
 

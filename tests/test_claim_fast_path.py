@@ -13,7 +13,7 @@ import attrs
 import pytest
 import trio
 
-from cmdbus_trio.admission import Gate, GateClosed, Lease, Shed, ShedReason
+from cmdbus_trio.admission import Gate, GateClosed, Shed, ShedReason, Slot
 from cmdbus_trio.bus import Bus
 from cmdbus_trio.bus.bodies import BodyReader
 from cmdbus_trio.bus.claims import Claims
@@ -90,7 +90,7 @@ async def test_next_and_ack_on_a_known_group_need_no_task(setup: Setup) -> None:
     assert isinstance(pending, Deferred)
     delivery = (await answer(pending))["delivery"]
     assert (delivery["sort_key"], delivery["record"]) == (1, {"n": 1})
-    assert setup.gate.statistics().inflight == 0  # the lease ended with the read
+    assert setup.gate.statistics().inflight == 0  # the slot ended with the read
     pending = setup.handler.v2(request("ack", sort_key=1), trio.current_time())
     assert isinstance(pending, Deferred)
     assert (await answer(pending))["acked"] is True
@@ -133,7 +133,7 @@ async def test_a_next_refused_at_the_gate_leases_nothing(setup: Setup) -> None:
     assert setup.claims.leased == 0 and setup.claims.lag() == {SUBJECT: 2}
 
 
-def saturated_gate(setup: Setup) -> Lease:
+def saturated_gate(setup: Setup) -> Slot:
     """A Gate with one slot, taken, and no queue: every `next` is shed at once."""
     setup.handler.gate = Gate(
         "cmd_claim", max_inflight=1, max_waiters=0, shed_after=0.2, default_budget=10
@@ -182,7 +182,7 @@ async def test_a_failed_body_read_does_not_count_as_a_delivery(setup: Setup) -> 
     await trio.to_thread.run_sync(setup.log.close)
     with pytest.raises(StoreUnavailable):
         await answer(setup.handler.v2(request("next", filter="commands.>"), 0.0))
-    again = setup.claims.take(("commands", ">"), object())
+    again = setup.claims.next_nowait(("commands", ">"), object())
     assert again is not None and (again.deliveries, again.redelivered) == (1, False)
 
 

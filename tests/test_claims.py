@@ -37,10 +37,10 @@ async def test_fresh_records_go_out_oldest_first_one_owner_at_a_time(
 ) -> None:
     claims.add_many([(1, SHARED), (2, SYSTEM), (3, SHARED)])
     a, b = object(), object()
-    assert claims.take(ALL, a) == Delivery(1, SHARED, False, 1)
-    assert claims.take(ALL, b) == Delivery(2, SYSTEM, False, 1)
-    assert claims.take(ALL, a) == Delivery(3, SHARED, False, 1)
-    assert claims.take(ALL, b) is None
+    assert claims.next_nowait(ALL, a) == Delivery(1, SHARED, False, 1)
+    assert claims.next_nowait(ALL, b) == Delivery(2, SYSTEM, False, 1)
+    assert claims.next_nowait(ALL, a) == Delivery(3, SHARED, False, 1)
+    assert claims.next_nowait(ALL, b) is None
     assert claims.leased == 3
 
 
@@ -48,9 +48,11 @@ async def test_filters_pick_subjects(
     claims: Claims, autojump_clock: trio.testing.MockClock
 ) -> None:
     claims.add_many([(1, SHARED), (2, SYSTEM)])
-    assert claims.take(parse_filter("commands.system.>"), object()) == Delivery(2, SYSTEM, False, 1)
-    assert claims.take(parse_filter("commands.system.>"), object()) is None
-    assert claims.take(parse_filter("commands.*.shard.0"), object()) == Delivery(
+    assert claims.next_nowait(parse_filter("commands.system.>"), object()) == Delivery(
+        2, SYSTEM, False, 1
+    )
+    assert claims.next_nowait(parse_filter("commands.system.>"), object()) is None
+    assert claims.next_nowait(parse_filter("commands.*.shard.0"), object()) == Delivery(
         1, SHARED, False, 1
     )
 
@@ -60,14 +62,14 @@ async def test_expired_leases_are_redelivered_first(
 ) -> None:
     claims.add_many([(1, SHARED), (2, SHARED), (3, SHARED)])
     owner = object()
-    claims.take(ALL, owner)  # 1
-    claims.take(ALL, owner)  # 2
+    claims.next_nowait(ALL, owner)  # 1
+    claims.next_nowait(ALL, owner)  # 2
     await trio.sleep(29.9)
-    assert claims.take(ALL, owner) == Delivery(3, SHARED, False, 1)
+    assert claims.next_nowait(ALL, owner) == Delivery(3, SHARED, False, 1)
     await trio.sleep(0.2)  # 1 and 2 expire (30 s); 3 not yet
-    assert claims.take(ALL, owner) == Delivery(1, SHARED, True, 2)
-    assert claims.take(ALL, owner) == Delivery(2, SHARED, True, 2)
-    assert claims.take(ALL, owner) is None
+    assert claims.next_nowait(ALL, owner) == Delivery(1, SHARED, True, 2)
+    assert claims.next_nowait(ALL, owner) == Delivery(2, SHARED, True, 2)
+    assert claims.next_nowait(ALL, owner) is None
 
 
 async def test_ack_only_by_the_owner_and_then_never_again(
@@ -75,12 +77,12 @@ async def test_ack_only_by_the_owner_and_then_never_again(
 ) -> None:
     claims.add(1, SHARED)
     owner, other = object(), object()
-    claims.take(ALL, owner)
+    claims.next_nowait(ALL, owner)
     assert not claims.begin_ack(1, other)
     assert not claims.begin_ack(99, owner)
     assert claims.begin_ack(1, owner)
     await trio.sleep(60)  # the lease would have expired: an ack in progress is not redelivered
-    assert claims.take(ALL, owner) is None
+    assert claims.next_nowait(ALL, owner) is None
     claims.finish_ack(1)
     assert claims.lag() == {}  # only subjects with a backlog are listed
     assert not claims.begin_ack(1, owner)  # already acked
@@ -91,10 +93,10 @@ async def test_a_failed_ack_redelivers(
 ) -> None:
     claims.add(1, SHARED)
     owner = object()
-    claims.take(ALL, owner)
+    claims.next_nowait(ALL, owner)
     claims.begin_ack(1, owner)
     claims.abort_ack(1)
-    assert claims.take(ALL, owner) == Delivery(1, SHARED, True, 2)
+    assert claims.next_nowait(ALL, owner) == Delivery(1, SHARED, True, 2)
 
 
 async def test_nack_with_and_without_delay(
@@ -102,14 +104,14 @@ async def test_nack_with_and_without_delay(
 ) -> None:
     claims.add_many([(1, SHARED), (2, SHARED)])
     owner = object()
-    claims.take(ALL, owner)
-    claims.take(ALL, owner)
+    claims.next_nowait(ALL, owner)
+    claims.next_nowait(ALL, owner)
     assert claims.nack(1, owner)
-    assert claims.take(ALL, owner) == Delivery(1, SHARED, True, 2)
+    assert claims.next_nowait(ALL, owner) == Delivery(1, SHARED, True, 2)
     assert claims.nack(2, owner, delay=5.0)
-    assert claims.take(ALL, owner) is None
+    assert claims.next_nowait(ALL, owner) is None
     await trio.sleep(5.1)
-    assert claims.take(ALL, owner) == Delivery(2, SHARED, True, 2)
+    assert claims.next_nowait(ALL, owner) == Delivery(2, SHARED, True, 2)
     assert not claims.nack(2, object())
 
 
@@ -120,12 +122,12 @@ async def test_a_nack_delay_shorter_than_every_lease_is_kept(
     # something sooner: this nack's 5 s.
     claims.add_many([(1, SHARED), (2, SHARED)])
     owner = object()
-    claims.take(ALL, owner)
-    claims.take(ALL, owner)
+    claims.next_nowait(ALL, owner)
+    claims.next_nowait(ALL, owner)
     await trio.sleep(1)  # the timers task has gone to sleep until the leases expire
     assert claims.nack(2, owner, delay=5.0)
     await trio.sleep(5.1)
-    assert claims.take(ALL, owner) == Delivery(2, SHARED, True, 2)
+    assert claims.next_nowait(ALL, owner) == Delivery(2, SHARED, True, 2)
     assert trio.current_time() < 30
 
 
@@ -134,13 +136,13 @@ async def test_extend_renews_the_lease(
 ) -> None:
     claims.add(1, SHARED)
     owner = object()
-    claims.take(ALL, owner)
+    claims.next_nowait(ALL, owner)
     await trio.sleep(20)
     assert claims.extend(1, owner)
     await trio.sleep(20)  # 40 s after delivery, 20 s after the extension
-    assert claims.take(ALL, owner) is None
+    assert claims.next_nowait(ALL, owner) is None
     await trio.sleep(11)
-    assert claims.take(ALL, owner) == Delivery(1, SHARED, True, 2)
+    assert claims.next_nowait(ALL, owner) == Delivery(1, SHARED, True, 2)
     assert not claims.extend(1, object())
 
 
@@ -149,12 +151,12 @@ async def test_a_closed_connection_releases_its_leases_at_once(
 ) -> None:
     claims.add_many([(1, SHARED), (2, SHARED), (3, SHARED)])
     gone, staying = object(), object()
-    claims.take(ALL, gone)
-    claims.take(ALL, gone)
-    claims.take(ALL, staying)
+    claims.next_nowait(ALL, gone)
+    claims.next_nowait(ALL, gone)
+    claims.next_nowait(ALL, staying)
     assert claims.release(gone) == 2
-    assert claims.take(ALL, staying) == Delivery(1, SHARED, True, 2)
-    assert claims.take(ALL, staying) == Delivery(2, SHARED, True, 2)
+    assert claims.next_nowait(ALL, staying) == Delivery(1, SHARED, True, 2)
+    assert claims.next_nowait(ALL, staying) == Delivery(2, SHARED, True, 2)
 
 
 async def test_leases_are_kept_per_owner(
@@ -165,7 +167,7 @@ async def test_leases_are_kept_per_owner(
     claims.add_many([(n, SHARED) for n in range(1, 7)])
     a, b = object(), object()
     for owner in (a, b, a, b, a, b):
-        claims.take(ALL, owner)
+        claims.next_nowait(ALL, owner)
     assert claims.holds(a) and claims.holds(b)
     assert claims.begin_ack(1, a)
     claims.finish_ack(1)
@@ -181,7 +183,7 @@ async def test_an_expired_lease_leaves_its_owner(
 ) -> None:
     claims.add_many([(1, SHARED)])
     owner = object()
-    claims.take(ALL, owner)
+    claims.next_nowait(ALL, owner)
     await trio.sleep(claims.ack_wait + 1)
     assert not claims.holds(owner)
     assert claims.release(owner) == 0
@@ -193,9 +195,9 @@ async def test_max_deliver_parks_dead_letters(
     claims.add(1, SHARED)
     owner = object()
     for delivery in (1, 2, 3):
-        assert claims.take(ALL, owner) == Delivery(1, SHARED, delivery > 1, delivery)
+        assert claims.next_nowait(ALL, owner) == Delivery(1, SHARED, delivery > 1, delivery)
         await trio.sleep(31)
-    assert claims.take(ALL, owner) is None
+    assert claims.next_nowait(ALL, owner) is None
     assert claims.dead == [(1, SHARED, 3)]  # type: ignore[attr-defined]
     assert claims.lag() == {}  # dead letters are not backlog
 
@@ -205,7 +207,7 @@ async def test_lag_counts_undelivered_and_unacked(
 ) -> None:
     claims.add_many([(1, SHARED), (2, SHARED), (3, SYSTEM)])
     owner = object()
-    claims.take(parse_filter(SHARED), owner)
+    claims.next_nowait(parse_filter(SHARED), owner)
     assert claims.lag() == {SHARED: 2, SYSTEM: 1}
     assert claims.lag(parse_filter("commands.system.>")) == {SYSTEM: 1}
     claims.begin_ack(1, owner)
@@ -238,7 +240,7 @@ async def test_next_with_a_timeout_leases_nothing(
         await claims.next(ALL, object())
     claims.add(1, SHARED)
     assert claims.leased == 0
-    assert claims.take(ALL, object()) == Delivery(1, SHARED, False, 1)
+    assert claims.next_nowait(ALL, object()) == Delivery(1, SHARED, False, 1)
 
 
 async def test_close_wakes_waiting_consumers(
@@ -271,21 +273,21 @@ async def test_low_water_is_the_lowest_unsettled_sort_key(
     assert claims.low_water() == 1  # nothing seen yet
     claims.add_many([(1, SHARED), (2, SYSTEM), (3, SHARED)])
     owner = object()
-    claims.take(ALL, owner)  # 1 leased
+    claims.next_nowait(ALL, owner)  # 1 leased
     assert claims.low_water() == 1
     claims.begin_ack(1, owner)
     assert claims.low_water() == 1  # an ack not yet durable still holds it
     claims.finish_ack(1)
     assert claims.low_water() == 2
-    claims.take(ALL, owner)  # 2
+    claims.next_nowait(ALL, owner)  # 2
     claims.nack(2, owner, delay=5.0)
     assert claims.low_water() == 2  # a delayed nack holds it
-    claims.take(ALL, owner)  # 3
+    claims.next_nowait(ALL, owner)  # 3
     claims.begin_ack(3, owner)
     claims.finish_ack(3)
     assert claims.low_water() == 2
     await trio.sleep(6)
-    delivery = claims.take(ALL, owner)
+    delivery = claims.next_nowait(ALL, owner)
     assert delivery is not None and delivery.sort_key == 2
     claims.begin_ack(2, owner)
     claims.finish_ack(2)
@@ -372,12 +374,14 @@ async def test_take_does_not_walk_every_subject(
     owner = object()
     claims.add_many((n, f"events.type_{n}") for n in range(1, 20_001))
     for _ in range(20_000):  # every subject drained
-        delivery = claims.take(ALL, owner)
+        delivery = claims.next_nowait(ALL, owner)
         assert delivery is not None and claims.begin_ack(delivery.sort_key, owner)
         claims.finish_ack(delivery.sort_key)
     claims.add(20_001, SHARED)
     counting = CountingMatches(monkeypatch)
-    assert claims.take(parse_filter("commands.>"), owner) == Delivery(20_001, SHARED, False, 1)
+    assert claims.next_nowait(parse_filter("commands.>"), owner) == Delivery(
+        20_001, SHARED, False, 1
+    )
     assert counting.calls <= 2  # the new filter's index: built from the one live subject
     assert claims.total == 1
 
@@ -387,7 +391,7 @@ async def test_a_lease_has_one_timer_entry_however_often_extended(
 ) -> None:
     claims.add(1, SHARED)
     owner = object()
-    claims.take(ALL, owner)
+    claims.next_nowait(ALL, owner)
     for _ in range(1000):
         await trio.sleep(0.01)
         assert claims.extend(1, owner)
@@ -395,7 +399,7 @@ async def test_a_lease_has_one_timer_entry_however_often_extended(
     await trio.sleep(claims.ack_wait - 1)  # still within the last extension
     assert claims.leased == 1
     await trio.sleep(2)  # past it: redelivered
-    assert claims.take(ALL, object()) == Delivery(1, SHARED, True, 2)
+    assert claims.next_nowait(ALL, object()) == Delivery(1, SHARED, True, 2)
 
 
 async def test_a_record_handed_to_a_waiter_that_left_goes_to_the_next(
@@ -429,7 +433,7 @@ async def test_filter_indexes_stay_bounded(
     owner = object()
     for n in range(1, 5001):
         claims.add(n, f"commands.shared.shard.{n % 7}")
-        delivery = claims.take(parse_filter("commands.shared.>"), owner)
+        delivery = claims.next_nowait(parse_filter("commands.shared.>"), owner)
         assert delivery is not None and claims.begin_ack(delivery.sort_key, owner)
         claims.finish_ack(delivery.sort_key)
     stale = claims._indexes[parse_filter("commands.>")]

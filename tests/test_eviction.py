@@ -120,7 +120,7 @@ async def test_a_group_forgets_evicted_records_in_every_state_and_counts_the_una
         await publish_events(groups.committer, 10)
         claims = await groups.get("forgets", "beginning")
         worker = object()
-        taken = [claims.take(EVENTS, worker) for _ in range(4)]
+        taken = [claims.next_nowait(EVENTS, worker) for _ in range(4)]
         assert [d.sort_key for d in taken if d] == [1, 2, 3, 4]
         assert claims.nack(2, worker)  # waiting for a redelivery
         assert claims.nack(3, worker, delay=60)  # delayed
@@ -132,7 +132,7 @@ async def test_a_group_forgets_evicted_records_in_every_state_and_counts_the_una
         assert not claims.begin_ack(1, worker)  # its lease went with it
         claims.finish_ack(4)
         assert claims.total == 4
-        delivery = claims.take(EVENTS, worker)
+        delivery = claims.next_nowait(EVENTS, worker)
         assert delivery is not None and delivery.sort_key == 7
         assert claims.low_water() == 7
         assert groups.evict_through(6) == {}  # once
@@ -143,12 +143,12 @@ async def test_an_ack_that_fails_after_its_record_was_evicted_does_not_redeliver
     claims.add_many((key, "commands.shared.x") for key in range(1, 7))
     worker = object()
     for _ in range(2):
-        claims.take(("commands", ">"), worker)
+        claims.next_nowait(("commands", ">"), worker)
     assert claims.begin_ack(1, worker) and claims.nack(2, worker)
     assert claims.evict_through(3) == 2  # 2 (to redeliver) and 3 (fresh); 1 is settling
     claims.abort_ack(1)  # its commit failed: it would be redelivered, but it is gone
     assert claims.total == 3
-    delivery = claims.take(("commands", ">"), worker)
+    delivery = claims.next_nowait(("commands", ">"), worker)
     assert delivery is not None and delivery.sort_key == 4
 
 
@@ -159,7 +159,7 @@ async def test_a_group_loading_while_an_eviction_begins_skips_what_it_evicts(
         await publish_events(groups.committer, 10)
         groups.evict_through(4)  # before the group exists; the store still has 1-4
         claims = await groups.get("late", "beginning")
-        delivery = claims.take(EVENTS, object())
+        delivery = claims.next_nowait(EVENTS, object())
         assert delivery is not None and delivery.sort_key == 5
 
 
@@ -174,7 +174,7 @@ async def test_an_eviction_deletes_only_after_the_bodies_asked_for_are_read(
     with trio.fail_after(20):
         await publish_events(groups.committer, 400)
         claims = await groups.get("reader", "beginning")
-        delivery = claims.take(EVENTS, object())
+        delivery = claims.next_nowait(EVENTS, object())
         assert delivery is not None and delivery.sort_key == 1
         read: list[object] = []
         bodies.read_then(delivery.sort_key, read.append)

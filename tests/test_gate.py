@@ -63,9 +63,9 @@ async def held(gate: Gate) -> AsyncIterator[None]:
 
 async def test_admitted_at_once_when_a_slot_is_free(autojump_clock: trio.testing.MockClock) -> None:
     gate = make_gate("free")
-    with await gate.acquire("read") as lease:
+    with await gate.acquire("read") as slot:
         assert gate.statistics().inflight == 1
-        assert lease.admitted_at == lease.arrival
+        assert slot.admitted_at == slot.arrival
     stats = gate.statistics()
     assert (stats.inflight, stats.admitted_total) == (0, 1)
     assert sample("cmdbus_queue_wait_seconds_count", {"face": "free", "op": "read"}) == 1
@@ -133,8 +133,8 @@ async def test_waiter_is_admitted_when_a_slot_frees(autojump_clock: trio.testing
 
         nursery.start_soon(free_later)
         arrival = trio.current_time()
-        with await gate.acquire("read") as lease:
-            assert lease.admitted_at - arrival == pytest.approx(2)
+        with await gate.acquire("read") as slot:
+            assert slot.admitted_at - arrival == pytest.approx(2)
     assert gate.statistics().admitted_total == 2
 
 
@@ -142,9 +142,9 @@ async def test_arrival_counts_toward_queue_wait(autojump_clock: trio.testing.Moc
     gate = make_gate("arrival")
     arrival = trio.current_time()
     await trio.sleep(0.3)  # e.g. time spent reading the frame
-    with await gate.acquire("read", arrival=arrival) as lease:
-        assert lease.admitted_at - lease.arrival == pytest.approx(0.3)
-        assert lease.deadline == pytest.approx(arrival + 10.0)
+    with await gate.acquire("read", arrival=arrival) as slot:
+        assert slot.admitted_at - slot.arrival == pytest.approx(0.3)
+        assert slot.deadline == pytest.approx(arrival + 10.0)
     assert sample("cmdbus_queue_wait_seconds_sum", {"face": "arrival", "op": "read"}) == (
         pytest.approx(0.3)
     )
@@ -152,11 +152,11 @@ async def test_arrival_counts_toward_queue_wait(autojump_clock: trio.testing.Moc
 
 async def test_acquire_nowait(autojump_clock: trio.testing.MockClock) -> None:
     gate = make_gate("nowait", max_waiters=5)
-    lease = gate.acquire_nowait("read")
+    slot = gate.acquire_nowait("read")
     with pytest.raises(Shed) as info:
         gate.acquire_nowait("read")
     assert info.value.reason is ShedReason.WAITERS_FULL
-    lease.release()
+    slot.release()
     gate.acquire_nowait("read").release()
     with pytest.raises(Shed) as info:
         gate.acquire_nowait("read", budget=0)
@@ -176,7 +176,7 @@ async def test_cancelled_waiter_holds_and_counts_nothing(
 
 
 async def test_lease_is_held_until_a_cancelled_requests_thread_returns() -> None:
-    gate = make_gate("lease")
+    gate = make_gate("slot")
     thread_started = threading.Event()
     let_thread_finish = threading.Event()
     observed: list[str] = []
@@ -188,8 +188,8 @@ async def test_lease_is_held_until_a_cancelled_requests_thread_returns() -> None
         return "done"
 
     async def request() -> None:
-        with await gate.acquire("write") as lease:
-            await lease.run_cancellable(work)
+        with await gate.acquire("write") as slot:
+            await slot.run_cancellable(work)
 
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
@@ -203,7 +203,7 @@ async def test_lease_is_held_until_a_cancelled_requests_thread_returns() -> None
             await trio.to_thread.run_sync(thread_started.wait)
             request_scope.cancel()
             await trio.sleep(0.05)
-            # The client is gone, but the thread still runs: the lease must still be held.
+            # The client is gone, but the thread still runs: the slot must still be held.
             assert gate.statistics().inflight == 1
             drained = trio.Event()
 
@@ -233,10 +233,10 @@ async def test_read_work_stops_at_the_budget_within_one_page() -> None:
 
     with (
         trio.fail_after(10),
-        await gate.acquire("read") as lease,
+        await gate.acquire("read") as slot,
         pytest.raises(DeadlineExceeded),
     ):
-        await lease.run_cancellable(read_pages)
+        await slot.run_cancellable(read_pages)
     assert 0 < len(pages) < 10_000
     assert gate.statistics().inflight == 0
 
@@ -250,15 +250,15 @@ async def test_write_work_finishes_even_when_cancelled() -> None:
         finished.append(True)
 
     with trio.fail_after(10):
-        with trio.move_on_after(0.01), await gate.acquire("append") as lease:
-            await lease.run_to_completion(write)
+        with trio.move_on_after(0.01), await gate.acquire("append") as slot:
+            await slot.run_to_completion(write)
         assert finished == [True]
         assert gate.statistics().inflight == 0
 
 
 async def test_one_thread_per_lease() -> None:
     gate = make_gate("one", max_inflight=2)
-    with await gate.acquire("read") as lease:
+    with await gate.acquire("read") as slot:
         started = threading.Event()
         stop = threading.Event()
 
@@ -267,15 +267,15 @@ async def test_one_thread_per_lease() -> None:
             stop.wait(10)
 
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(lease.run_cancellable, slow)
+            nursery.start_soon(slot.run_cancellable, slow)
             await trio.to_thread.run_sync(started.wait)
             with pytest.raises(RuntimeError, match="one thread per request"):
-                await lease.run_cancellable(slow)
+                await slot.run_cancellable(slow)
             stop.set()
     with pytest.raises(RuntimeError, match="released"):
-        await lease.run_to_completion(slow)
+        await slot.run_to_completion(slow)
     with pytest.raises(RuntimeError, match="twice"):
-        lease.release()
+        slot.release()
 
 
 async def test_close_wakes_waiters_and_refuses_new_requests(
@@ -434,12 +434,12 @@ async def test_can_admit_now_only_when_open_with_a_free_slot_and_nobody_waiting(
 ) -> None:
     gate = make_gate(max_inflight=1, max_waiters=1)
     assert gate.can_admit_now
-    lease = gate.acquire_nowait("op")
+    slot = gate.acquire_nowait("op")
     assert not gate.can_admit_now  # no free slot
     async with trio.open_nursery() as nursery:
         nursery.start_soon(gate.acquire, "op")
         await trio.testing.wait_all_tasks_blocked()
-        lease.release()  # the slot goes to the waiter, not to a newcomer
+        slot.release()  # the slot goes to the waiter, not to a newcomer
         assert not gate.can_admit_now
         await trio.testing.wait_all_tasks_blocked()
         nursery.cancel_scope.cancel()
@@ -464,8 +464,8 @@ async def test_max_threads_bounds_the_leases_running_a_thread_at_once() -> None:
             running -= 1
 
     async def request() -> None:
-        with gate.acquire_nowait("op") as lease:
-            await lease.run_to_completion(work)
+        with gate.acquire_nowait("op") as slot:
+            await slot.run_to_completion(work)
 
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:

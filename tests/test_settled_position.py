@@ -40,7 +40,7 @@ async def publish(committer: GroupCommitter, payloads: list[str]) -> list[int]:
 async def ack_all(claims: Claims, committer: GroupCommitter, filter: str) -> list[int]:
     owner = object()
     acked = []
-    while (delivery := claims.take(parse_filter(filter), owner)) is not None:
+    while (delivery := claims.next_nowait(parse_filter(filter), owner)) is not None:
         assert claims.begin_ack(delivery.sort_key, owner)
         ticket = Ticket(acks=[(claims.group, delivery.sort_key)])
         committer.enqueue(ticket)
@@ -70,7 +70,7 @@ async def test_a_pool_with_no_workers_and_a_long_nack_no_longer_hold_the_positio
             (stuck,) = await publish(committer, ['{"execution_pool": "nobody"}'])
             busy = await publish(committer, ['{"execution_pool": "busy"}'] * 200)
             owner = object()
-            delivery = claims.take(parse_filter("commands.busy.>"), owner)
+            delivery = claims.next_nowait(parse_filter("commands.busy.>"), owner)
             assert delivery is not None and delivery.sort_key == busy[0]
             assert claims.nack(busy[0], owner, delay=3600)  # back in an hour
             counted = Ticket(counts=[("commands", busy[0], 1)])  # as the face's on_count does
@@ -106,11 +106,11 @@ async def test_a_pool_with_no_workers_and_a_long_nack_no_longer_hold_the_positio
         await trio.to_thread.run_sync(again.close)
     assert scanned and min(scanned) >= busy[-1]  # no rescan of the 200 settled ones
     owner = object()
-    first = claims.take(parse_filter(">"), owner)
-    second = claims.take(parse_filter(">"), owner)
+    first = claims.next_nowait(parse_filter(">"), owner)
+    second = claims.next_nowait(parse_filter(">"), owner)
     assert first is not None and (first.sort_key, first.deliveries) == (stuck, 1)
     assert second is not None and (second.sort_key, second.deliveries) == (busy[0], 2)
-    assert claims.take(parse_filter(">"), owner) is None
+    assert claims.next_nowait(parse_filter(">"), owner) is None
     assert claims.total == 2
 
 
@@ -142,5 +142,5 @@ async def test_an_event_group_passes_a_type_nobody_consumes(log: BusLog) -> None
     restored = groups.claims["g"]
     assert restored.total == 50
     owner = object()
-    taken = [restored.take(parse_filter(">"), owner) for _ in range(51)]
+    taken = [restored.next_nowait(parse_filter(">"), owner) for _ in range(51)]
     assert [d.sort_key for d in taken if d is not None] == keys[1::2]

@@ -82,7 +82,7 @@ async def _same_answers(ops: list[Any]) -> None:
                 continue
             for claims in both:
                 if op[0] == "take":
-                    answers.append(claims.take(FILTERS[op[1]], OWNERS[op[2]]))
+                    answers.append(claims.next_nowait(FILTERS[op[1]], OWNERS[op[2]]))
                 elif op[0] == "ack":
                     began = claims.begin_ack(op[1], OWNERS[op[2]])
                     if began:
@@ -119,7 +119,7 @@ async def test_a_waiting_next_on_the_tail_gets_the_first_matching_record() -> No
             await trio.testing.wait_all_tasks_blocked()
             tail([Committed(1, "events.a", "{}"), Committed(2, "events.b", "{}")])
     assert got == [Delivery(2, "events.b", False, 1)]
-    assert claims.take(parse_filter(">"), owner) == Delivery(1, "events.a", False, 1)
+    assert claims.next_nowait(parse_filter(">"), owner) == Delivery(1, "events.a", False, 1)
 
 
 @pytest.fixture
@@ -142,7 +142,7 @@ async def _publish(committer: GroupCommitter, event_types: list[str]) -> None:
 
 def _drain(claims: Claims, owner: object) -> list[int]:
     taken = []
-    while (delivery := claims.take(parse_filter(">"), owner)) is not None:
+    while (delivery := claims.next_nowait(parse_filter(">"), owner)) is not None:
         claims.begin_ack(delivery.sort_key, owner)
         claims.finish_ack(delivery.sort_key)
         taken.append(delivery.sort_key)
@@ -168,7 +168,7 @@ async def test_the_tail_is_trimmed_behind_the_slowest_group_and_read_back_for_an
             assert _drain(fast, owner) == list(range(1, count + 1))
             groups.tail.trim()
             assert len(groups.tail.keys) == count  # the slow group has not moved
-            half = [slow.take(parse_filter(">"), owner) for _ in range(count // 2)]
+            half = [slow.next_nowait(parse_filter(">"), owner) for _ in range(count // 2)]
             for delivery in half:
                 assert delivery is not None
                 slow.begin_ack(delivery.sort_key, owner)
@@ -211,7 +211,7 @@ async def test_a_restarted_group_resumes_past_its_acks_with_its_delivery_counts(
     owner = object()
     g, h = groups.claims["g"], groups.claims["h"]
     assert g.total == 6 and h.total == 9
-    assert g.take(parse_filter(">"), owner) == Delivery(3, "events.a", True, 3)
+    assert g.next_nowait(parse_filter(">"), owner) == Delivery(3, "events.a", True, 3)
     assert _drain(g, owner) == [4, 6, 8, 9, 10]
     assert _drain(h, owner) == [1, 2, 3, 4, 5, 6, 7, 8, 10]
 
@@ -239,8 +239,8 @@ async def test_ten_thousand_event_types_and_a_hundred_groups_cost_little(log: Bu
             created = [await groups.get(f"g{n}", "beginning") for n in range(100)]
             elapsed = time.monotonic() - started
             for claims in created:  # each group in use: a filter index, leases, a lag
-                assert claims.take(parse_filter("events.type5"), owner) is not None
-                assert claims.take(parse_filter(">"), owner) is not None
+                assert claims.next_nowait(parse_filter("events.type5"), owner) is not None
+                assert claims.next_nowait(parse_filter(">"), owner) is not None
                 assert len(await claims.backlog()) == 10_000
             grown = _rss_mib() - before
             nursery.cancel_scope.cancel()

@@ -1,8 +1,12 @@
 from __future__ import annotations
 
-import pytest
+import json
 
-from cmdbus_trio.protocol import ErrorCode
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cmdbus_trio.protocol import ErrorCode, LocalProtocolError
 from cmdbus_trio.protocol import tier as codec
 
 
@@ -118,7 +122,61 @@ def test_reply_size_matches_with_records(
 ) -> None:
     fragments = [b'{"a":1}', b'{"bb":22}', b'{"c":"x"}'][:count]
     built = codec.with_records(head, fragments, tail)
-    import json
-
     assert json.loads(built) == {**head, "records": [json.loads(f) for f in fragments], **tail}
     assert codec.reply_size(head, sum(map(len, fragments)), count, tail) == len(built)
+
+
+def _reference_page(
+    head: dict[str, object], items: list[tuple[int, bytes]], limit: int, max_reply: int
+) -> bytes | None:
+    """What a paged reply holds, one record at a time: as many records as fit by count
+    and by bytes (None: the first alone is over the cap)."""
+    taken: list[tuple[int, bytes]] = []
+    for item in items:
+        built = codec.with_records(
+            head | {"returned": limit}, [f for _, f in [*taken, item]], {"next_after": 1 << 63}
+        )
+        if len(taken) == limit or len(built) > max_reply:
+            break
+        taken.append(item)
+    if not taken and items:
+        return None
+    more = len(taken) < len(items)
+    tail = {"next_after": taken[-1][0] if more else None}
+    return codec.with_records(head | {"returned": len(taken)}, [f for _, f in taken], tail)
+
+
+@given(
+    sizes=st.lists(st.lists(st.integers(0, 40), max_size=6), max_size=5),
+    limit=st.integers(1, 12),
+    room=st.integers(0, 200),
+)
+def test_a_page_of_fragments_takes_what_a_record_at_a_time_would(
+    sizes: list[list[int]], limit: int, room: int
+) -> None:
+    """Pages are cut by bisecting their ends, not record by record: the same records,
+    limits and caps as the plain loop, at every boundary (empty pages included)."""
+    keys = iter(range(1, 1000))
+    pages = [
+        codec.Fragments.of((next(keys), json.dumps("x" * n).encode()) for n in page)
+        for page in sizes
+    ]
+    items = [pair for page in pages for pair in page]
+    head = {"id": 1, "ok": True}
+    max_reply = len(codec.with_records(head | {"returned": limit}, [], {"next_after": 1 << 63}))
+    max_reply += room
+    expected = _reference_page(head, items, limit, max_reply)
+    if expected is None:
+        with pytest.raises(LocalProtocolError, match=f"record {items[0][0]} alone"):
+            codec.page(head, pages, limit=limit, max_reply=max_reply, name="record", returned=True)
+        return
+    built = codec.page(head, pages, limit=limit, max_reply=max_reply, name="record", returned=True)
+    assert built == expected
+
+
+def test_fragments_refuse_parts_that_disagree() -> None:
+    assert list(codec.Fragments.joined([7, 9], [2, 3], b"ab,cde")) == [(7, b"ab"), (9, b"cde")]
+    with pytest.raises(ValueError, match="disagree"):
+        codec.Fragments.joined([7], [2, 3], b"ab,cde")
+    with pytest.raises(ValueError, match="disagree"):
+        codec.Fragments.joined([7, 9], [2, 3], b"ab,cdef")

@@ -15,6 +15,7 @@ import trio
 from cmdbus_trio import metrics
 from cmdbus_trio.admission import run_in_thread
 from cmdbus_trio.config import Config
+from cmdbus_trio.protocol.tier import Fragments
 from cmdbus_trio.storage.tier import NewRecord, TierStore
 
 from .helpers import frame_client, get, running_writer, serving
@@ -193,7 +194,7 @@ async def test_a_started_write_finishes_when_its_client_leaves(
                 )
                 while gate.statistics().inflight == 0:
                     await trio.sleep(0.01)
-            # The client is gone; the write is still running and holds its lease.
+            # The client is gone; the write is still running and holds its Gate slot.
             assert gate.statistics().inflight == 1
             while gate.statistics().inflight:
                 await trio.sleep(0.01)
@@ -291,9 +292,7 @@ async def slow_big_execution(
     )
     original = store.iter_execution_encoded
 
-    def slow_pages(
-        tier: str, execution_id: str, *, after: int = 0
-    ) -> Iterator[list[tuple[int, bytes]]]:
+    def slow_pages(tier: str, execution_id: str, *, after: int = 0) -> Iterator[Fragments]:
         for page in original(tier, execution_id, after=after):
             if served is not None:
                 served.append(len(page))

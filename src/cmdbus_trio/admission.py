@@ -1,12 +1,12 @@
-"""Admission control: the Gate, its leases, and the one offload helper.
+"""Admission control: the Gate, its slots, and the one offload helper.
 
-A request arrives (its clock starts), asks its face's :class:`Gate` for a :class:`Lease`,
-does its work through the lease (in a worker thread when it blocks), and releases the
-lease when that work has truly returned. The Gate sheds what it cannot serve in time,
+A request arrives (its clock starts), asks its face's :class:`Gate` for a :class:`Slot`,
+does its work through the slot (in a worker thread when it blocks), and releases the
+slot when that work has truly returned. The Gate sheds what it cannot serve in time,
 with a reason, instead of letting a queue grow without bound.
 
 Only :func:`run_in_thread` enters a worker thread (:class:`ThreadBatcher` is built on
-it); it never abandons one (so a lease can never be released, nor a store closed,
+it); it never abandons one (so a slot can never be released, nor a store closed,
 under a running thread).
 """
 
@@ -241,10 +241,10 @@ class GateStatistics:
     """Sheds since start, by reason (every reason present, 0 when none)."""
 
 
-class Lease:
+class Slot:
     """A Gate slot held on behalf of one request, until :meth:`release`.
 
-    Use it as a context manager (``with await gate.acquire(op) as lease:``); do blocking
+    Use it as a context manager (``with await gate.acquire(op) as slot:``); do blocking
     work through :meth:`run_cancellable` or :meth:`run_to_completion`.
     """
 
@@ -272,16 +272,16 @@ class Lease:
 
     async def run_to_completion(self, fn: Callable[[*Ts], T], *args: *Ts) -> T:
         """Run write work in a thread; once started it finishes, whatever is cancelled,
-        and the lease stays held until it has (DESIGN.md: "Writes finish")."""
+        and the slot stays held until it has (DESIGN.md: "Writes finish")."""
         with trio.CancelScope(shield=True):
             result = await self._run(fn, *args)
         return result
 
     async def _run(self, fn: Callable[[*Ts], T], *args: *Ts) -> T:
         if self._released:
-            raise RuntimeError("this lease was released")
+            raise RuntimeError("this slot was released")
         if self._running:
-            raise RuntimeError("one thread per request: this lease is already running work")
+            raise RuntimeError("one thread per request: this slot is already running work")
         self._running = True
         try:
             return await run_in_thread(fn, *args, limiter=self._gate._thread_limiter)
@@ -290,11 +290,11 @@ class Lease:
 
     def release(self) -> None:
         if self._released:
-            raise RuntimeError("lease released twice")
+            raise RuntimeError("slot released twice")
         self._released = True
         self._gate._release(self)
 
-    def __enter__(self) -> Lease:
+    def __enter__(self) -> Slot:
         return self
 
     def __exit__(
@@ -309,16 +309,16 @@ class Lease:
 class Gate:
     """Admission control for one face.
 
-    At most ``max_inflight`` leases are held at once; at most ``max_waiters`` requests
+    At most ``max_inflight`` slots are held at once; at most ``max_waiters`` requests
     wait for one. A request waits at most ``min(shed_after, remaining budget)``. Outcomes:
     admitted, or :class:`Shed` with reason ``waiters_full`` (at once, the queue is full),
     ``queue_timeout`` (waited ``shed_after``) or ``deadline`` (the budget ran out first,
     or was already spent on arrival). Each is counted under the face and op.
 
-    ``ops``: the ops that ask this Gate for leases, whose shed counters exist from the
+    ``ops``: the ops that ask this Gate for slots, whose shed counters exist from the
     start (at 0), so that a dashboard's ``sum()`` reads 0 rather than no data.
 
-    At most ``max_threads`` (default: ``max_inflight``) leases run a worker thread at
+    At most ``max_threads`` (default: ``max_inflight``) slots run a worker thread at
     once; a face whose slots are mostly not threads (the claim faces: deliveries whose
     body a batched read fetches) keeps its thread work to the CPU quota this way.
     """
@@ -353,7 +353,7 @@ class Gate:
         self.shed_after = shed_after
         self.default_budget = default_budget
         self._limiter = trio.CapacityLimiter(max_inflight)
-        # A lease runs at most one thread: with the default, an admitted request never
+        # A slot runs at most one thread: with the default, an admitted request never
         # waits for one; with fewer, it may (after admission, inside its service time).
         self._thread_limiter = trio.CapacityLimiter(self.max_threads)
         self._waiting: set[trio.CancelScope] = set()
@@ -376,7 +376,7 @@ class Gate:
 
     async def acquire(
         self, op: str, *, budget: float | None = None, arrival: float | None = None
-    ) -> Lease:
+    ) -> Slot:
         """Admit one request of ``op``, or shed it.
 
         ``arrival`` is when the request arrived (default: now); ``budget`` is the time the
@@ -387,38 +387,38 @@ class Gate:
         Error handling: raises :class:`Shed` or :class:`GateClosed`.
         """
         now = trio.current_time()
-        lease = self._arrive(op, now, budget, arrival)
-        remaining = lease.deadline - now
+        slot = self._arrive(op, now, budget, arrival)
+        remaining = slot.deadline - now
         try:
-            self._limiter.acquire_on_behalf_of_nowait(lease)
+            self._limiter.acquire_on_behalf_of_nowait(slot)
         except trio.WouldBlock:
             if len(self._waiting) >= self.max_waiters:
-                self._shed(lease, ShedReason.WAITERS_FULL)
+                self._shed(slot, ShedReason.WAITERS_FULL)
             with trio.CancelScope(deadline=now + min(self.shed_after, remaining)) as waiting:
                 self._waiting.add(waiting)
                 try:
-                    await self._limiter.acquire_on_behalf_of(lease)
+                    await self._limiter.acquire_on_behalf_of(slot)
                 finally:
                     self._waiting.discard(waiting)
             if waiting.cancelled_caught:
                 if self._closed:
                     raise GateClosed(f"{self.face} is draining") from None
                 budget_first = remaining <= self.shed_after
-                self._shed(lease, ShedReason.DEADLINE if budget_first else ShedReason.QUEUE_TIMEOUT)
-        self._admit(lease)
-        return lease
+                self._shed(slot, ShedReason.DEADLINE if budget_first else ShedReason.QUEUE_TIMEOUT)
+        self._admit(slot)
+        return slot
 
     def acquire_nowait(
         self, op: str, *, budget: float | None = None, arrival: float | None = None
-    ) -> Lease:
+    ) -> Slot:
         """Admit at once or shed: never queues (a free slot or ``waiters_full``)."""
-        lease = self._arrive(op, trio.current_time(), budget, arrival)
+        slot = self._arrive(op, trio.current_time(), budget, arrival)
         try:
-            self._limiter.acquire_on_behalf_of_nowait(lease)
+            self._limiter.acquire_on_behalf_of_nowait(slot)
         except trio.WouldBlock:
-            self._shed(lease, ShedReason.WAITERS_FULL)
-        self._admit(lease)
-        return lease
+            self._shed(slot, ShedReason.WAITERS_FULL)
+        self._admit(slot)
+        return slot
 
     @property
     def can_admit_now(self) -> bool:
@@ -427,40 +427,40 @@ class Gate:
         wait, take a fast path without a task."""
         return not self._closed and not self._waiting and self._limiter.available_tokens > 0
 
-    def _arrive(self, op: str, now: float, budget: float | None, arrival: float | None) -> Lease:
+    def _arrive(self, op: str, now: float, budget: float | None, arrival: float | None) -> Slot:
         """The checks made before queueing: closed, or a budget already spent."""
         arrival = now if arrival is None else arrival
         budget = self.default_budget if budget is None else budget
-        lease = Lease(self, op, arrival, arrival + budget)
+        slot = Slot(self, op, arrival, arrival + budget)
         if self._closed:
             raise GateClosed(f"{self.face} is draining")
-        if lease.deadline <= now:
-            self._shed(lease, ShedReason.DEADLINE)
-        return lease
+        if slot.deadline <= now:
+            self._shed(slot, ShedReason.DEADLINE)
+        return slot
 
-    def _admit(self, lease: Lease) -> None:
-        lease.admitted_at = trio.current_time()
+    def _admit(self, slot: Slot) -> None:
+        slot.admitted_at = trio.current_time()
         self._admitted_total += 1
         self._idle = trio.Event() if self._idle.is_set() else self._idle
-        metrics.child(metrics.QUEUE_WAIT, self.face, lease.op).observe(
-            lease.admitted_at - lease.arrival
+        metrics.child(metrics.QUEUE_WAIT, self.face, slot.op).observe(
+            slot.admitted_at - slot.arrival
         )
 
-    def _shed(self, lease: Lease, reason: ShedReason) -> NoReturn:
+    def _shed(self, slot: Slot, reason: ShedReason) -> NoReturn:
         self._shed_total[reason.value] += 1
-        metrics.SHED.labels(face=self.face, op=lease.op, reason=reason.value).inc()
+        metrics.SHED.labels(face=self.face, op=slot.op, reason=reason.value).inc()
         self._bursts.shed(reason, trio.current_time())
-        raise Shed(self.face, lease.op, reason, self.retry_after_ms(reason))
+        raise Shed(self.face, slot.op, reason, self.retry_after_ms(reason))
 
     def retry_after_ms(self, reason: ShedReason) -> int:
         """A hint for a shed client: one ``shed_after`` (by then the queue has turned over
         at least once); 0 for ``deadline``, whose budget is gone anyway."""
         return 0 if reason is ShedReason.DEADLINE else max(1, round(self.shed_after * 1000))
 
-    def _release(self, lease: Lease) -> None:
-        self._limiter.release_on_behalf_of(lease)
-        metrics.child(metrics.SERVICE, self.face, lease.op).observe(
-            trio.current_time() - lease.admitted_at
+    def _release(self, slot: Slot) -> None:
+        self._limiter.release_on_behalf_of(slot)
+        metrics.child(metrics.SERVICE, self.face, slot.op).observe(
+            trio.current_time() - slot.admitted_at
         )
         if self._limiter.borrowed_tokens == 0:
             self._idle.set()
@@ -511,7 +511,7 @@ class Gate:
         self._room.unpark_all()
 
     async def wait_idle(self) -> None:
-        """Return once no lease is held (every admitted request's work has returned)."""
+        """Return once no slot is held (every admitted request's work has returned)."""
         while self._limiter.borrowed_tokens:
             await self._idle.wait()
 

@@ -106,7 +106,7 @@ ADMITTED_OPS: Mapping[str, tuple[str, ...]] = {
     "evt_claim": ("next", "dead", "requeue", "purge"),
     "evt_subscribe": ("subscribe",),
 }
-"""The ops that ask each face's Gate for a lease (their shed counters start at 0)."""
+"""The ops that ask each face's Gate for a slot (their shed counters start at 0)."""
 
 
 def lanes_for(face: str, config: Config) -> dict[str, Gate]:
@@ -205,7 +205,7 @@ def gate_for(face: str, config: Config) -> Gate:
     quota = cpu_quota()
     if face in ("cmd_claim", "evt_claim"):
         # Slots are mostly deliveries whose body is queued for or in a batched read
-        # (bus/bodies.py): they bound the bodies held in memory. The thread work leases
+        # (bus/bodies.py): they bound the bodies held in memory. The thread work slots
         # run (`dead` listings) stays within the CPU quota.
         return Gate(
             face,

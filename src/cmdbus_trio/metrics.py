@@ -53,7 +53,7 @@ QUEUE_WAIT = Histogram(
 )
 SERVICE = Histogram(
     "cmdbus_service_seconds",
-    "Seconds an admitted request held its Gate lease: from admission until its work "
+    "Seconds an admitted request held its Gate slot: from admission until its work "
     "(including any worker thread) returned.",
     ["face", "op"],
     buckets=LATENCY_BUCKETS,
@@ -61,7 +61,7 @@ SERVICE = Histogram(
 )
 INFLIGHT = Gauge(
     "cmdbus_inflight",
-    "Gate leases held right now: requests admitted whose work has not returned.",
+    "Gate slots held right now: requests admitted whose work has not returned.",
     ["face"],
     registry=REGISTRY,
 )

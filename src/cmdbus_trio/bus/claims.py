@@ -416,7 +416,7 @@ class Claims:
         """A record matching the filter can be taken now."""
         return self._oldest(self._index(filter_tokens)) is not None
 
-    def take(self, filter_tokens: tuple[str, ...], owner: object) -> Delivery | None:
+    def next_nowait(self, filter_tokens: tuple[str, ...], owner: object) -> Delivery | None:
         """Lease the next matching record to ``owner``: records to redeliver first (oldest
         first), then fresh ones (oldest first). ``None`` when none matches."""
         index = self._index(filter_tokens)
@@ -464,7 +464,7 @@ class Claims:
         """
         if self._closed:
             raise GateClosed(f"{self.group}: {self._why_closed}")
-        delivery = self.take(filter_tokens, owner)
+        delivery = self.next_nowait(filter_tokens, owner)
         if delivery is not None:
             return delivery
         self._seq += 1
@@ -497,7 +497,7 @@ class Claims:
                     oldest, its_queue = index.waiters[0], index.waiters
             if oldest is None or its_queue is None:
                 return
-            delivery = self.take(oldest.filter, oldest.owner)
+            delivery = self.next_nowait(oldest.filter, oldest.owner)
             if delivery is None:  # the subject's records are taken: the waiter stays
                 return
             its_queue.popleft()
@@ -506,7 +506,7 @@ class Claims:
             oldest.woken.set()
 
     def give_back(self, sort_key: int, owner: object) -> bool:
-        """Undo a :meth:`take` whose record never reached its consumer (no Gate slot for
+        """Undo a :meth:`next_nowait` whose record never reached its consumer (no Gate slot for
         it, its body could not be read, its consumer left): the record is offered again,
         and that delivery does not count."""
         lease = self._end_lease(sort_key, owner)

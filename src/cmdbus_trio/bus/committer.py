@@ -6,9 +6,9 @@ thread call that checks each ticket's records, computes their subjects and appen
 good tickets in one transaction (one fsync). A ticket with a bad record is refused whole
 and does not touch the others. Replies go out only after the commit.
 
-Admission is the ingest face's Gate: a publish holds a lease from before it is queued
+Admission is the ingest face's Gate: a publish holds a Gate slot from before it is queued
 until its ticket is settled, so the Gate bounds the queue (full: ``busy``) and a drain,
-which waits for every lease, flushes it.
+which waits for every slot, flushes it.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ class GroupCommitter:
         nobody."""
 
     def enqueue(self, ticket: Ticket) -> None:
-        """Queue a ticket; never blocks (the caller's Gate lease bounds the queue)."""
+        """Queue a ticket; never blocks (the caller's Gate slot bounds the queue)."""
         self._batches.put(ticket)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:

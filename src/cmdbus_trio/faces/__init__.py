@@ -3,7 +3,7 @@
 Each face is ``async def serve(ctx: FaceContext, *, task_status)``: it listens on
 ``ctx.bind``, reports its bound ``host:port`` through ``task_status``, serves until
 ``ctx.draining`` is set, then stops accepting, lets its in-flight requests finish and
-returns. It knows nothing of SQL: store work goes through ``ctx.gate`` leases.
+returns. It knows nothing of SQL: store work goes through ``ctx.gate`` slots.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ with leases, in both dialects.
 
 Each connection has its own handler: the leases it holds are released the moment it
 closes. ``next`` waits in memory (no thread, no polling) for a matching record, leases it,
-and, under a Gate lease, has its body read from the store with the other bodies asked for
+and, under a Gate slot, has its body read from the store with the other bodies asked for
 meanwhile (:mod:`cmdbus_trio.bus.bodies`). ``ack`` is durable before it is answered: it
 goes through the group committer like a publish. A face gives the handler a *resolver*
 from the request's ``group`` (and ``from``) to the coordinator to use.
@@ -42,7 +42,7 @@ from cmdbus_trio.storage import StoreUnavailable
 from cmdbus_trio.storage.buslog import DEAD_KEYS_PAGE, DeadRecord, StoredRecord
 
 from . import FaceContext
-from ._connection import CloseConnection, Deferred, V1Reply, each_checked
+from ._connection import CloseConnection, Deferred, V1Reply, checked_pages
 
 Resolve = Callable[[Any, Any], Awaitable[Claims]]
 """(group field, from field) -> the group's coordinator; raises FieldError."""
@@ -67,7 +67,7 @@ MAX_DEAD_LIMIT = 1000
 
 class ClaimHandler:
     gated_ops = frozenset({"dead", "requeue", "purge"})
-    """``next`` is not among them: it takes its Gate lease only once a record is there,
+    """``next`` is not among them: it takes its Gate slot only once a record is there,
     so a consumer parked in ``next`` holds no intake place (see :meth:`_next`)."""
     large_reply_ops = frozenset({"dead"})
 
@@ -230,7 +230,7 @@ class ClaimHandler:
         *,
         patient: bool = False,
     ) -> tuple[Delivery, StoredRecord]:
-        """Wait for a matching record, then read its body under a Gate lease.
+        """Wait for a matching record, then read its body under a Gate slot.
 
         The wait for a record is the client's (``timeout_ms``, or unbounded): the Gate
         and the request's budget see the request only once a record is handed to it, so
@@ -244,7 +244,7 @@ class ClaimHandler:
         while True:
             delivery = await claims.next(filter_tokens, self)
             try:
-                lease = await self.gate.acquire("next", budget=budget)
+                slot = await self.gate.acquire("next", budget=budget)
             except Shed as shed:
                 claims.give_back(delivery.sort_key, self)
                 if not patient:
@@ -254,7 +254,7 @@ class ClaimHandler:
             except BaseException:
                 claims.give_back(delivery.sort_key, self)
                 raise
-            with lease:
+            with slot:
                 try:
                     # A record leased is read whatever else is cancelled (a batch takes a
                     # hop, not a client's patience).
@@ -284,13 +284,13 @@ class ClaimHandler:
         None when it would have to wait (for a record or a slot): a task does that."""
         if claims.closed or not self.gate.can_admit_now or not claims.has(filter_tokens):
             return None
-        lease = self.gate.acquire_nowait("next", budget=budget)  # a slot is free
-        delivery = claims.take(filter_tokens, self)
+        slot = self.gate.acquire_nowait("next", budget=budget)  # a slot is free
+        delivery = claims.next_nowait(filter_tokens, self)
         assert delivery is not None  # has() said so, and nothing ran in between
         reply = Deferred()
 
         def read(outcome: StoredRecord | Exception) -> None:
-            lease.release()
+            slot.release()
             if isinstance(outcome, Exception):
                 claims.give_back(delivery.sort_key, self)
                 reply.settle(outcome)
@@ -364,8 +364,8 @@ class ClaimHandler:
             raise FieldError("limit", "expected an integer")
         limit = max(1, min(MAX_DEAD_LIMIT, limit))
         head = {"id": request_id, "ok": True}
-        with await self.gate.acquire("dead", budget=budget, arrival=arrival) as lease:
-            return await lease.run_cancellable(
+        with await self.gate.acquire("dead", budget=budget, arrival=arrival) as slot:
+            return await slot.run_cancellable(
                 self._dead_page, claims.group, filter_text, after, limit, head
             )
 
@@ -375,7 +375,10 @@ class ClaimHandler:
         with contextlib.closing(
             self.bus.log.iter_dead(group, after=after, filter=filter_text)
         ) as pages:
-            fragments = ((dead.sort_key, _dead_fragment(dead)) for dead in each_checked(pages))
+            fragments = (
+                tier_codec.Fragments.of((dead.sort_key, _dead_fragment(dead)) for dead in page)
+                for page in checked_pages(pages)
+            )
             return tier_codec.page(
                 head, fragments, limit=limit, max_reply=self.max_reply, name="dead letter"
             )
@@ -411,8 +414,8 @@ class ClaimHandler:
         requeue = op == "requeue"
         moved = 0
         after = 0
-        with await self.gate.acquire(op, budget=budget, arrival=arrival) as lease:
-            while chosen := await lease.run_cancellable(
+        with await self.gate.acquire(op, budget=budget, arrival=arrival) as slot:
+            while chosen := await slot.run_cancellable(
                 partial(
                     self.bus.log.dead_subjects,
                     claims.group,

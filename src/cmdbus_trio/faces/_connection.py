@@ -51,6 +51,7 @@ from cmdbus_trio.storage import StoreUnavailable
 from . import FaceContext
 
 T = TypeVar("T")
+P = TypeVar("P")
 
 log = logging.getLogger(__name__)
 
@@ -115,11 +116,17 @@ class Deferred:
             callback(self._outcome)
 
 
-def each_checked(pages: Iterable[Iterable[T]]) -> Iterator[T]:
-    """The items of ``pages``, read in a worker thread, with a cancellation check before
-    each page: an expired budget or a vanished client stops the thread within one page."""
+def checked_pages(pages: Iterable[P]) -> Iterator[P]:
+    """``pages``, read in a worker thread, with a cancellation check before each: an
+    expired budget or a vanished client stops the thread within one page."""
     for page in pages:
         trio.from_thread.check_cancelled()
+        yield page
+
+
+def each_checked(pages: Iterable[Iterable[T]]) -> Iterator[T]:
+    """The items of :func:`checked_pages`."""
+    for page in checked_pages(pages):
         yield from page
 
 
@@ -152,7 +159,7 @@ class V1Reply:
 
 class FaceHandler(Protocol):
     gated_ops: frozenset[str]
-    """The v2 ops that take a Gate lease (the others never wait for one)."""
+    """The v2 ops that take a Gate slot (the others never wait for one)."""
     large_reply_ops: frozenset[str]
     """The v2 ops whose reply may be as large as the reply cap (pages): a connection
     runs only as many at once as its unsent-bytes cap holds (at least one)."""

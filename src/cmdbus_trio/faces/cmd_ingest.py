@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import trio
 
-from cmdbus_trio.admission import GateClosed, Lease, Shed
+from cmdbus_trio.admission import GateClosed, Shed, Slot
 from cmdbus_trio.bus import Bus
 from cmdbus_trio.bus.committer import Ticket
 from cmdbus_trio.protocol import RemoteProtocolError, Request, encode_ok
@@ -37,9 +37,9 @@ class IngestHandler:
             record = codec.decode_v1_record(frame)
         except RemoteProtocolError:
             raise CloseConnection("protocol_error") from None
-        lease = await self._admit_v1(arrival)
+        slot = await self._admit_v1(arrival)
         try:
-            published = await self._settle(Ticket([(record, None, "record")]), lease)
+            published = await self._settle(Ticket([(record, None, "record")]), slot)
         except RemoteProtocolError:  # a bad payload, or the wrong shard
             raise CloseConnection("protocol_error") from None
         except StoreUnavailable:
@@ -52,7 +52,7 @@ class IngestHandler:
     def closed(self) -> None:
         pass  # stateless: one handler serves every connection
 
-    async def _admit_v1(self, arrival: float) -> Lease:
+    async def _admit_v1(self, arrival: float) -> Slot:
         # v1 has no way to say busy: a shed v1 publish is counted, then waits and retries,
         # so a v1 client sees slower acks instead of errors.
         while True:
@@ -66,7 +66,7 @@ class IngestHandler:
     def v2(self, request: Request, arrival: float) -> Deferred:
         op = codec.decode_op(request.op, request.fields)
         budget = None if request.deadline_ms is None else request.deadline_ms / 1000
-        lease = self.gate.acquire_nowait(op.op, budget=budget, arrival=arrival)
+        slot = self.gate.acquire_nowait(op.op, budget=budget, arrival=arrival)
         if isinstance(op, codec.Publish):
             ticket = Ticket([(op.record, op.msg_id, "record")])
         else:
@@ -74,8 +74,8 @@ class IngestHandler:
         reply = Deferred()
 
         def settled(ticket: Ticket) -> None:
-            # The lease is held until the commit, as in _settle: a drain flushes it.
-            lease.release()
+            # The slot is held until the commit, as in _settle: a drain flushes it.
+            slot.release()
             if ticket.error is not None:
                 reply.settle(ticket.error)
             else:
@@ -88,11 +88,11 @@ class IngestHandler:
         self.committer.enqueue(ticket)
         return reply
 
-    async def _settle(self, ticket: Ticket, lease: Lease) -> list[Published]:
+    async def _settle(self, ticket: Ticket, slot: Slot) -> list[Published]:
         """Queue the ticket now (in arrival order) and wait for its commit, holding the
-        lease until then: a drain waits for it, so nothing accepted is dropped."""
+        slot until then: a drain waits for it, so nothing accepted is dropped."""
         self.committer.enqueue(ticket)
-        with lease, trio.CancelScope(shield=True):
+        with slot, trio.CancelScope(shield=True):
             published = await ticket.wait()
         return published
 

@@ -61,7 +61,7 @@ class _Gaps:
 
 class SubscribeHandler:
     gated_ops: frozenset[str] = frozenset()
-    """A subscription takes a Gate lease per catch-up page, never for its life: a live
+    """A subscription takes a Gate slot per catch-up page, never for its life: a live
     subscriber holds no intake place."""
     large_reply_ops: frozenset[str] = frozenset()
 
@@ -156,8 +156,8 @@ class SubscribeHandler:
             notice = None if gaps is None else gaps.notice(after)
             if notice is not None and not await self.send(notice):
                 raise CloseConnection("write_error")
-            with await self.gate.acquire("subscribe") as lease:
-                page = await lease.run_cancellable(self.bus.log.read_after, after, CATCH_UP_PAGE)
+            with await self.gate.acquire("subscribe") as slot:
+                page = await slot.run_cancellable(self.bus.log.read_after, after, CATCH_UP_PAGE)
             chosen = [r for r in page if tokens is None or matches(tokens, r.subject)]
             if chosen:
                 fragments = [fragment(r.sort_key, r.subject, r.record) for r in chosen]

@@ -29,10 +29,10 @@ from cmdbus_trio.protocol import tier as codec
 from cmdbus_trio.storage.tier import NewRecord, TierStore, VersionConflict
 
 from . import FaceContext
-from ._connection import FaceError, V1Reply, as_face_error, each_checked
+from ._connection import FaceError, V1Reply, as_face_error, checked_pages, each_checked
 from ._connection import serve as serve_connections
 
-Pages = Iterator[list[tuple[int, bytes]]]
+Pages = Iterator[codec.Fragments]
 
 __all__ = ["TierHandler", "serve"]
 
@@ -94,10 +94,10 @@ class TierHandler:
         self, request: codec.TierRequest, arrival: float, budget: float | None, request_id: int
     ) -> bytes:
         gate = self.ctx.gate_of(request.op)  # writes: their own lane (CMDBUS_TIER_WRITES)
-        with await gate.acquire(request.op, budget=budget, arrival=arrival) as lease:
+        with await gate.acquire(request.op, budget=budget, arrival=arrival) as slot:
             if request.op in codec.WRITE_OPS:
-                return await lease.run_to_completion(self._write, request, request_id)
-            return await lease.run_cancellable(self._read, request, request_id)
+                return await slot.run_to_completion(self._write, request, request_id)
+            return await slot.run_cancellable(self._read, request, request_id)
 
     # --- in the worker thread ------------------------------------------------------------
 
@@ -170,7 +170,7 @@ class TierHandler:
     ) -> bytes:
         return codec.page(
             head,
-            each_checked(pages),
+            checked_pages(pages),
             limit=limit,
             max_reply=self.max_reply,
             name="record",

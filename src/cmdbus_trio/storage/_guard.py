@@ -50,7 +50,7 @@ def refuses_loop_thread(func: Callable[P, R]) -> Callable[P, R]:
             LOOP_BLOCKING_CALLS.labels(entry=entry).inc()
             raise LoopThreadError(
                 f"{entry} was called on the event-loop thread; run it through the offload "
-                "helper (Lease.run_cancellable / run_to_completion)"
+                "helper (Slot.run_cancellable / run_to_completion)"
             )
         return func(*args, **kwargs)
 

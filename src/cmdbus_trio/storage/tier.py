@@ -14,13 +14,13 @@ from typing import Any, Final, TypeVar
 
 import attrs
 
-from cmdbus_trio.protocol.tier import record_fragment
+from cmdbus_trio.protocol.tier import Fragments, record_fragment
 
 from ._common import StoreState
 from ._guard import refuses_loop_thread
 from ._sqlite import SqliteStore
 
-Row = TypeVar("Row", bound=tuple[Any, ...])
+Page = TypeVar("Page")
 
 TIERS: Final = ("eventlog", "projection", "catalog")
 DELETE_BATCH: Final = 10_000
@@ -54,13 +54,14 @@ _BOUNDED_PAGE_SQL: Final = (
     "ORDER BY global_sequence"
 )
 # The page's fragments in one result row: the sequences and byte lengths comma-separated,
-# the fragments back to back (group_concat keeps the order the subquery feeds it; a test
-# holds it). The sqlite3 module releases and retakes the GIL for every row, and beside a
-# busy loop each retake can wait: pages of one row per record read at about half speed
-# (docs/benchmarks.md).
+# then the fragments comma-separated as a reply lists them (group_concat keeps the order
+# the subquery feeds it; a test holds it). The sqlite3 module releases and retakes the GIL
+# for every row, and beside a busy loop each retake can wait: pages of one row per record
+# read at about half speed (docs/benchmarks.md). A reply then takes a page's records by
+# slicing the blob (protocol.tier.Fragments), with no Python code per record.
 _FRAGMENTS_SQL: Final = (
     "SELECT group_concat(global_sequence), group_concat(length(fragment)), "
-    "CAST(group_concat(fragment, '') AS BLOB) FROM ({page})"
+    "CAST(group_concat(fragment, ',') AS BLOB) FROM ({page})"
 )
 # Every character class JSON escapes differently across encoders.
 _ESCAPE_SAMPLE: Final = "".join(map(chr, range(0x20))) + '"\\/\x7f\u00e9\u2028\U0001f600'
@@ -366,10 +367,11 @@ class TierStore(SqliteStore):
     @refuses_loop_thread
     def iter_execution_encoded(
         self, tier: str, execution_id: str, *, after: int = 0
-    ) -> Iterator[list[tuple[int, bytes]]]:
-        """As :meth:`iter_execution`, each record as ``(global_sequence, fragment)``, its
-        reply fragment (:func:`~cmdbus_trio.protocol.tier.record_fragment`), in pages of
-        at most :data:`PAGE_ROWS` records and about :data:`PAGE_BYTES` of payload."""
+    ) -> Iterator[Fragments]:
+        """As :meth:`iter_execution`, each record as its reply fragment
+        (:func:`~cmdbus_trio.protocol.tier.record_fragment`, keyed by ``global_sequence``),
+        in pages of at most :data:`PAGE_ROWS` records and about :data:`PAGE_BYTES` of
+        payload."""
         _check_tier(tier)
         return self._encoded(tier, "execution_id = ? AND", (execution_id,), after)
 
@@ -380,7 +382,7 @@ class TierStore(SqliteStore):
         return self._records(tier, "", (), after)
 
     @refuses_loop_thread
-    def iter_scan_encoded(self, tier: str, *, after: int = 0) -> Iterator[list[tuple[int, bytes]]]:
+    def iter_scan_encoded(self, tier: str, *, after: int = 0) -> Iterator[Fragments]:
         """As :meth:`iter_scan`, encoded and bounded as :meth:`iter_execution_encoded`."""
         _check_tier(tier)
         return self._encoded(tier, "", (), after)
@@ -392,14 +394,14 @@ class TierStore(SqliteStore):
             f"SELECT {_COLUMNS} FROM {tier}_records WHERE {condition} "
             "global_sequence > ? ORDER BY global_sequence LIMIT ?"
         )
-        for rows in self._pages(sql, head, after, lambda rows: rows):
+        for rows in self._pages(sql, head, after, _as_rows):
             yield [TierRecord(*row) for row in rows]
             if len(rows) < PAGE_ROWS:
                 return
 
     def _encoded(
         self, tier: str, condition: str, head: tuple[object, ...], after: int
-    ) -> Iterator[list[tuple[int, bytes]]]:
+    ) -> Iterator[Fragments]:
         table = f"{tier}_records"
         if not self.fragments_in_sqlite:
             sql = _BOUNDED_PAGE_SQL.format(columns=_COLUMNS, table=table, condition=condition)
@@ -407,46 +409,47 @@ class TierStore(SqliteStore):
         columns = f"global_sequence, {_FRAGMENT_SQL} AS fragment"
         page = _BOUNDED_PAGE_SQL.format(columns=columns, table=table, condition=condition)
         sql = _FRAGMENTS_SQL.format(page=page)
-        return self._pages(sql, head, after, _split_fragments, PAGE_BYTES)
+        return self._pages(sql, head, after, _joined_fragments, PAGE_BYTES)
 
     def _pages(
         self,
         sql: str,
         head: tuple[object, ...],
         after: int,
-        convert: Callable[[list[Any]], list[Row]],
+        convert: Callable[[list[Any]], tuple[Page, int | None]],
         *tail: object,
-    ) -> Iterator[list[Row]]:
+    ) -> Iterator[Page]:
         """The pages of ``sql`` (parameters ``head``, then the sort key after which a page
-        starts, :data:`PAGE_ROWS`, then ``tail``) until one is empty."""
+        starts, :data:`PAGE_ROWS`, then ``tail``) until one is empty. ``convert`` makes a
+        page of the rows, and says its last key (``None``: the page is empty)."""
         # One short query per page, so no read transaction stays open while the caller
         # encodes a page (or stops early). The connection goes back to the pool when the
         # iteration ends or is dropped.
         with self._connection() as connection:
             while True:
                 rows = connection.execute(sql, (*head, after, PAGE_ROWS, *tail)).fetchall()
-                page = convert(rows)
-                if not page:
+                page, last = convert(rows)
+                if last is None:
                     return
                 yield page
-                after = page[-1][0]
+                after = last
 
 
-def _encode_rows(rows: list[Any]) -> list[tuple[int, bytes]]:
-    return [(row[0], record_fragment(*row)) for row in rows]
+def _as_rows(rows: list[Any]) -> tuple[list[Any], int | None]:
+    return rows, rows[-1][0] if rows else None
 
 
-def _split_fragments(rows: list[Any]) -> list[tuple[int, bytes]]:
-    [(sequences, lengths, fragments)] = rows
+def _encode_rows(rows: list[Any]) -> tuple[Fragments, int | None]:
+    page = Fragments.of((row[0], record_fragment(*row)) for row in rows)
+    return page, page.keys[-1] if rows else None
+
+
+def _joined_fragments(rows: list[Any]) -> tuple[Fragments, int | None]:
+    [(sequences, lengths, blob)] = rows
     if sequences is None:  # no records: group_concat of nothing
-        return []
-    page = []
-    start = 0
-    for sequence, length in zip(sequences.split(","), lengths.split(","), strict=True):
-        end = start + int(length)
-        page.append((int(sequence), fragments[start:end]))
-        start = end
-    return page
+        return Fragments((), (), b""), None
+    keys = list(map(int, sequences.split(",")))
+    return Fragments.joined(keys, map(int, lengths.split(",")), blob), keys[-1]
 
 
 def _sqlite_writes_fragments(connection: sqlite3.Connection) -> bool:
