@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import trio
 
-from cmdbus_trio.admission import ThreadBatcher
+from cmdbus_trio.batcher import ThreadBatcher
 from cmdbus_trio.bus.committer import Committed, GroupCommitter, Ticket
 from cmdbus_trio.protocol import FieldError
 from cmdbus_trio.protocol.bus import BusKind, PublishRecord, SubjectRule

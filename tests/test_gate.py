@@ -175,7 +175,10 @@ async def test_cancelled_waiter_holds_and_counts_nothing(
         assert sum(stats.shed_total.values()) == 0
 
 
-async def test_lease_is_held_until_a_cancelled_requests_thread_returns() -> None:
+async def test_slot_is_held_until_a_cancelled_requests_thread_returns() -> None:
+    """A cancelled request's task ends only once its thread has returned, holding its
+    slot until then: the drain, which waits for every request task, never closes a store
+    under a running thread."""
     gate = make_gate("slot")
     thread_started = threading.Event()
     let_thread_finish = threading.Event()
@@ -187,38 +190,28 @@ async def test_lease_is_held_until_a_cancelled_requests_thread_returns() -> None
         observed.append("thread returned")
         return "done"
 
-    async def request() -> None:
-        with await gate.acquire("write") as slot:
-            await slot.run_cancellable(work)
-
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
             request_scope = trio.CancelScope()
+            request_ended = trio.Event()
 
             async def cancellable_request() -> None:
-                with request_scope:
-                    await request()
+                with request_scope, await gate.acquire("write") as slot:
+                    await slot.run_cancellable(work)
+                observed.append(f"request ended, {gate.statistics().inflight} held")
+                request_ended.set()
 
             nursery.start_soon(cancellable_request)
             await trio.to_thread.run_sync(thread_started.wait)
             request_scope.cancel()
+            gate.close()
             await trio.sleep(0.05)
             # The client is gone, but the thread still runs: the slot must still be held.
             assert gate.statistics().inflight == 1
-            drained = trio.Event()
-
-            async def drain() -> None:
-                gate.close()
-                await gate.wait_idle()
-                drained.set()
-
-            nursery.start_soon(drain)
-            await trio.sleep(0.05)
-            assert not drained.is_set()
+            assert not request_ended.is_set()
             let_thread_finish.set()
-            await drained.wait()
-            assert observed == ["thread returned"]
-            assert gate.statistics().inflight == 0
+            await request_ended.wait()
+            assert observed == ["thread returned", "request ended, 0 held"]
 
 
 async def test_read_work_stops_at_the_budget_within_one_page() -> None:
@@ -305,7 +298,7 @@ async def test_close_wakes_waiters_and_refuses_new_requests(
             gate.acquire_nowait("read")
         assert gate.statistics().closed
         release.set()
-    await gate.wait_idle()
+    assert gate.statistics().inflight == 0  # the nursery waited for the holder
 
 
 async def test_statistics_and_gauges_match(autojump_clock: trio.testing.MockClock) -> None:

@@ -5,7 +5,7 @@ does its work through the slot (in a worker thread when it blocks), and releases
 slot when that work has truly returned. The Gate sheds what it cannot serve in time,
 with a reason, instead of letting a queue grow without bound.
 
-Only :func:`run_in_thread` enters a worker thread (:class:`ThreadBatcher` is built on
+Only :func:`run_in_thread` enters a worker thread (``batcher.ThreadBatcher`` is built on
 it); it never abandons one (so a slot can never be released, nor a store closed,
 under a running thread).
 """
@@ -15,12 +15,11 @@ from __future__ import annotations
 import enum
 import logging
 import math
-import threading
 from collections import Counter as _Tally
 from collections import deque
 from collections.abc import Callable, Iterable
 from types import TracebackType
-from typing import Generic, NoReturn, TypeVar, TypeVarTuple
+from typing import NoReturn, TypeVar, TypeVarTuple
 
 import attrs
 import trio
@@ -29,8 +28,6 @@ from . import metrics
 from .logs import event
 
 T = TypeVar("T")
-B = TypeVar("B")
-R = TypeVar("R")
 Ts = TypeVarTuple("Ts")
 
 log = logging.getLogger(__name__)
@@ -47,83 +44,6 @@ async def run_in_thread(fn: Callable[[*Ts], T], *args: *Ts, limiter: trio.Capaci
     ``trio.from_thread.check_cancelled()`` (long work does so between pages).
     """
     return await trio.to_thread.run_sync(fn, *args, limiter=limiter, abandon_on_cancel=False)
-
-
-class ThreadBatcher(Generic[T, B, R]):
-    """Work queued on the loop, done in batches by one worker thread (through
-    :func:`run_in_thread`), each batch settled back on the loop as soon as it is done.
-
-    :meth:`put` queues an item. :meth:`run` (in the background nursery) starts one thread
-    call when items are queued; in it, while items are queued (at most ``max_batches``
-    times per call), ``take(queue)`` removes a batch, ``work(batch)`` does it, and
-    ``settle(batch, outcome)`` is handed its result, or the exception it raised, on the
-    loop at once (``run_sync_soon``) while the thread goes on with the next batch.
-    Waiting for the loop between batches made each batch wait for a scheduling round of
-    a busy loop while the disk sat idle. When the queue is empty the thread waits up to
-    ``linger`` seconds (without the GIL) for more before it returns: a client that sends
-    its next request as soon as it has its reply then finds the thread there, not a new
-    hop into it (+10% for one publisher or one consumer). The group committer and the
-    body reader are built on it.
-
-    The loop only appends to the queue; ``take``, in the thread, alone removes from it.
-    ``settle`` runs as a plain callback, not in a task: it must not raise.
-
-    Cancellation: batches that started are finished, and a lingering thread is waited for
-    (at most ``linger``; the thread is never abandoned); :meth:`run` then stops.
-    """
-
-    def __init__(
-        self,
-        take: Callable[[deque[T]], B],
-        work: Callable[[B], R],
-        settle: Callable[[B, R | Exception], None],
-        *,
-        max_batches: int = 16,
-        linger: float = 0.002,
-    ) -> None:
-        if max_batches < 1:
-            raise ValueError(f"max_batches must be >= 1, got {max_batches}")
-        if not 0 <= linger <= 1:
-            raise ValueError(f"linger must be 0 to 1 seconds, got {linger}")
-        self.queue: deque[T] = deque()
-        self._take = take
-        self._work = work
-        self._settle = settle
-        self.max_batches = max_batches
-        self.linger = linger
-        self._wake = trio.Event()
-        self._arrived = threading.Event()  # for the thread lingering in _batches
-        self._limiter = trio.CapacityLimiter(1)  # one thread: batches go one after another
-
-    def put(self, item: T) -> None:
-        """Queue an item; never blocks (callers bound the queue, e.g. with a Gate)."""
-        self.queue.append(item)
-        self._wake.set()
-        self._arrived.set()
-
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
-        token = trio.lowlevel.current_trio_token()
-        while True:
-            await self._wake.wait()
-            self._wake = trio.Event()
-            while self.queue:
-                with trio.CancelScope(shield=True):
-                    await run_in_thread(self._batches, token, limiter=self._limiter)
-
-    def _batches(self, token: trio.lowlevel.TrioToken) -> None:
-        for _ in range(self.max_batches):
-            if not self.queue:
-                self._arrived.clear()
-                if not self.queue and not self._arrived.wait(self.linger):
-                    return
-            batch = self._take(self.queue)
-            outcome: R | Exception
-            try:
-                outcome = self._work(batch)
-            except Exception as exc:
-                outcome = exc
-            token.run_sync_soon(self._settle, batch, outcome)
 
 
 class ByteBudget:
@@ -359,8 +279,6 @@ class Gate:
         self._waiting: set[trio.CancelScope] = set()
         self._room = trio.lowlevel.ParkingLot()  # connections holding a client back
         self._intake = 0
-        self._idle = trio.Event()
-        self._idle.set()
         self._closed = False
         self._admitted_total = 0
         self._shed_total: _Tally[str] = _Tally({reason.value: 0 for reason in ShedReason})
@@ -441,7 +359,6 @@ class Gate:
     def _admit(self, slot: Slot) -> None:
         slot.admitted_at = trio.current_time()
         self._admitted_total += 1
-        self._idle = trio.Event() if self._idle.is_set() else self._idle
         metrics.child(metrics.QUEUE_WAIT, self.face, slot.op).observe(
             slot.admitted_at - slot.arrival
         )
@@ -462,8 +379,6 @@ class Gate:
         metrics.child(metrics.SERVICE, self.face, slot.op).observe(
             trio.current_time() - slot.admitted_at
         )
-        if self._limiter.borrowed_tokens == 0:
-            self._idle.set()
 
     # --- intake: how connections hold back a flood --------------------------------------
 
@@ -509,11 +424,6 @@ class Gate:
         for waiting in self._waiting:
             waiting.cancel()
         self._room.unpark_all()
-
-    async def wait_idle(self) -> None:
-        """Return once no slot is held (every admitted request's work has returned)."""
-        while self._limiter.borrowed_tokens:
-            await self._idle.wait()
 
     async def watch_sheds(
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED

@@ -18,6 +18,8 @@ from typing import Any
 
 import attrs
 
+from cmdbus_trio.protocol.bus import GROUP_NAME, GROUP_NAME_RULE
+
 ENV_PREFIX = "CMDBUS_"
 
 FACE_NAMES = (
@@ -154,10 +156,6 @@ def _bool(text: str) -> bool:
     raise ValueError("expected true or false")
 
 
-def _text(text: str) -> str:
-    return text
-
-
 def _optional_text(text: str) -> str | None:
     return text or None
 
@@ -166,16 +164,11 @@ def _optional_path(text: str) -> Path | None:
     return Path(text) if text else None
 
 
-_GROUP_NAME = re.compile(r"[A-Za-z0-9_-]{1,128}")
-
-
 def _groups(text: str) -> tuple[str, ...]:
     names = tuple(name.strip() for name in text.split(",") if name.strip())
     for name in names:
-        if not _GROUP_NAME.fullmatch(name):
-            raise ValueError(
-                f"group {name!r}: names are 1-128 letters, digits, '_' or '-', comma-separated"
-            )
+        if not GROUP_NAME.fullmatch(name):
+            raise ValueError(f"group {name!r}: names are {GROUP_NAME_RULE}, comma-separated")
     if len(set(names)) != len(names):
         raise ValueError("group names must be unique")
     return names

@@ -4,7 +4,7 @@ A claim's lease is decided in memory; its body is on disk. One thread hop per ``
 cost the loop about as much as the rest of the request (DESIGN.md: a hop is ~95 µs), so,
 as the group committer does for writes, every body asked for while a read runs goes into
 the next read: one query per batch, and one thread call reads batch after batch while
-asks keep coming (:class:`~cmdbus_trio.admission.ThreadBatcher`).
+asks keep coming (:class:`~cmdbus_trio.batcher.ThreadBatcher`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections.abc import Callable
 import attrs
 import trio
 
-from cmdbus_trio.admission import ThreadBatcher
+from cmdbus_trio.batcher import ThreadBatcher
 from cmdbus_trio.logs import event
 from cmdbus_trio.storage.buslog import MAX_READ_MANY, BusLog, StoredRecord
 

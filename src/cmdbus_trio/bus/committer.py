@@ -22,7 +22,7 @@ import attrs
 import trio
 
 from cmdbus_trio import metrics
-from cmdbus_trio.admission import ThreadBatcher
+from cmdbus_trio.batcher import ThreadBatcher
 from cmdbus_trio.logs import event
 from cmdbus_trio.protocol.bus import PublishRecord, SubjectRule
 from cmdbus_trio.storage import StoreUnavailable

@@ -14,8 +14,6 @@ records published after its creation).
 from __future__ import annotations
 
 import contextlib
-import re
-from typing import Final
 
 import attrs
 import trio
@@ -23,13 +21,12 @@ import trio
 from cmdbus_trio import metrics
 from cmdbus_trio.admission import GateClosed, run_in_thread
 from cmdbus_trio.protocol import FieldError
+from cmdbus_trio.protocol.bus import GROUP_NAME, GROUP_NAME_RULE
 from cmdbus_trio.storage.buslog import BusLog
 
 from .claims import STUCK_AFTER, Claims, durable_settlements, persist_low_water
 from .committer import GroupCommitter, Ticket
 from .tail import Tail
-
-GROUP_NAME: Final = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 
 @attrs.define(eq=False)
@@ -105,7 +102,7 @@ class ConsumerGroups:
         if claims is not None:
             return claims
         if not GROUP_NAME.fullmatch(name):
-            raise FieldError("group", "expected 1-128 letters, digits, '_' or '-'")
+            raise FieldError("group", f"expected {GROUP_NAME_RULE}")
         if start is None:
             raise FieldError(
                 "group",

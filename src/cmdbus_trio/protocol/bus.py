@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import enum
+import re
 from typing import Any, Final
 
 import attrs
@@ -22,6 +23,9 @@ from .subjects import SubjectError, command_subject, event_subject, pool_of, sha
 
 MAX_BATCH: Final = 10_000
 MAX_MSG_ID: Final = 256
+GROUP_NAME: Final = re.compile(r"[A-Za-z0-9_-]{1,128}")
+"""An event consumer group's name (the wire's ``group``, ``CMDBUS_EVT_GROUPS``)."""
+GROUP_NAME_RULE: Final = "1-128 letters, digits, '_' or '-'"
 _RECORD_FIELDS: Final = frozenset({"execution_id", "payload", "transaction_id", "global_sequence"})
 
 
