@@ -25,13 +25,16 @@ with atheris.instrument_imports():
         FrameDecoder,
         RemoteProtocolError,
         bus,
+        claim,
         detect_dialect,
         parse_request,
+        subscribe,
         tier,
     )
     from cmdbus_trio.protocol.subjects import parse_filter
 
-OPS = ["append", "append_batch", "read_execution", "scan", "health", "publish", "publish_batch"]
+OPS = ["append", "append_batch", "read_execution", "scan", "health", "publish", "publish_batch",
+       *claim.GROUP_OPS, "subscribe"]  # fmt: skip
 
 
 def frames(data: bytes, cap: int) -> None:
@@ -67,8 +70,10 @@ def test_one_input(data: bytes) -> None:
             parse_request(body)
             detect_dialect(body)
         elif target == 2:
-            tier.decode_v1(body)
-            bus.decode_v1_record(body)
+            for decode_v1 in (tier.decode_v1, bus.decode_v1_record, claim.decode_v1,
+                              subscribe.decode_v1):  # fmt: skip
+                with contextlib.suppress(RemoteProtocolError):
+                    decode_v1(body)
         elif target in (3, 4):
             try:
                 fields = json.loads(body)
@@ -78,14 +83,19 @@ def test_one_input(data: bytes) -> None:
                 op = OPS[len(body) % len(OPS)]
                 if target == 3:
                     tier.decode_op(op, fields, strict=len(body) % 2 == 0)
+                    claim.decode_op(op, fields, named_groups=len(body) % 2 == 0)
                 else:
                     bus.decode_op(op, fields)
+                    subscribe.decode_op(op, fields)
                     parse_filter(fields.get("filter"))
         elif target == 5:
             client_replies(body)
         elif target == 7:  # deep nesting, around whatever else was given
             text = "[" * depth + body.decode("utf-8", "surrogateescape") + "]" * depth
             parse_request(text.encode("utf-8", "surrogateescape"))
+            for decode_v1 in (claim.decode_v1, subscribe.decode_v1):
+                with contextlib.suppress(RemoteProtocolError):
+                    decode_v1(text.encode("utf-8", "surrogateescape"))
             for kind in (bus.BusKind.COMMANDS, bus.BusKind.EVENTS):
                 with contextlib.suppress(RemoteProtocolError):
                     bus.SubjectRule(kind).subject(bus.PublishRecord(1, text))

@@ -26,9 +26,11 @@ from cmdbus_trio.protocol import (
     FrameDecoder,
     RemoteProtocolError,
     bus,
+    claim,
     detect_dialect,
     encode_frame,
     parse_request,
+    subscribe,
     tier,
 )
 from cmdbus_trio.protocol.subjects import parse_filter
@@ -47,7 +49,8 @@ json_values = st.recursive(
 field_names = st.sampled_from(
     ["execution_id", "payload", "payloads", "tier", "after", "limit", "transaction_id",
      "expected_version", "record", "records", "msg_id", "filter", "group", "from",
-     "sort_key", "timeout_ms", "delay_ms", "member", "id", "op", "other"]
+     "sort_key", "timeout_ms", "delay_ms", "member", "id", "op", "other", "sort_keys",
+     "Next", "Ack", "Nack", "shard", "cursor"]
 )  # fmt: skip
 fields = st.dictionaries(field_names, json_values, max_size=5)
 
@@ -127,7 +130,14 @@ TestFrameStream.settings = settings(max_examples=150, stateful_step_count=30, de
 
 @given(st.binary(max_size=300))
 def test_envelope_and_dialect_decoders_raise_only_protocol_errors(body: bytes) -> None:
-    for decode in (parse_request, detect_dialect, tier.decode_v1, bus.decode_v1_record):
+    for decode in (
+        parse_request,
+        detect_dialect,
+        tier.decode_v1,
+        bus.decode_v1_record,
+        claim.decode_v1,
+        subscribe.decode_v1,
+    ):
         with contextlib.suppress(RemoteProtocolError):
             decode(body)
 
@@ -148,6 +158,20 @@ def test_bus_decoders_raise_only_protocol_errors(
             decode()
     with contextlib.suppress(RemoteProtocolError):
         parse_filter(value)
+
+
+@given(st.sampled_from([*claim.GROUP_OPS, "subscribe", "x"]), fields, st.booleans())
+def test_claim_and_subscribe_decoders_raise_only_protocol_errors(
+    op: str, request: dict[str, Any], named_groups: bool
+) -> None:
+    with contextlib.suppress(RemoteProtocolError):
+        claim.decode_op(op, request, named_groups=named_groups)
+    with contextlib.suppress(RemoteProtocolError):
+        subscribe.decode_op(op, request)
+    body = json.dumps(request).encode()
+    for decode_v1 in (claim.decode_v1, subscribe.decode_v1):
+        with contextlib.suppress(RemoteProtocolError):
+            decode_v1(body)
 
 
 @given(st.lists(st.binary(max_size=200), max_size=5), st.booleans())
@@ -270,3 +294,6 @@ def test_payload_and_text_checks_raise_only_protocol_errors(payload: str, text: 
     assert json.loads(stored)["payload"] == json.loads(json.dumps(payload))
     with contextlib.suppress(RemoteProtocolError):
         parse_request(("[" * len(payload)).encode() + payload.encode("utf-8", "replace"))
+    for decode_v1 in (claim.decode_v1, subscribe.decode_v1, tier.decode_v1):
+        with contextlib.suppress(RemoteProtocolError):
+            decode_v1(payload.encode("utf-8", "replace"))

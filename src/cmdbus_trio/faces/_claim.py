@@ -29,17 +29,15 @@ from cmdbus_trio.bus.committer import Ticket
 from cmdbus_trio.protocol import (
     FieldError,
     Request,
-    UnsupportedOp,
     dumps,
     encode_frame,
     encode_ok,
-    is_int,
     loads,
 )
+from cmdbus_trio.protocol import claim as codec
 from cmdbus_trio.protocol import tier as tier_codec
-from cmdbus_trio.protocol.subjects import parse_filter
 from cmdbus_trio.storage import StoreUnavailable
-from cmdbus_trio.storage.buslog import DEAD_KEYS_PAGE, DeadRecord, StoredRecord
+from cmdbus_trio.storage.buslog import DeadRecord, StoredRecord
 
 from . import FaceContext
 from ._connection import CloseConnection, Deferred, V1Reply, checked_pages
@@ -48,21 +46,6 @@ Resolve = Callable[[Any, Any], Awaitable[Claims]]
 """(group field, from field) -> the group's coordinator; raises FieldError."""
 Delete = Callable[[str], Awaitable[bool]]
 """group name -> deleted (False: no such group)."""
-
-OPS = ("next", "ack", "nack", "extend", "lag", "dead", "requeue", "purge")
-GROUP_OPS = (*OPS, "delete_group")
-_FIELDS: dict[str, frozenset[str]] = {
-    "next": frozenset({"filter", "group", "from", "member", "timeout_ms"}),
-    "ack": frozenset({"sort_key", "group"}),
-    "nack": frozenset({"sort_key", "group", "delay_ms"}),
-    "extend": frozenset({"sort_key", "group"}),
-    "lag": frozenset({"filter", "group"}),
-    "dead": frozenset({"filter", "group", "after", "limit"}),
-    "requeue": frozenset({"sort_keys", "filter", "group"}),
-    "purge": frozenset({"sort_keys", "filter", "group"}),
-    "delete_group": frozenset({"group"}),
-}
-MAX_DEAD_LIMIT = 1000
 
 
 class ClaimHandler:
@@ -100,30 +83,16 @@ class ClaimHandler:
 
     async def v1(self, frame: bytes, arrival: float) -> V1Reply:
         try:
-            value = loads(frame)
-            if not (isinstance(value, dict) and len(value) == 1):
-                raise FieldError("request", 'expected {"Next"|"Ack"|"Nack": {...}}')
-            ((tag, body),) = value.items()
-            if not isinstance(body, dict):
-                raise FieldError(tag, "expected an object")
-            if tag == "Next":
-                filter_tokens = parse_filter(body.get("filter"))
-                member = body.get("member")
-                if not (is_int(member) and 0 <= member < 1 << 32):
-                    raise FieldError("member", "expected an unsigned 32-bit integer")
-            elif tag in ("Ack", "Nack"):
-                sort_key = _sort_key(body)
-            else:
-                raise FieldError("request", f"unknown request {tag!r}")
-            if tag != "Nack" or body.get("group") is not None:
-                claims = await self._claims(body.get("group"))
+            request = codec.decode_v1(frame)
+            if not isinstance(request, codec.V1Nack) or request.group is not None:
+                claims = await self._claims(request.group)
         except FieldError:
             raise CloseConnection("protocol_error") from None
         except Exception as exc:  # not JSON
             raise CloseConnection("protocol_error") from exc
-        if tag == "Next":
+        if isinstance(request, codec.V1Next):
             try:
-                delivery, stored = await self._next(claims, filter_tokens, None, patient=True)
+                delivery, stored = await self._next(claims, request.filter, None, patient=True)
             except GateClosed:
                 raise CloseConnection("closed") from None  # draining: v1 can only close
             except StoreUnavailable:
@@ -134,88 +103,68 @@ class ClaimHandler:
                 "record": _record(stored),
             }
             return V1Reply("next", encode_frame(dumps(reply)))
-        if tag == "Ack":
+        if isinstance(request, codec.V1Ack):
             try:
-                await self._ack(claims, sort_key)
+                await self._ack(claims, request.sort_key)
             except StoreUnavailable:
                 raise CloseConnection("unavailable") from None  # not durable: redelivered
             return V1Reply("ack", encode_frame(b"1"))
         # v1 Nack: the record redelivers after ack_wait, in whichever group this
         # connection holds it when the request names none.
-        for group in [claims] if body.get("group") is not None else self._used.values():
-            group.nack(sort_key, self, delay=group.ack_wait)
+        for group in [claims] if request.group is not None else self._used.values():
+            group.nack(request.sort_key, self, delay=group.ack_wait)
         return V1Reply("nack", encode_frame(b"1"))
 
     # --- v2 --------------------------------------------------------------------------------
 
     def v2(self, request: Request, arrival: float) -> Awaitable[bytes] | Deferred:
-        known = _FIELDS.get(request.op)
-        if known is None or (request.op == "delete_group" and self.delete is None):
-            raise UnsupportedOp(request.op, OPS if self.delete is None else GROUP_OPS)
-        if unknown := sorted(set(request.fields) - known):
-            raise FieldError(unknown[0], "unknown field")
+        op = codec.decode_op(request.op, request.fields, named_groups=self.delete is not None)
         # A group this connection has used already, and nothing to wait for: answered by
         # a callback, without a task (a task per request was much of the loop's time).
-        fields = request.fields
-        group = fields.get("group")
+        group = op.group
         claims = self._resolved.get(group) if group is None or isinstance(group, str) else None
         if claims is not None and claims.deleted:
             del self._resolved[group]
             claims = None
-        if claims is not None and request.op == "ack":
-            return self._ack_deferred(request.id, claims, _sort_key(fields))
-        budget = None if request.deadline_ms is None else request.deadline_ms / 1000
-        if claims is not None and request.op == "next" and fields.get("from") is None:
-            filter_tokens = parse_filter(fields.get("filter"))
-            _timeout_ms(fields)
-            ready = self._next_now(request.id, claims, filter_tokens, budget)
+        if claims is not None and isinstance(op, codec.Ack):
+            return self._ack_deferred(request.id, claims, op.sort_key)
+        if claims is not None and isinstance(op, codec.Next) and op.start is None:
+            ready = self._next_now(request.id, claims, op.filter, request.budget)
             if ready is not None:
                 return ready
-        return self._v2(request.op, request.id, fields, budget, arrival)
+        return self._v2(op, request.id, request.budget, arrival)
 
     async def _v2(
-        self,
-        op: str,
-        request_id: int,
-        fields: dict[str, Any],
-        budget: float | None,
-        arrival: float,
+        self, op: codec.ClaimRequest, request_id: int, budget: float | None, arrival: float
     ) -> bytes:
-        if op == "delete_group":
-            group = fields.get("group")
-            if not isinstance(group, str) or self.delete is None:
-                raise FieldError("group", "expected the name of a consumer group")
-            return encode_ok(request_id, {"deleted": await self.delete(group)})
-        claims = await self._claims(fields.get("group"), fields.get("from"))
-        if op == "next":
-            filter_tokens = parse_filter(fields.get("filter"))
-            timeout_ms = _timeout_ms(fields)
+        if isinstance(op, codec.DeleteGroup):
+            assert self.delete is not None  # the codec refuses it on the command face
+            return encode_ok(request_id, {"deleted": await self.delete(op.group)})
+        claims = await self._claims(op.group, op.start if isinstance(op, codec.Next) else None)
+        if isinstance(op, codec.Next):
             result: Any = None
-            with trio.move_on_after(float("inf") if timeout_ms is None else timeout_ms / 1000):
-                delivery, stored = await self._next(claims, filter_tokens, budget)
+            timeout = float("inf") if op.timeout_ms is None else op.timeout_ms / 1000
+            with trio.move_on_after(timeout):
+                delivery, stored = await self._next(claims, op.filter, budget)
                 result = _delivery(delivery, stored)
             body: dict[str, Any] = {"delivery": result}
-            if fields.get("from") == "beginning" and (deleted := self.bus.log.deleted_through):
+            if op.start == "beginning" and (deleted := self.bus.log.deleted_through):
                 body["deleted_through"] = deleted  # the group starts at the oldest kept
             return encode_ok(request_id, body)
-        if op == "lag":
-            tokens = None if fields.get("filter") is None else parse_filter(fields["filter"])
-            subjects = await claims.backlog(tokens)
+        if isinstance(op, codec.Lag):
+            subjects = await claims.backlog(op.filter)
             return encode_ok(request_id, {"subjects": subjects, "total": sum(subjects.values())})
-        if op == "dead":
-            return await self._dead(request_id, claims, fields, budget, arrival)
-        if op in ("requeue", "purge"):
-            moved = await self._move_dead(claims, op, fields, budget, arrival)
-            return encode_ok(request_id, {f"{op}d": moved})
-        sort_key = _sort_key(fields)
-        if op == "ack":
-            return encode_ok(request_id, {"acked": await self._ack(claims, sort_key)})
-        if op == "nack":
-            delay_ms = fields.get("delay_ms", 0)
-            if not (is_int(delay_ms) and delay_ms >= 0):
-                raise FieldError("delay_ms", "expected a non-negative integer")
-            return encode_ok(request_id, {"nacked": claims.nack(sort_key, self, delay_ms / 1000)})
-        extended = claims.extend(sort_key, self)
+        if isinstance(op, codec.Dead):
+            return await self._dead(request_id, claims, op, budget, arrival)
+        if isinstance(op, codec.MoveDead):
+            moved = await self._move_dead(claims, op, budget, arrival)
+            return encode_ok(request_id, {f"{op.op}d": moved})
+        if isinstance(op, codec.Ack):
+            return encode_ok(request_id, {"acked": await self._ack(claims, op.sort_key)})
+        if isinstance(op, codec.Nack):
+            nacked = claims.nack(op.sort_key, self, op.delay_ms / 1000)
+            return encode_ok(request_id, {"nacked": nacked})
+        extended = claims.extend(op.sort_key, self)
         return encode_ok(
             request_id, {"extended": extended, "lease_ms": round(claims.ack_wait * 1000)}
         )
@@ -348,25 +297,17 @@ class ClaimHandler:
         self,
         request_id: int,
         claims: Claims,
-        fields: dict[str, Any],
+        op: codec.Dead,
         budget: float | None,
         arrival: float,
     ) -> bytes:
         """A page of dead letters, filtered in the query and encoded in the thread (the
         stored records spliced in, never decoded), bounded by ``limit`` and the reply cap
         like ``read_execution``."""
-        filter_text = _filter_text(fields)
-        after = fields.get("after", 0)
-        if not (is_int(after) and after >= 0):
-            raise FieldError("after", "expected a non-negative integer")
-        limit = fields.get("limit", 100)
-        if not is_int(limit):
-            raise FieldError("limit", "expected an integer")
-        limit = max(1, min(MAX_DEAD_LIMIT, limit))
         head = {"id": request_id, "ok": True}
         with await self.gate.acquire("dead", budget=budget, arrival=arrival) as slot:
             return await slot.run_cancellable(
-                self._dead_page, claims.group, filter_text, after, limit, head
+                self._dead_page, claims.group, op.filter, op.after, op.limit, head
             )
 
     def _dead_page(
@@ -386,8 +327,7 @@ class ClaimHandler:
     async def _move_dead(
         self,
         claims: Claims,
-        op: str,
-        fields: dict[str, Any],
+        op: codec.MoveDead,
         budget: float | None,
         arrival: float,
     ) -> int:
@@ -399,29 +339,17 @@ class ClaimHandler:
         memory (shielded): the store and the coordinator never disagree. One cut short by
         its budget keeps what it did; the reply is then ``deadline``.
         """
-        sort_keys = fields.get("sort_keys")
-        if (sort_keys is None) == (fields.get("filter") is None):
-            raise FieldError("sort_keys", "name either sort_keys (a list) or filter")
-        if sort_keys is not None and not (
-            isinstance(sort_keys, list)
-            and len(sort_keys) <= DEAD_KEYS_PAGE
-            and all(is_int(key) and key >= 1 for key in sort_keys)
-        ):
-            raise FieldError(
-                "sort_keys", f"expected a list of at most {DEAD_KEYS_PAGE} positive integers"
-            )
-        filter_text = _filter_text(fields)
-        requeue = op == "requeue"
+        requeue = op.requeue
         moved = 0
         after = 0
-        with await self.gate.acquire(op, budget=budget, arrival=arrival) as slot:
+        with await self.gate.acquire(op.op, budget=budget, arrival=arrival) as slot:
             while chosen := await slot.run_cancellable(
                 partial(
                     self.bus.log.dead_subjects,
                     claims.group,
                     after=after,
-                    filter=filter_text,
-                    sort_keys=sort_keys,
+                    filter=op.filter,
+                    sort_keys=op.sort_keys,
                 )
             ):
                 ticket = Ticket(dead_moves=[(claims.group, key, requeue) for key, _ in chosen])
@@ -434,16 +362,10 @@ class ClaimHandler:
                             (key, subject) for key, subject in chosen if (claims.group, key) in done
                         )
                 moved += len(done)
-                if sort_keys is not None:
+                if op.sort_keys is not None:
                     break  # all of them were in the one query
                 after = chosen[-1][0]
         return moved
-
-
-def _filter_text(fields: dict[str, Any]) -> str | None:
-    """The request's optional ``filter``, checked, as the store's queries take it."""
-    filter = fields.get("filter")
-    return None if filter is None else ".".join(parse_filter(filter))
 
 
 def _dead_fragment(dead: DeadRecord) -> bytes:
@@ -456,20 +378,6 @@ def _dead_fragment(dead: DeadRecord) -> bytes:
         }
     )
     return b"".join((head[:-1], b',"record":', dead.record.encode(), b"}"))
-
-
-def _timeout_ms(fields: dict[str, Any]) -> int | None:
-    timeout_ms = fields.get("timeout_ms")
-    if timeout_ms is not None and not (is_int(timeout_ms) and timeout_ms >= 0):
-        raise FieldError("timeout_ms", "expected a non-negative integer")
-    return timeout_ms
-
-
-def _sort_key(fields: dict[str, Any]) -> int:
-    sort_key = fields.get("sort_key")
-    if not (is_int(sort_key) and sort_key >= 1):
-        raise FieldError("sort_key", "expected a positive integer")
-    return sort_key
 
 
 def _record(stored: StoredRecord) -> Any:

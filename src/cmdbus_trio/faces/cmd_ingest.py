@@ -65,8 +65,7 @@ class IngestHandler:
 
     def v2(self, request: Request, arrival: float) -> Deferred:
         op = codec.decode_op(request.op, request.fields)
-        budget = None if request.deadline_ms is None else request.deadline_ms / 1000
-        slot = self.gate.acquire_nowait(op.op, budget=budget, arrival=arrival)
+        slot = self.gate.acquire_nowait(op.op, budget=request.budget, arrival=arrival)
         if isinstance(op, codec.Publish):
             ticket = Ticket([(op.record, op.msg_id, "record")])
         else:

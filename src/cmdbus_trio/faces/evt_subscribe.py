@@ -21,17 +21,9 @@ import trio
 
 from cmdbus_trio.bus import Bus
 from cmdbus_trio.bus.subscriptions import Hub, fragment
-from cmdbus_trio.protocol import (
-    ErrorCode,
-    FieldError,
-    Request,
-    UnsupportedOp,
-    encode_error,
-    encode_frame,
-    is_int,
-    loads,
-)
-from cmdbus_trio.protocol.subjects import matches, parse_filter
+from cmdbus_trio.protocol import ErrorCode, Request, encode_error, encode_frame
+from cmdbus_trio.protocol import subscribe as codec
+from cmdbus_trio.protocol.subjects import matches
 
 from . import FaceContext
 from ._connection import CloseConnection, Sender, V1Reply
@@ -80,30 +72,19 @@ class SubscribeHandler:
 
     async def v1(self, frame: bytes, arrival: float) -> V1Reply:
         try:
-            value = loads(frame)
-            shard, cursor = value["shard"], value["cursor"]
-            if not (is_int(shard) and is_int(cursor) and cursor >= 0):
-                raise ValueError("shard and cursor must be integers")
+            request = codec.decode_v1(frame)
         except Exception:
             raise CloseConnection("protocol_error") from None
-        if shard != self.ctx.config.shard:
+        if request.shard != self.ctx.config.shard:
             raise CloseConnection("protocol_error")  # PROTOCOL.md: another shard closes
         await self._stream(
-            cursor, None, lambda fragments: b"[" + b",".join(fragments) + b"]", gaps=None
+            request.cursor, None, lambda fragments: b"[" + b",".join(fragments) + b"]", gaps=None
         )
         raise CloseConnection("closed")  # slow consumer or drain: v1 can only close
 
     def v2(self, request: Request, arrival: float) -> Awaitable[bytes]:
-        if request.op != "subscribe":
-            raise UnsupportedOp(request.op, ("subscribe",))
-        fields = request.fields
-        if unknown := sorted(set(fields) - {"from", "filter"}):
-            raise FieldError(unknown[0], "unknown field")
-        after = fields.get("from", 0)
-        if not (is_int(after) and after >= 0):
-            raise FieldError("from", "expected a non-negative integer (exclusive sort key)")
-        tokens = None if fields.get("filter") is None else parse_filter(fields["filter"])
-        return self._v2(request.id, after, tokens)
+        subscribe = codec.decode_op(request.op, request.fields)
+        return self._v2(request.id, subscribe.after, subscribe.filter)
 
     async def _v2(self, request_id: int, after: int, tokens: tuple[str, ...] | None) -> bytes:
         head = f'{{"id":{request_id},"ok":true,"records":['.encode()

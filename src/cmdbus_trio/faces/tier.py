@@ -87,8 +87,7 @@ class TierHandler:
         tier_request = codec.decode_op(request.op, request.fields)
         if isinstance(tier_request, codec.Health):
             return encode_ok(request.id, {"status": "ok", "service": "tier-service"})
-        budget = None if request.deadline_ms is None else request.deadline_ms / 1000
-        return await self._run(tier_request, arrival, budget, request.id)
+        return await self._run(tier_request, arrival, request.budget, request.id)
 
     async def _run(
         self, request: codec.TierRequest, arrival: float, budget: float | None, request_id: int

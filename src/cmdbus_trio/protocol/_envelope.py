@@ -31,6 +31,12 @@ class Request:
     fields: dict[str, Any]
     """Every member but ``id``, ``op`` and ``deadline_ms``; the op's decoder checks them."""
 
+    @property
+    def budget(self) -> float | None:
+        """Seconds the request may take (its ``deadline_ms``), or None: the face's
+        default applies."""
+        return None if self.deadline_ms is None else self.deadline_ms / 1000
+
 
 _LEADING_WHITESPACE = re.compile(rb"[ \t\n\r]*")  # JSON's own, in C (no copy of the frame)
 

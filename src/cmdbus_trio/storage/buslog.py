@@ -17,6 +17,7 @@ from pathlib import Path
 
 import attrs
 
+from cmdbus_trio.protocol.claim import MAX_SORT_KEYS
 from cmdbus_trio.protocol.subjects import matches
 
 from ._guard import refuses_loop_thread
@@ -33,9 +34,9 @@ records stays small, and a reader that stops early has read little past it."""
 RETENTION_BATCH = 1000
 """Records (and, apart, dead letters) one retention step deletes at most: one short
 transaction, so a publish never waits long behind it."""
-DEAD_KEYS_PAGE = 1000
+DEAD_KEYS_PAGE = MAX_SORT_KEYS
 """Dead letters per query (and per requeue or purge transaction) when they are selected by
-sort keys or a filter."""
+sort keys or a filter: as many as one request may name, so named ones take one query."""
 
 
 @attrs.frozen

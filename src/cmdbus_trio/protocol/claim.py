@@ -1,0 +1,233 @@
+"""The claim faces' requests, both dialects (PROTOCOL.md, "Claim faces").
+
+Decoding checks every field but ``group`` and ``from`` and names the bad one; it never
+touches a coordinator. ``group`` and ``from`` are handed on as sent: which group they name
+(and whether it may be created) is the face's to resolve.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Final
+
+import attrs
+
+from ._fields import FieldError, UnsupportedOp, is_int
+from ._json import loads
+from .subjects import parse_filter
+
+OPS: Final = ("next", "ack", "nack", "extend", "lag", "dead", "requeue", "purge")
+"""The command claim face's v2 ops."""
+GROUP_OPS: Final = (*OPS, "delete_group")
+"""The event claim face's v2 ops (named groups)."""
+MAX_DEAD_LIMIT: Final = 1000
+DEFAULT_DEAD_LIMIT: Final = 100
+MAX_SORT_KEYS: Final = 1000
+"""Sort keys one ``requeue`` or ``purge`` may name."""
+
+_FIELDS: Final[Mapping[str, frozenset[str]]] = {
+    "next": frozenset({"filter", "group", "from", "member", "timeout_ms"}),
+    "ack": frozenset({"sort_key", "group"}),
+    "nack": frozenset({"sort_key", "group", "delay_ms"}),
+    "extend": frozenset({"sort_key", "group"}),
+    "lag": frozenset({"filter", "group"}),
+    "dead": frozenset({"filter", "group", "after", "limit"}),
+    "requeue": frozenset({"sort_keys", "filter", "group"}),
+    "purge": frozenset({"sort_keys", "filter", "group"}),
+    "delete_group": frozenset({"group"}),
+}
+
+
+@attrs.frozen
+class Next:
+    group: Any
+    start: Any
+    """The request's ``from``: where a group it creates starts."""
+    filter: tuple[str, ...]
+    timeout_ms: int | None
+    op = "next"
+
+
+@attrs.frozen
+class Ack:
+    group: Any
+    sort_key: int
+    op = "ack"
+
+
+@attrs.frozen
+class Nack:
+    group: Any
+    sort_key: int
+    delay_ms: int
+    op = "nack"
+
+
+@attrs.frozen
+class Extend:
+    group: Any
+    sort_key: int
+    op = "extend"
+
+
+@attrs.frozen
+class Lag:
+    group: Any
+    filter: tuple[str, ...] | None
+    op = "lag"
+
+
+@attrs.frozen
+class Dead:
+    group: Any
+    filter: str | None
+    """As the store's queries take it (the tokens joined by dots)."""
+    after: int
+    limit: int
+    op = "dead"
+
+
+@attrs.frozen
+class MoveDead:
+    """``requeue`` or ``purge``: the dead letters named by ``sort_keys``, else those
+    matching ``filter``."""
+
+    op: str
+    group: Any
+    sort_keys: tuple[int, ...] | None
+    filter: str | None
+
+    @property
+    def requeue(self) -> bool:
+        return self.op == "requeue"
+
+
+@attrs.frozen
+class DeleteGroup:
+    group: str
+    op = "delete_group"
+
+
+ClaimRequest = Next | Ack | Nack | Extend | Lag | Dead | MoveDead | DeleteGroup
+
+
+def decode_op(op: str, fields: Mapping[str, Any], *, named_groups: bool) -> ClaimRequest:
+    """The v2 request for ``op`` from its fields. ``named_groups``: the event claim face,
+    which also knows ``delete_group``.
+
+    Error handling: :class:`UnsupportedOp` for an op the face does not know,
+    :class:`FieldError` naming the first bad field.
+    """
+    known = _FIELDS.get(op)
+    if known is None or (op == "delete_group" and not named_groups):
+        raise UnsupportedOp(op, GROUP_OPS if named_groups else OPS)
+    if unknown := sorted(set(fields) - known):
+        raise FieldError(unknown[0], "unknown field")
+    group = fields.get("group")
+    if op == "next":
+        return Next(group, fields.get("from"), parse_filter(fields.get("filter")), _timeout(fields))
+    if op in ("ack", "extend"):
+        return (Ack if op == "ack" else Extend)(group, sort_key(fields))
+    if op == "nack":
+        key = sort_key(fields)
+        delay_ms = fields.get("delay_ms", 0)
+        if not (is_int(delay_ms) and delay_ms >= 0):
+            raise FieldError("delay_ms", "expected a non-negative integer")
+        return Nack(group, key, delay_ms)
+    if op == "lag":
+        return Lag(group, None if fields.get("filter") is None else parse_filter(fields["filter"]))
+    if op == "dead":
+        after = fields.get("after", 0)
+        if not (is_int(after) and after >= 0):
+            raise FieldError("after", "expected a non-negative integer")
+        limit = fields.get("limit", DEFAULT_DEAD_LIMIT)
+        if not is_int(limit):
+            raise FieldError("limit", "expected an integer")
+        return Dead(group, _filter_text(fields), after, max(1, min(MAX_DEAD_LIMIT, limit)))
+    if op in ("requeue", "purge"):
+        return MoveDead(op, group, _sort_keys(fields), _filter_text(fields))
+    if not isinstance(group, str):
+        raise FieldError("group", "expected the name of a consumer group")
+    return DeleteGroup(group)
+
+
+@attrs.frozen
+class V1Next:
+    group: Any
+    filter: tuple[str, ...]
+
+
+@attrs.frozen
+class V1Ack:
+    group: Any
+    sort_key: int
+
+
+@attrs.frozen
+class V1Nack:
+    group: Any
+    sort_key: int
+
+
+def decode_v1(frame: bytes) -> V1Next | V1Ack | V1Nack:
+    """A v1 request: ``{"Next": {filter, member}}``, ``{"Ack": {sort_key}}`` or
+    ``{"Nack": {sort_key}}``, each with an optional ``group``.
+
+    Error handling: :class:`FieldError`, or the JSON decoder's error for a frame that is
+    not JSON; v1 answers either by closing the connection.
+    """
+    value = loads(frame)
+    if not (isinstance(value, dict) and len(value) == 1):
+        raise FieldError("request", 'expected {"Next"|"Ack"|"Nack": {...}}')
+    ((tag, body),) = value.items()
+    if not isinstance(body, dict):
+        raise FieldError(tag, "expected an object")
+    group = body.get("group")
+    if tag == "Next":
+        tokens = parse_filter(body.get("filter"))
+        member = body.get("member")
+        if not (is_int(member) and 0 <= member < 1 << 32):
+            raise FieldError("member", "expected an unsigned 32-bit integer")
+        return V1Next(group, tokens)
+    if tag == "Ack":
+        return V1Ack(group, sort_key(body))
+    if tag == "Nack":
+        return V1Nack(group, sort_key(body))
+    raise FieldError("request", f"unknown request {tag!r}")
+
+
+def sort_key(fields: Mapping[str, Any]) -> int:
+    key = fields.get("sort_key")
+    if not (is_int(key) and key >= 1):
+        raise FieldError("sort_key", "expected a positive integer")
+    return key
+
+
+def _timeout(fields: Mapping[str, Any]) -> int | None:
+    timeout_ms = fields.get("timeout_ms")
+    if timeout_ms is not None and not (is_int(timeout_ms) and timeout_ms >= 0):
+        raise FieldError("timeout_ms", "expected a non-negative integer")
+    return timeout_ms
+
+
+def _filter_text(fields: Mapping[str, Any]) -> str | None:
+    """The optional ``filter``, checked, as the store's queries take it."""
+    value = fields.get("filter")
+    return None if value is None else ".".join(parse_filter(value))
+
+
+def _sort_keys(fields: Mapping[str, Any]) -> tuple[int, ...] | None:
+    keys = fields.get("sort_keys")
+    if (keys is None) == (fields.get("filter") is None):
+        raise FieldError("sort_keys", "name either sort_keys (a list) or filter")
+    if keys is None:
+        return None
+    if not (
+        isinstance(keys, list)
+        and len(keys) <= MAX_SORT_KEYS
+        and all(is_int(key) and key >= 1 for key in keys)
+    ):
+        raise FieldError(
+            "sort_keys", f"expected a list of at most {MAX_SORT_KEYS} positive integers"
+        )
+    return tuple(keys)
