@@ -1,0 +1,256 @@
+"""The blocking client's connection: v2 requests over a plain socket, one call at a time
+(the faces' methods are generated in :mod:`._blocking_faces`; the public names in
+:mod:`cmdbus_trio.client.blocking`). It never imports trio."""
+
+from __future__ import annotations
+
+import math
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any, Self, TypeVar
+
+from cmdbus_trio.protocol import NEED_DATA
+
+from ._calls import (
+    Call,
+)
+from ._core import LOCAL_GRACE, ClientProtocol, Reply, ServerHello, split_address
+from ._errors import ClientError, ConnectionLost, DeadlineExceeded, ServerError
+from ._retry import RetryPolicy
+from ._sockets import closed_by_peer
+
+T = TypeVar("T")
+RECEIVE_CHUNK = 1 << 16
+
+
+SEND_WINDOW = 256 * 1024
+"""Request bytes :meth:`Connection.call_many` sends before it reads their replies (a frame
+larger than this goes alone): well within a socket's buffers, so sending never blocks on
+a writer that waits for its replies to be read."""
+
+
+def _send_windows(frames: Sequence[bytes], ids: Sequence[int]) -> Iterator[list[tuple[bytes, int]]]:
+    window: list[tuple[bytes, int]] = []
+    size = 0
+    for frame, request_id in zip(frames, ids, strict=True):
+        if window and size + len(frame) > SEND_WINDOW:
+            yield window
+            window, size = [], 0
+        window.append((frame, request_id))
+        size += len(frame)
+    if window:
+        yield window
+
+
+class Connection:
+    """A v2 connection to one data face, reconnected on the next call after it broke.
+
+    Error handling: the server's error answers raise the :mod:`~cmdbus_trio.client`
+    exception of their code; a lost connection raises :class:`ConnectionLost`; no reply
+    within ``timeout`` raises :class:`DeadlineExceeded` (a reply that comes later is
+    dropped).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        retry: RetryPolicy | None = None,
+        client: str | None = None,
+        token: str | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+        connect_timeout: float = 10.0,
+    ) -> None:
+        split_address(address)
+        self.address = address
+        self.retry = retry
+        self._client_name = client
+        self._token = token
+        self._ssl_context = ssl_context
+        self._connect_timeout = connect_timeout
+        self._sock: socket.socket | None = None
+        self._protocol = ClientProtocol()
+        self._lock = threading.RLock()
+        self._closed = False
+
+    @classmethod
+    def connect(cls, address: str, **options: Any) -> Self:
+        connection = cls(address, **options)
+        connection._connected()
+        return connection
+
+    @property
+    def server(self) -> ServerHello | None:
+        return self._protocol.hello
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._closed = True
+        self._drop()
+
+    def call(self, call: Call[T], *, timeout: float | None = None) -> T:
+        """Run ``call``; ``timeout`` (seconds) is sent as its ``deadline_ms`` and bounds
+        the wait for the reply and any retries."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self.retry is not None:
+            self.retry.budget.record_request()
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                outcome = self._exchange([call], deadline)[0]
+                if isinstance(outcome, ClientError):
+                    raise outcome
+                return call.parse(outcome)
+            except ClientError as error:
+                if self.retry is None or not self.retry.should_retry(call, error, attempt):
+                    raise
+                pause = self.retry.delay(error, attempt)
+                if deadline is not None and time.monotonic() + pause >= deadline:
+                    raise
+                time.sleep(pause)
+
+    def call_many(
+        self, batch: Sequence[Call[Any]], *, timeout: float | None = None
+    ) -> list[Any | ServerError]:
+        """Send every call at once and wait for all replies: each result, or the
+        :class:`ServerError` that call got. No retries."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        outcomes = self._exchange(batch, deadline)
+        return [
+            outcome if isinstance(outcome, ClientError) else call.parse(outcome)
+            for call, outcome in zip(batch, outcomes, strict=True)
+        ]
+
+    def _exchange(
+        self, batch: Sequence[Call[Any]], deadline: float | None
+    ) -> list[dict[str, Any] | ServerError]:
+        with self._lock:
+            sock = self._connected()
+            frames, ids = [], []
+            for call in batch:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise DeadlineExceeded(f"{call.op}: the time budget ran out before sending")
+                request_id, frame = self._protocol.request(
+                    call.op, call.fields, deadline=None if call.wait else remaining
+                )
+                frames.append(frame)
+                ids.append(request_id)
+            wait = max((call.wait or 0.0) for call in batch)
+            local = None if deadline is None else deadline + LOCAL_GRACE + wait
+            if local is not None and not math.isfinite(local):
+                local = None  # a `next` that waits until a record comes
+            replies: dict[int, dict[str, Any] | ServerError] = {}
+            # One window at a time: a blocking socket cannot read while it sends, and the
+            # writer stops reading a connection whose unsent replies pass its cap, so a
+            # batch sent whole could wait on itself until the writer's read timeout.
+            for window in _send_windows(frames, ids):
+                try:
+                    sock.sendall(b"".join(frame for frame, _ in window))
+                except OSError as exc:
+                    self._drop()
+                    raise ConnectionLost(f"sending to {self.address} failed: {exc!r}") from None
+                wanted = {request_id for _, request_id in window}
+                while not wanted <= replies.keys():
+                    reply = self._next_reply(local, batch[0].op)
+                    if reply.id in wanted and reply.id not in replies:
+                        replies[reply.id] = reply.error if reply.error else reply.result or {}
+            return [replies[request_id] for request_id in ids]
+
+    def _next_reply(self, local_deadline: float | None, op: str) -> Reply:
+        """The next reply frame; raises on a connection-level error, EOF or timeout."""
+        sock = self._sock
+        while True:
+            if sock is None:
+                raise ConnectionLost(f"connection to {self.address} lost")
+            try:
+                event = self._protocol.next_event()
+            except ClientError:
+                self._drop()
+                raise
+            if isinstance(event, Reply) and event.id is not None:
+                return event
+            if isinstance(event, Reply):
+                self._drop()
+                assert event.error is not None
+                raise event.error  # about the connection: the server closes it
+            if event is not NEED_DATA:
+                self._drop()
+                raise ConnectionLost(f"{self.address} closed the connection")
+            if local_deadline is not None:
+                remaining = local_deadline - time.monotonic()
+                if remaining <= 0:
+                    raise DeadlineExceeded(f"{op}: no reply in time")
+                sock.settimeout(remaining)
+            else:
+                sock.settimeout(None)
+            try:
+                data = sock.recv(RECEIVE_CHUNK)
+            except TimeoutError:
+                raise DeadlineExceeded(f"{op}: no reply in time") from None
+            except OSError as exc:
+                self._drop()
+                raise ConnectionLost(f"receiving from {self.address} failed: {exc!r}") from None
+            self._protocol.receive_data(data)
+
+    def _connected(self) -> socket.socket:
+        if self._closed:
+            raise ConnectionLost("the client was closed")
+        if self._sock is not None:
+            if not closed_by_peer(self._sock.fileno()):
+                return self._sock
+            self._drop()  # idled out by the server: nothing was sent on it, reconnect
+        host, port = split_address(self.address)
+        protocol = ClientProtocol(client=self._client_name, token=self._token)
+        try:
+            sock = socket.create_connection((host, port), timeout=self._connect_timeout)
+        except OSError as exc:
+            raise ConnectionLost(f"cannot connect to {self.address}: {exc!r}") from None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock, self._protocol = sock, protocol
+        try:
+            if self._ssl_context is not None:
+                sock = self._sock = self._ssl_context.wrap_socket(sock, server_hostname=host)
+            sock.sendall(protocol.hello_frame())
+            while (event := protocol.next_event()) is NEED_DATA:
+                protocol.receive_data(sock.recv(RECEIVE_CHUNK))
+        except (OSError, ClientError) as exc:
+            self._drop()
+            if isinstance(exc, ServerError):
+                raise
+            raise ConnectionLost(f"hello with {self.address} failed: {exc!r}") from None
+        if not isinstance(event, ServerHello):
+            self._drop()
+            raise ConnectionLost(f"{self.address} closed the connection during the hello")
+        return sock
+
+    def _drop(self) -> None:
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+
+    def _stream_replies(self, call: Call[T]) -> Iterator[T]:
+        with self._lock:
+            sock = self._connected()
+            request_id, frame = self._protocol.request(call.op, call.fields)
+            try:
+                sock.sendall(frame)
+            except OSError as exc:
+                self._drop()
+                raise ConnectionLost(f"sending to {self.address} failed: {exc!r}") from None
+            while True:
+                reply = self._next_reply(None, call.op)
+                if reply.id != request_id:
+                    continue
+                if reply.error is not None:
+                    raise reply.error
+                yield call.parse(reply.result or {})

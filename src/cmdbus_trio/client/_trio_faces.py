@@ -1,0 +1,334 @@
+"""The faces of the trio client: one class per face, and the sharded clients.
+
+This module is the source of :mod:`._blocking_faces`, which ``python -m
+cmdbus_trio.client._unasync`` generates from it (a test holds them equal): change the
+faces here, then regenerate.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import Any, Generic, Self, TypeVar
+
+import trio
+
+from . import _calls as calls
+from ._calls import (
+    Appended,
+    Batch,
+    BatchAppended,
+    DeadPage,
+    Delivery,
+    Lag,
+    Page,
+    Published,
+    Record,
+    TierRecord,
+)
+from ._errors import ClientError
+from ._shards import ClaimRounds, Rotation, ShardDelivery, ShardMap
+from ._trio_connection import Connection
+
+
+class IngestClient(Connection):
+    """The command (:9100) or event (:9103) ingest face."""
+
+    async def publish(
+        self, record: Record, *, msg_id: str | None = None, timeout: float | None = None
+    ) -> Published:
+        return await self.call(calls.publish(record, msg_id), timeout=timeout)
+
+    async def publish_batch(
+        self, records: Iterable[Record], *, timeout: float | None = None
+    ) -> list[int]:
+        return await self.call(calls.publish_batch(records), timeout=timeout)
+
+
+class ClaimClient(Connection):
+    """The command (:9101) or event (:9104) claim face. Leases belong to the connection:
+    closing it releases them at once."""
+
+    async def next(
+        self,
+        filter: str,
+        *,
+        wait: float | None = None,
+        group: str | None = None,
+        start: str | None = None,
+        timeout: float | None = None,
+    ) -> Delivery | None:
+        """The next record for ``filter``, or ``None`` after ``wait`` seconds without one.
+        On the event face ``group`` is required; ``start`` (``beginning`` or ``tail``)
+        creates the group when it is new."""
+        call = calls.next_delivery(filter, wait=wait, group=group, start=start)
+        return await self.call(call, timeout=timeout)
+
+    async def ack(
+        self, sort_key: int, *, group: str | None = None, timeout: float | None = None
+    ) -> bool:
+        return await self.call(calls.ack(sort_key, group), timeout=timeout)
+
+    async def nack(
+        self,
+        sort_key: int,
+        *,
+        group: str | None = None,
+        delay: float | None = None,
+        timeout: float | None = None,
+    ) -> bool:
+        return await self.call(calls.nack(sort_key, group, delay), timeout=timeout)
+
+    async def extend(
+        self, sort_key: int, *, group: str | None = None, timeout: float | None = None
+    ) -> bool:
+        return await self.call(calls.extend(sort_key, group), timeout=timeout)
+
+    async def lag(
+        self, filter: str | None = None, *, group: str | None = None, timeout: float | None = None
+    ) -> Lag:
+        return await self.call(calls.lag(filter, group), timeout=timeout)
+
+    async def dead(
+        self,
+        filter: str | None = None,
+        *,
+        group: str | None = None,
+        limit: int | None = None,
+        after: int | None = None,
+        timeout: float | None = None,
+    ) -> DeadPage:
+        """A page of dead letters (up to ``limit``, 100 by default), oldest first; page
+        on with ``after=page.next_after`` until it is ``None``."""
+        return await self.call(calls.dead(filter, group, limit, after), timeout=timeout)
+
+    async def requeue(
+        self,
+        sort_keys: Sequence[int] | None = None,
+        *,
+        filter: str | None = None,
+        group: str | None = None,
+        timeout: float | None = None,
+    ) -> int:
+        """Put dead letters back in the queue, with a fresh delivery count: those of
+        ``sort_keys`` (at most 1,000), or every one matching ``filter``. Returns how many
+        were requeued, durably."""
+        return await self.call(
+            calls.move_dead("requeue", sort_keys, filter, group), timeout=timeout
+        )
+
+    async def purge(
+        self,
+        sort_keys: Sequence[int] | None = None,
+        *,
+        filter: str | None = None,
+        group: str | None = None,
+        timeout: float | None = None,
+    ) -> int:
+        """Drop dead letters for good (selected as for :meth:`requeue`). Returns how many
+        were purged, durably."""
+        return await self.call(calls.move_dead("purge", sort_keys, filter, group), timeout=timeout)
+
+    async def delete_group(self, group: str, *, timeout: float | None = None) -> bool:
+        """Delete an event consumer group and all it recorded (event claim face only);
+        False when there is no such group."""
+        return await self.call(calls.delete_group(group), timeout=timeout)
+
+
+class TierClient(Connection):
+    """The tier face (:9110)."""
+
+    async def append(
+        self,
+        execution_id: str | int,
+        payload: str,
+        *,
+        tier: str | None = None,
+        transaction_id: str | None = None,
+        expected_version: int | None = None,
+        timeout: float | None = None,
+    ) -> Appended:
+        call = calls.append(
+            execution_id,
+            payload,
+            tier=tier,
+            transaction_id=transaction_id,
+            expected_version=expected_version,
+        )
+        return await self.call(call, timeout=timeout)
+
+    async def append_batch(
+        self,
+        execution_id: str | int,
+        payloads: Iterable[str],
+        *,
+        tier: str | None = None,
+        transaction_id: str | None = None,
+        timeout: float | None = None,
+    ) -> BatchAppended:
+        call = calls.append_batch(execution_id, payloads, tier=tier, transaction_id=transaction_id)
+        return await self.call(call, timeout=timeout)
+
+    async def delete_execution(
+        self, execution_id: str | int, *, tier: str | None = None, timeout: float | None = None
+    ) -> int:
+        """Delete the execution's history in ``tier`` (default ``eventlog``), durably; the
+        records deleted (0: it had none). For clean-up tooling: the tier keeps history
+        unless told otherwise."""
+        return await self.call(calls.delete_execution(execution_id, tier=tier), timeout=timeout)
+
+    async def read_execution(
+        self,
+        execution_id: str | int,
+        *,
+        tier: str | None = None,
+        after: int | None = None,
+        limit: int | None = None,
+        timeout: float | None = None,
+    ) -> Page:
+        call = calls.read_execution(execution_id, tier=tier, after=after, limit=limit)
+        return await self.call(call, timeout=timeout)
+
+    async def scan(
+        self,
+        *,
+        tier: str | None = None,
+        after: int | None = None,
+        limit: int | None = None,
+        timeout: float | None = None,
+    ) -> Page:
+        return await self.call(calls.scan(tier=tier, after=after, limit=limit), timeout=timeout)
+
+    async def health(self, *, timeout: float | None = None) -> dict[str, Any]:
+        return await self.call(calls.tier_health(), timeout=timeout)
+
+    async def read_all(
+        self, execution_id: str | int, *, tier: str | None = None, timeout: float | None = None
+    ) -> AsyncIterator[TierRecord]:
+        """Every record of the execution, page after page (``timeout`` per page)."""
+        after: int | None = None
+        while True:
+            page = await self.read_execution(execution_id, tier=tier, after=after, timeout=timeout)
+            for record in page.records:
+                yield record
+            if page.next_after is None:
+                return
+            after = page.next_after
+
+
+class SubscribeClient(Connection):
+    """The event subscribe face (:9108). A subscription holds its connection."""
+
+    async def subscribe(self, start: int = 0, *, filter: str | None = None) -> AsyncIterator[Batch]:
+        """Batches of records with sort key > ``start``: history first, then live.
+        Raises :class:`Busy` when the server cut this subscriber off as too slow."""
+        async for batch in self._stream_replies(calls.subscribe(start, filter)):
+            yield batch
+
+
+W = TypeVar("W", bound=Connection)
+
+
+class _Writers(Generic[W]):
+    """One client per shard's writer, closed together."""
+
+    writers: Sequence[W]
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        for writer in self.writers:
+            await writer.aclose()
+
+
+class Router(_Writers[IngestClient]):
+    """Publishes each record to the writer that owns its shard.
+
+        router = Router(ShardMap.parse("0@10.0.0.1:9100,1@10.0.0.2:9100"))
+
+    Connections open on first use and reconnect after a writer restarts. Errors carry
+    ``error.shard``.
+    """
+
+    def __init__(self, shards: ShardMap, **options: Any) -> None:
+        self.shards = shards
+        self.writers = [IngestClient(address, **options) for address in shards.addresses]
+
+    async def publish(
+        self, record: Record, *, msg_id: str | None = None, timeout: float | None = None
+    ) -> Published:
+        shard = self.shards.shard_for(record["execution_id"])
+        try:
+            return await self.writers[shard].publish(record, msg_id=msg_id, timeout=timeout)
+        except ClientError as error:
+            raise self.shards.tag(error, shard) from None
+
+    async def publish_batch(
+        self, records: list[Record], *, timeout: float | None = None
+    ) -> list[tuple[int, int]]:
+        """One ``publish_batch`` per shard; ``(shard, sort_key)`` per record, in order.
+        A shard's failure raises (tagged) after the shards before it were published."""
+        keys: list[tuple[int, int]] = [(0, 0)] * len(records)
+        for shard, indexes in sorted(self.shards.split(records).items()):
+            try:
+                sort_keys = await self.writers[shard].publish_batch(
+                    [records[i] for i in indexes], timeout=timeout
+                )
+            except ClientError as error:
+                raise self.shards.tag(error, shard) from None
+            for index, sort_key in zip(indexes, sort_keys, strict=True):
+                keys[index] = (shard, sort_key)
+        return keys
+
+
+class ShardedClaimClient(_Writers[ClaimClient]):
+    """Claims from several writers (one claim address per shard) fairly: round robin
+    over the shards with pending work, so none is starved. When no shard has a record it
+    asks again after a pause (10 ms, doubling to 250 ms) until ``wait`` passes; a
+    writer that is down is skipped (and retried next round) while others serve."""
+
+    def __init__(self, shards: ShardMap, **options: Any) -> None:
+        self.shards = shards
+        self.writers = [ClaimClient(address, **options) for address in shards.addresses]
+        self._rotation = Rotation(shards.shard_count)
+
+    async def next(
+        self,
+        filter: str,
+        *,
+        wait: float | None = None,
+        group: str | None = None,
+        start: str | None = None,
+        timeout: float | None = None,
+    ) -> ShardDelivery | None:
+        deadline = math.inf if wait is None else trio.current_time() + wait
+        rounds = ClaimRounds(self.shards, self._rotation)
+        while True:
+            for shard in rounds.round():
+                try:
+                    delivery = await self.writers[shard].next(
+                        filter, wait=0, group=group, start=start, timeout=timeout
+                    )
+                except ClientError as error:
+                    rounds.failed(shard, error)  # raises unless the writer is down
+                    continue
+                if delivery is not None:
+                    return rounds.served(shard, delivery)
+            pause = rounds.pause(deadline - trio.current_time())
+            if pause is None:
+                return None
+            await trio.sleep(pause)
+
+    async def ack(
+        self, claimed: ShardDelivery, *, group: str | None = None, timeout: float | None = None
+    ) -> bool:
+        try:
+            return await self.writers[claimed.shard].ack(
+                claimed.delivery.sort_key, group=group, timeout=timeout
+            )
+        except ClientError as error:
+            raise self.shards.tag(error, claimed.shard) from None

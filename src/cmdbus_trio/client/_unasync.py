@@ -1,0 +1,88 @@
+"""Generates the blocking client's faces from the trio client's (as httpcore does with
+unasync): the face methods are the same calls, with and without ``await``.
+
+    python -m cmdbus_trio.client._unasync        # rewrites _blocking_faces.py
+
+``tests/test_client_unasync.py`` fails when the generated file is not what this makes of
+the source, so the two clients cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SOURCE = HERE / "_trio_faces.py"
+TARGET = HERE / "_blocking_faces.py"
+
+# In order; whole words only. What the trio faces use of trio has a blocking twin.
+REPLACEMENTS = (
+    (r"async def ", "def "),
+    (r"async for ", "for "),
+    (r"async with ", "with "),
+    (r"await ", ""),
+    (r"\bAsyncIterator\b", "Iterator"),
+    (r"\b__aenter__\b", "__enter__"),
+    (r"\b__aexit__\b", "__exit__"),
+    (r"\baclose\b", "close"),
+    (r"\btrio\.current_time\(\)", "time.monotonic()"),
+    (r"\btrio\.sleep\(", "time.sleep("),
+)
+
+HEADER = '''"""The faces of the blocking client: one class per face, and the sharded clients.
+
+Generated from :mod:`._trio_faces` by ``python -m cmdbus_trio.client._unasync``: do not
+edit; change the trio faces and regenerate.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Generic, Self, TypeVar
+
+from . import _calls as calls
+from ._blocking_connection import Connection
+from ._calls import (
+    Appended,
+    Batch,
+    BatchAppended,
+    DeadPage,
+    Delivery,
+    Lag,
+    Page,
+    Published,
+    Record,
+    TierRecord,
+)
+from ._errors import ClientError
+from ._shards import ClaimRounds, Rotation, ShardDelivery, ShardMap
+'''
+"""The generated module's docstring and imports (the source's are its own)."""
+
+
+def unasync(source: str) -> str:
+    """The blocking twin of the trio faces' source: :data:`HEADER`, then the source
+    from its first class on, with :data:`REPLACEMENTS` made."""
+    body = source[source.index("\nclass ") :]
+    for pattern, replacement in REPLACEMENTS:
+        body = re.sub(pattern, replacement, body, flags=re.MULTILINE)
+    if re.search(r"\b(async|await|trio)\b", body):
+        raise ValueError("the source uses trio in a way this does not translate")
+    return HEADER + "\n" + body
+
+
+def main() -> None:
+    generated = unasync(SOURCE.read_text())
+    if TARGET.exists() and TARGET.read_text() == generated:
+        print(f"{TARGET.name} is up to date")
+        return
+    TARGET.write_text(generated)
+    print(f"wrote {TARGET}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
