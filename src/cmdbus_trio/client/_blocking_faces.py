@@ -4,15 +4,16 @@ Generated from :mod:`._trio_faces` by ``python -m cmdbus_trio.client._unasync``:
 edit; change the trio faces and regenerate.
 """
 
+
 from __future__ import annotations
 
 import math
-import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Iterable, Sequence
 from typing import Any, Generic, Self, TypeVar
 
+import time
+
 from . import _calls as calls
-from ._blocking_connection import Connection
 from ._calls import (
     Appended,
     Batch,
@@ -27,6 +28,7 @@ from ._calls import (
 )
 from ._errors import ClientError
 from ._shards import ClaimRounds, Rotation, ShardDelivery, ShardMap
+from ._blocking_connection import Connection
 
 
 class IngestClient(Connection):

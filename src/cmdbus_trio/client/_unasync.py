@@ -29,50 +29,29 @@ REPLACEMENTS = (
     (r"\baclose\b", "close"),
     (r"\btrio\.current_time\(\)", "time.monotonic()"),
     (r"\btrio\.sleep\(", "time.sleep("),
+    (r"^import trio$", "import time"),
+    (r"\b_trio_connection\b", "_blocking_connection"),
 )
 
-HEADER = '''"""The faces of the blocking client: one class per face, and the sharded clients.
+DOCSTRING = '''"""The faces of the blocking client: one class per face, and the sharded clients.
 
 Generated from :mod:`._trio_faces` by ``python -m cmdbus_trio.client._unasync``: do not
 edit; change the trio faces and regenerate.
 """
-
-from __future__ import annotations
-
-import math
-import time
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, Generic, Self, TypeVar
-
-from . import _calls as calls
-from ._blocking_connection import Connection
-from ._calls import (
-    Appended,
-    Batch,
-    BatchAppended,
-    DeadPage,
-    Delivery,
-    Lag,
-    Page,
-    Published,
-    Record,
-    TierRecord,
-)
-from ._errors import ClientError
-from ._shards import ClaimRounds, Rotation, ShardDelivery, ShardMap
 '''
-"""The generated module's docstring and imports (the source's are its own)."""
 
 
 def unasync(source: str) -> str:
-    """The blocking twin of the trio faces' source: :data:`HEADER`, then the source
-    from its first class on, with :data:`REPLACEMENTS` made."""
-    body = source[source.index("\nclass ") :]
+    """The blocking twin of the trio faces' source: its own docstring, then the source
+    after its docstring with :data:`REPLACEMENTS` made."""
+    if not source.startswith('"""'):
+        raise ValueError("the source must start with its docstring")
+    body = source[source.index('"""', 3) + 3 :]
     for pattern, replacement in REPLACEMENTS:
         body = re.sub(pattern, replacement, body, flags=re.MULTILINE)
     if re.search(r"\b(async|await|trio)\b", body):
         raise ValueError("the source uses trio in a way this does not translate")
-    return HEADER + "\n" + body
+    return DOCSTRING + body
 
 
 def main() -> None:
