@@ -117,8 +117,8 @@ def lanes_for(face: str, config: Config) -> dict[str, Gate]:
 
     One write at a time: SQLite takes one writer, so a second slot only had a thread wait
     for the write lock, where the Gate can neither see nor shed it, while two threads
-    competed with the readers for the GIL (one slot: 293 appends/s against 325, and the
-    readers 35 % faster; docs/benchmarks.md)."""
+    competed with the readers for the GIL (measured in docs/benchmarks.md, "Two write
+    slots for one writer")."""
     if face != "tier" or config.tier_writes != "lane":
         return {}
     writes = Gate(

@@ -33,7 +33,7 @@ class ThreadBatcher(Generic[T, B, R]):
     a busy loop while the disk sat idle. When the queue is empty the thread waits up to
     ``linger`` seconds (without the GIL) for more before it returns: a client that sends
     its next request as soon as it has its reply then finds the thread there, not a new
-    hop into it (+10% for one publisher or one consumer). The group committer and the
+    hop into it (docs/benchmarks.md has what that bought). The group committer and the
     body reader are built on it.
 
     The loop only appends to the queue; ``take``, in the thread, alone removes from it.

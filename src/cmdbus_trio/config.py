@@ -213,293 +213,229 @@ class Setting:
         return self.name.replace("_", "-")
 
 
-def _face_setting(face: str) -> Setting:
-    return Setting(
-        f"{face}_bind",
+def _setting(default: str, parse: Callable[[str], Any], help: str) -> Any:
+    """A :class:`Config` field that is a setting: its default (the text a flag or a
+    ``CMDBUS_*`` variable would carry), its parser and its help line."""
+    return attrs.field(metadata={"setting": (default, parse, help)})
+
+
+def _face_bind(face: str) -> Any:
+    return _setting(
         f"127.0.0.1:{DEFAULT_PORTS[face]}",
         _parse_bind,
         f"address of the {face} face, HOST:PORT; empty disables it; port 0 picks a free port",
     )
 
 
-SETTINGS: tuple[Setting, ...] = (
-    Setting("data_dir", "./cmdbus-data", Path, "directory holding the stores"),
-    *(_face_setting(face) for face in FACE_NAMES),
-    *(
-        Setting(
-            f"{bus}_lag_bind",
-            "",
-            _parse_bind,
-            f"address serving NoETL's {what} lag series at /metrics (the NoETL writer's "
-            f":{port}), HOST:PORT; empty: off",
-        )
-        for bus, what, port in (("cmd", "command-bus", 9102), ("evt", "event-bus", 9106))
-    ),
-    Setting(
-        "ports_file",
+def _lag_bind(what: str, port: int) -> Any:
+    return _setting(
+        "",
+        _parse_bind,
+        f"address serving NoETL's {what} lag series at /metrics (the NoETL writer's "
+        f":{port}), HOST:PORT; empty: off",
+    )
+
+
+def _tier_retention(tier: str) -> Any:
+    return _setting(
+        "0",
+        _int_range(0),
+        f"the {tier} tier deletes the history of an execution nothing was appended to "
+        "for this long; 0: kept for ever",
+    )
+
+
+@attrs.frozen(kw_only=True)
+class Config:
+    """Every setting of the writer, validated. Build it with :func:`load`.
+
+    Its fields are the settings table: :data:`SETTINGS` (the flags, the ``CMDBUS_*``
+    variables, their defaults and help) is derived from them, in this order."""
+
+    data_dir: Path = _setting("./cmdbus-data", Path, "directory holding the stores")
+    control_bind: Bind | None = _face_bind("control")
+    cmd_ingest_bind: Bind | None = _face_bind("cmd_ingest")
+    cmd_claim_bind: Bind | None = _face_bind("cmd_claim")
+    evt_ingest_bind: Bind | None = _face_bind("evt_ingest")
+    evt_claim_bind: Bind | None = _face_bind("evt_claim")
+    evt_subscribe_bind: Bind | None = _face_bind("evt_subscribe")
+    tier_bind: Bind | None = _face_bind("tier")
+    cmd_lag_bind: Bind | None = _lag_bind("command-bus", 9102)
+    evt_lag_bind: Bind | None = _lag_bind("event-bus", 9106)
+    ports_file: Path | None = _setting(
         "",
         _optional_path,
         'when set, {face: "host:port"} of every enabled face is written there, once all listen',
-    ),
-    Setting(
-        "shard",
+    )
+    shard: int = _setting(
         "0",
         _shard,
         "the shard this writer owns; auto: the StatefulSet pod ordinal (host name suffix -N)",
-    ),
-    Setting("shard_count", "1", _int_range(1), "how many shards the cluster has"),
-    Setting("ack_wait_ms", "30000", _int_range(1), "lease of a claimed record before redelivery"),
-    Setting("max_deliver", "0", _int_range(0), "deliveries before a record is dead; 0: unlimited"),
-    Setting(
-        "stuck_after_ms",
+    )
+    shard_count: int = _setting("1", _int_range(1), "how many shards the cluster has")
+    ack_wait_ms: int = _setting(
+        "30000", _int_range(1), "lease of a claimed record before redelivery"
+    )
+    max_deliver: int = _setting(
+        "0", _int_range(0), "deliveries before a record is dead; 0: unlimited"
+    )
+    stuck_after_ms: int = _setting(
         "60000",
         _int_range(1),
         "a record unsettled this long stops holding back its group's settled position",
-    ),
-    Setting(
-        "tier_max_inflight",
+    )
+    tier_max_inflight: int = _setting(
         "auto",
         _optional_int(1),
         "tier requests running at once; auto: the cgroup CPU quota, else the CPU count",
-    ),
-    Setting(
-        "tier_max_waiters",
+    )
+    tier_max_waiters: int = _setting(
         "auto",
         _optional_int(0),
         "tier requests queued for a slot before shedding; auto: 8 x tier_max_inflight",
-    ),
-    Setting(
-        "tier_shed_after_ms", "1000", _int_range(1), "longest wait for a tier slot before shedding"
-    ),
-    Setting(
-        "tier_writes",
+    )
+    tier_shed_after_ms: int = _setting(
+        "1000", _int_range(1), "longest wait for a tier slot before shedding"
+    )
+    tier_writes: str = _setting(
         "lane",
         _choice("lane", "shared"),
         "lane: appends have a Gate of their own, so reads never shed them; shared: one Gate",
-    ),
-    Setting(
-        "default_budget_ms",
-        "10000",
-        _int_range(1),
-        "time budget of a data request that carries no deadline_ms",
-    ),
-    Setting(
-        "ingest_max_pending",
+    )
+    default_budget_ms: int = _setting(
+        "10000", _int_range(1), "time budget of a data request that carries no deadline_ms"
+    )
+    ingest_max_pending: int = _setting(
         "4096",
         _int_range(1),
         "publish requests per ingest face queued for or in a group commit; more: busy",
-    ),
-    Setting("max_request_bytes", str(1 << 20), _int_range(64), "largest request frame body"),
-    Setting(
-        "face_pending_bytes",
+    )
+    max_request_bytes: int = _setting(str(1 << 20), _int_range(64), "largest request frame body")
+    face_pending_bytes: int = _setting(
         str(8 << 20),
         _int_range(1),
         "request bytes a data face takes in before it stops reading more (then they wait)",
-    ),
-    Setting(
-        "connection_unsent_bytes",
+    )
+    connection_unsent_bytes: int = _setting(
         str(8 << 20),
         _int_range(1),
         "unsent reply bytes of one connection before it stops taking that client's requests",
-    ),
-    Setting("max_reply_bytes", str(16 << 20), _int_range(64), "largest reply frame body"),
-    Setting("sync", "full", _choice("full", "normal"), "SQLite synchronous mode"),
-    Setting(
-        "shutdown_timeout_ms",
+    )
+    max_reply_bytes: int = _setting(str(16 << 20), _int_range(64), "largest reply frame body")
+    sync: str = _setting("full", _choice("full", "normal"), "SQLite synchronous mode")
+    shutdown_timeout_ms: int = _setting(
         "15000",
         _int_range(0),
         "after SIGTERM, how long in-flight work may run before it is cancelled",
-    ),
-    Setting("idle_timeout_ms", "300000", _int_range(1), "close a data connection idle this long"),
-    Setting(
-        "read_timeout_ms", "30000", _int_range(1), "close a connection stalled mid-frame this long"
-    ),
-    Setting("dedup_window_ms", "120000", _int_range(0), "how long a publish msg_id is remembered"),
-    Setting(
-        "cmd_keep_acked_ms",
+    )
+    idle_timeout_ms: int = _setting(
+        "300000", _int_range(1), "close a data connection idle this long"
+    )
+    read_timeout_ms: int = _setting(
+        "30000", _int_range(1), "close a connection stalled mid-frame this long"
+    )
+    dedup_window_ms: int = _setting(
+        "120000", _int_range(0), "how long a publish msg_id is remembered"
+    )
+    cmd_keep_acked_ms: int = _setting(
         str(3_600_000),
         _int_range(0),
         "an acked command is kept this long (for inspection), then deleted",
-    ),
-    Setting(
-        "evt_retention_ms",
+    )
+    evt_retention_ms: int = _setting(
         str(7 * 86_400_000),
         _int_range(0),
         "an event is deleted once every group has settled it and it is older than this "
         "(the subscribers' replay window)",
-    ),
-    Setting(
-        "evt_max_bytes",
+    )
+    evt_max_bytes: int = _setting(
         "0",
         _byte_cap,
         "the event log's pages in use are kept under this many bytes by evicting the oldest "
         "events, whatever the groups did (counted in cmdbus_evicted_unconsumed_total); "
         "0: no cap",
-    ),
-    Setting(
-        "dead_retention_ms",
+    )
+    dead_retention_ms: int = _setting(
         str(7 * 86_400_000),
         _int_range(0),
         "a dead letter not requeued or purged is deleted after this long",
-    ),
-    *(
-        Setting(
-            f"tier_{tier}_retention_ms",
-            "0",
-            _int_range(0),
-            f"the {tier} tier deletes the history of an execution nothing was appended to "
-            "for this long; 0: kept for ever",
-        )
-        for tier in ("eventlog", "projection", "catalog")
-    ),
-    Setting(
-        "retention_interval_ms",
-        "10000",
-        _int_range(1),
-        "how often retention runs (and store sizes are measured)",
-    ),
-    Setting(
-        "evt_groups",
+    )
+    tier_eventlog_retention_ms: int = _tier_retention("eventlog")
+    tier_projection_retention_ms: int = _tier_retention("projection")
+    tier_catalog_retention_ms: int = _tier_retention("catalog")
+    retention_interval_ms: int = _setting(
+        "10000", _int_range(1), "how often retention runs (and store sizes are measured)"
+    )
+    evt_groups: tuple[str, ...] = _setting(
         "noetl_materializer,noetl_result_materializer,noetl_state_materializer",
         _groups,
         "event consumer groups, comma-separated",
-    ),
-    Setting(
-        "evt_max_groups",
+    )
+    evt_max_groups: int = _setting(
         "1000",
         _int_range(1),
         "event consumer groups the writer keeps; creating one more is refused (invalid)",
-    ),
-    Setting(
-        "subject_series",
+    )
+    subject_series: int = _setting(
         "500",
         _int_range(1),
         "subjects exported with their own metric series; later ones count under _other",
-    ),
-    Setting(
-        "subscriber_buffer", "10000", _int_range(1), "records buffered per subscriber before cut"
-    ),
-    Setting(
-        "liveness_threshold_ms",
+    )
+    subscriber_buffer: int = _setting(
+        "10000", _int_range(1), "records buffered per subscriber before cut"
+    )
+    liveness_threshold_ms: int = _setting(
         "5000",
         _int_range(1),
         "/livez fails when the event loop stalled longer than this in the last liveness window",
-    ),
-    Setting(
-        "liveness_window_ms",
-        "10000",
-        _int_range(1),
-        "how long a loop stall keeps /livez failing after it ended",
-    ),
-    Setting(
-        "control_keepalive_ms",
+    )
+    liveness_window_ms: int = _setting(
+        "10000", _int_range(1), "how long a loop stall keeps /livez failing after it ended"
+    )
+    control_keepalive_ms: int = _setting(
         "5000",
         _int_range(1),
         "control face: close an idle keep-alive HTTP connection after this long",
-    ),
-    Setting(
-        "switch_interval_ms",
+    )
+    switch_interval_ms: float = _setting(
         "1",
         _positive_float,
         "sys.setswitchinterval while serving, so worker threads cannot hog the GIL",
-    ),
-    Setting("auth_token", "", _optional_text, "shared token required in the v2 hello (unset: off)"),
-    Setting(
-        "allow_v1",
+    )
+    auth_token: str | None = _setting(
+        "", _optional_text, "shared token required in the v2 hello (unset: off)"
+    )
+    allow_v1: bool = _setting(
         "false",
         _bool,
         "with an auth token set, still accept v1 (token-less) connections from v1_cidrs",
-    ),
-    Setting(
-        "v1_cidrs",
+    )
+    v1_cidrs: tuple[IPNetwork, ...] = _setting(
         "127.0.0.0/8,::1/128",
         _cidrs,
         "networks v1 connections may come from when allow_v1 is on, comma-separated",
-    ),
-    Setting(
-        "max_connections",
+    )
+    max_connections: int = _setting(
         "1024",
         _int_range(1),
         "open connections per data face; more are accepted and closed at once (counted)",
-    ),
-    Setting("tls_cert", "", _optional_path, "TLS certificate for the data faces (unset: off)"),
-    Setting("tls_key", "", _optional_path, "TLS private key for the data faces (unset: off)"),
-    Setting("log_format", "json", _choice("json", "console"), "log line format"),
-    Setting(
-        "log_level", "info", _choice("debug", "info", "warning", "error"), "lowest level logged"
-    ),
-    Setting(
-        "debug_hooks",
+    )
+    tls_cert: Path | None = _setting(
+        "", _optional_path, "TLS certificate for the data faces (unset: off)"
+    )
+    tls_key: Path | None = _setting(
+        "", _optional_path, "TLS private key for the data faces (unset: off)"
+    )
+    log_format: str = _setting("json", _choice("json", "console"), "log line format")
+    log_level: str = _setting(
+        "info", _choice("debug", "info", "warning", "error"), "lowest level logged"
+    )
+    debug_hooks: bool = _setting(
         "false",
         _bool,
         "enable POST /debug/block-loop, /debug/fail-writes and /debug/slow-commits on the "
         "control face (for tests and drills; never in prod)",
-    ),
-)
-
-SETTINGS_BY_NAME = {setting.name: setting for setting in SETTINGS}
-
-
-@attrs.frozen(kw_only=True)
-class Config:
-    """Every setting of the writer, validated. Build it with :func:`load`."""
-
-    data_dir: Path
-    control_bind: Bind | None
-    cmd_ingest_bind: Bind | None
-    cmd_claim_bind: Bind | None
-    evt_ingest_bind: Bind | None
-    evt_claim_bind: Bind | None
-    evt_subscribe_bind: Bind | None
-    tier_bind: Bind | None
-    cmd_lag_bind: Bind | None
-    evt_lag_bind: Bind | None
-    ports_file: Path | None
-    shard: int
-    shard_count: int
-    ack_wait_ms: int
-    max_deliver: int
-    stuck_after_ms: int
-    tier_max_inflight: int
-    tier_max_waiters: int
-    tier_shed_after_ms: int
-    tier_writes: str
-    default_budget_ms: int
-    ingest_max_pending: int
-    max_request_bytes: int
-    face_pending_bytes: int
-    connection_unsent_bytes: int
-    max_reply_bytes: int
-    sync: str
-    shutdown_timeout_ms: int
-    idle_timeout_ms: int
-    read_timeout_ms: int
-    dedup_window_ms: int
-    cmd_keep_acked_ms: int
-    evt_retention_ms: int
-    evt_max_bytes: int
-    dead_retention_ms: int
-    tier_eventlog_retention_ms: int
-    tier_projection_retention_ms: int
-    tier_catalog_retention_ms: int
-    retention_interval_ms: int
-    evt_groups: tuple[str, ...]
-    evt_max_groups: int
-    subject_series: int
-    subscriber_buffer: int
-    liveness_threshold_ms: int
-    liveness_window_ms: int
-    control_keepalive_ms: int
-    switch_interval_ms: float
-    auth_token: str | None
-    allow_v1: bool
-    v1_cidrs: tuple[IPNetwork, ...]
-    max_connections: int
-    tls_cert: Path | None
-    tls_key: Path | None
-    log_format: str
-    log_level: str
-    debug_hooks: bool
+    )
 
     def bind(self, face: str) -> Bind | None:
         bind: Bind | None = getattr(self, f"{face}_bind")
@@ -521,6 +457,12 @@ class Config:
                 value = [str(network) for network in value]
             out[setting.name] = value
         return out
+
+
+SETTINGS: tuple[Setting, ...] = tuple(
+    Setting(field.name, *field.metadata["setting"]) for field in attrs.fields(Config)
+)
+SETTINGS_BY_NAME = {setting.name: setting for setting in SETTINGS}
 
 
 def cpu_quota(cgroup_root: Path = Path("/sys/fs/cgroup")) -> int:
