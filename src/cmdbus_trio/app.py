@@ -28,11 +28,6 @@ import trio
 from . import __version__, control, metrics
 from .admission import ByteBudget, Gate, run_in_thread
 from .bus import Bus
-from .bus.bodies import BodyReader
-from .bus.claims import open_claims, sample_lag
-from .bus.committer import GroupCommitter
-from .bus.groups import ConsumerGroups
-from .bus.subscriptions import Hub
 from .config import DATA_FACE_NAMES, LAG_PORT_NAMES, Bind, Config, cpu_quota
 from .faces import (
     FaceContext,
@@ -47,11 +42,10 @@ from .faces import tier as tier_face
 from .health import FaceState, Health
 from .heartbeat import Heartbeat
 from .logs import event
-from .protocol.bus import BusKind, SubjectRule
+from .protocol.bus import BusKind
 from .protocol.tier import WRITE_OPS as TIER_WRITE_OPS
 from .retention import Eviction, RetentionPolicy, run_retention, run_tier_retention
 from .storage import Store
-from .storage.buslog import BusLog
 from .storage.tier import TierStore
 
 log = logging.getLogger(__name__)
@@ -332,25 +326,20 @@ class Writer:
         for name, store in self._stores.items():
             if not isinstance(store, Bus):
                 continue
-            await self._start_task(background, f"{name}.committer", store.committer.run)
-            await self._start_task(background, f"{name}.bodies", store.bodies.run)
-            if store.claims is not None:
-                await self._start_task(background, f"{name}.claim_timers", store.claims.run_timers)
-                await self._start_task(
-                    background,
-                    f"{name}.lag_sampler",
-                    partial(sample_lag, store.claims, store.committer, shard=config.shard),
-                )
-            if store.groups is not None:
-                await self._start_task(background, f"{name}.groups", store.groups.run)
+            for task, run in store.tasks(config.shard).items():
+                await self._start_task(background, f"{name}.{task}", run)
             # The command bus has one consumer, itself; an event log's are its groups.
             consumers = {name: 0} if store.claims is not None else None
-            policy = retention_for(name, config)
             eviction = None
             if store.groups is not None and config.evt_max_bytes:
                 eviction = Eviction(store.log, store.groups, store.bodies, config.evt_max_bytes)
             retain = partial(
-                run_retention, name, store.log, policy, consumers=consumers, eviction=eviction
+                run_retention,
+                name,
+                store.log,
+                retention_for(name, config),
+                consumers=consumers,
+                eviction=eviction,
             )
             await self._start_task(background, f"{name}.retention", retain)
         tier = self._stores.get("tier")
@@ -410,55 +399,17 @@ class Writer:
                 self.health.add_store(name, tier)
                 metrics.RETAINED.labels(store=name, kind="records")  # 0 from the start
                 continue
-            bus_log = await run_in_thread(
-                partial(
-                    BusLog.open,
-                    path,
-                    name=name,
-                    synchronous=config.sync,
-                    dedup_window=config.dedup_window_ms / 1000,
-                ),
-                limiter=self._maintenance,
-            )
-            rule = SubjectRule(BusKind(name), config.shard, config.shard_count)
-            committer = GroupCommitter(bus_log, rule)
-            bodies = BodyReader(bus_log)
-            self.health.add_store(name, bus_log)
-            kinds = ("records", "dead_letters", *(("evicted",) if name == "events" else ()))
-            for kind in kinds:  # 0 from the start
-                metrics.RETAINED.labels(store=name, kind=kind)
-            if name == "events":
-                groups = ConsumerGroups(
-                    bus_log,
-                    committer,
-                    ack_wait=config.ack_wait_ms / 1000,
-                    max_deliver=config.max_deliver,
-                    limiter=self._maintenance,
-                    max_groups=config.evt_max_groups,
-                    stuck_after=config.stuck_after_ms / 1000,
-                )
-                await groups.open(config.evt_groups)
-                hub = Hub(config.subscriber_buffer)
-                committer.listeners.append(hub.feed)
-                self._stores[name] = Bus(bus_log, committer, bodies, groups=groups, hub=hub)
-                continue
-            claims = await open_claims(
-                bus_log,
-                committer,
-                name,
-                start_after=0,
-                ack_wait=config.ack_wait_ms / 1000,
-                max_deliver=config.max_deliver,
-                limiter=self._maintenance,
-                stuck_after=config.stuck_after_ms / 1000,
-            )
-            self._stores[name] = Bus(bus_log, committer, bodies, claims)
+            bus = await Bus.open(BusKind(name), config, limiter=self._maintenance)
+            self._stores[name] = bus
+            self.health.add_store(name, bus.log)
 
     async def _close_stores(self) -> None:
         with trio.CancelScope(shield=True):
             for store in self._stores.values():
-                closing = store.log if isinstance(store, Bus) else store
-                await run_in_thread(closing.close, limiter=self._maintenance)
+                if isinstance(store, Bus):
+                    await store.close(limiter=self._maintenance)
+                else:
+                    await run_in_thread(store.close, limiter=self._maintenance)
 
     async def _supervise(
         self, ctx: FaceContext, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
@@ -536,13 +487,8 @@ class Writer:
         for gate in self.health.gates.values():
             gate.close()
         for store in self._stores.values():
-            if isinstance(store, Bus):  # consumers waiting in `next` are answered now
-                if store.claims is not None:
-                    store.claims.close()
-                if store.groups is not None:
-                    store.groups.close()
-                if store.hub is not None:
-                    store.hub.close()  # subscriptions end; their connections close
+            if isinstance(store, Bus):
+                store.stop_consumers()
         self._draining.set()
         data.cancel_scope.deadline = trio.current_time() + budget
 
