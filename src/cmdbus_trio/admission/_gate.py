@@ -1,14 +1,4 @@
-"""Admission control: the Gate, its slots, and the one offload helper.
-
-A request arrives (its clock starts), asks its face's :class:`Gate` for a :class:`Slot`,
-does its work through the slot (in a worker thread when it blocks), and releases the
-slot when that work has truly returned. The Gate sheds what it cannot serve in time,
-with a reason, instead of letting a queue grow without bound.
-
-Only :func:`run_in_thread` enters a worker thread (``batcher.ThreadBatcher`` is built on
-it); it never abandons one (so a slot can never be released, nor a store closed,
-under a running thread).
-"""
+"""The Gate: admission by requests, with shedding, for one face."""
 
 from __future__ import annotations
 
@@ -16,7 +6,6 @@ import enum
 import logging
 import math
 from collections import Counter as _Tally
-from collections import deque
 from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import NoReturn, TypeVar, TypeVarTuple
@@ -24,95 +13,15 @@ from typing import NoReturn, TypeVar, TypeVarTuple
 import attrs
 import trio
 
-from . import metrics
-from .logs import event
+from cmdbus_trio import metrics
+from cmdbus_trio.logs import event
+
+from ._threads import run_in_thread
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
 
 log = logging.getLogger(__name__)
-
-
-async def run_in_thread(fn: Callable[[*Ts], T], *args: *Ts, limiter: trio.CapacityLimiter) -> T:
-    """Run ``fn(*args)`` in a worker thread and return its result.
-
-    This is the only way into a thread. ``limiter`` must be a dedicated limiter, never
-    trio's global default, so that data-plane work cannot starve other thread users.
-
-    Cancellation: the thread is never abandoned. When the caller is cancelled this waits
-    until ``fn`` returns; ``fn`` sees the cancellation when it calls
-    ``trio.from_thread.check_cancelled()`` (long work does so between pages).
-    """
-    return await trio.to_thread.run_sync(fn, *args, limiter=limiter, abandon_on_cancel=False)
-
-
-class ByteBudget:
-    """Bytes lent to requests (a face's frames being parsed and committed), at most
-    ``total`` at once, to the oldest asker first. A request larger than the whole budget
-    waits for all of it, so it is admitted alone rather than never.
-
-    ``acquire`` / ``acquire_nowait`` / ``release`` as a semaphore of bytes: what a Gate
-    is to requests, this is to their size (frames are parsed before a Gate sees them).
-    """
-
-    def __init__(self, name: str, total: int) -> None:
-        if total < 1:
-            raise ValueError(f"total must be >= 1 byte, got {total}")
-        self.name = name
-        self.total = total
-        self.lent = 0
-        self._waiting: deque[tuple[int, trio.Event]] = deque()
-        metrics.PENDING_BYTES.labels(face=name).set_function(lambda: self.lent)
-
-    def _fit(self, size: int) -> int:
-        return min(size, self.total)
-
-    def acquire_nowait(self, size: int) -> int:
-        """Lend ``size`` bytes now (returns what was lent: the size, at most the total).
-
-        Error handling: raises :class:`trio.WouldBlock` when they are not free, or
-        somebody asked first."""
-        size = self._fit(size)
-        if self._waiting or self.lent + size > self.total:
-            raise trio.WouldBlock
-        self.lent += size
-        return size
-
-    async def acquire(self, size: int) -> int:
-        """Wait for ``size`` bytes, behind those who asked first; returns what was lent.
-
-        Cancellation: nothing is lent when cancelled while waiting (bytes handed over
-        just before are given back)."""
-        try:
-            lent = self.acquire_nowait(size)
-        except trio.WouldBlock:
-            pass
-        else:
-            await trio.lowlevel.checkpoint()
-            return lent
-        size = self._fit(size)
-        ask = (size, trio.Event())
-        self._waiting.append(ask)
-        try:
-            await ask[1].wait()
-        except BaseException:
-            if ask[1].is_set():
-                self.release(size)
-            else:
-                self._waiting.remove(ask)
-                self._hand_out()  # those behind it may fit now
-            raise
-        return size
-
-    def release(self, lent: int) -> None:
-        self.lent -= lent
-        self._hand_out()
-
-    def _hand_out(self) -> None:
-        while self._waiting and self.lent + self._waiting[0][0] <= self.total:
-            size, granted = self._waiting.popleft()
-            self.lent += size
-            granted.set()
 
 
 class ShedReason(enum.StrEnum):

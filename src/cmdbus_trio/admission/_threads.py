@@ -1,0 +1,24 @@
+"""The one way into a worker thread."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar, TypeVarTuple
+
+import trio
+
+T = TypeVar("T")
+Ts = TypeVarTuple("Ts")
+
+
+async def run_in_thread(fn: Callable[[*Ts], T], *args: *Ts, limiter: trio.CapacityLimiter) -> T:
+    """Run ``fn(*args)`` in a worker thread and return its result.
+
+    This is the only way into a thread. ``limiter`` must be a dedicated limiter, never
+    trio's global default, so that data-plane work cannot starve other thread users.
+
+    Cancellation: the thread is never abandoned. When the caller is cancelled this waits
+    until ``fn`` returns; ``fn`` sees the cancellation when it calls
+    ``trio.from_thread.check_cancelled()`` (long work does so between pages).
+    """
+    return await trio.to_thread.run_sync(fn, *args, limiter=limiter, abandon_on_cancel=False)
