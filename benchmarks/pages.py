@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from cmdbus_trio.protocol import tier as codec
+from cmdbus_trio.storage import _tier_pages
 from cmdbus_trio.storage import tier as tier_store
 from cmdbus_trio.storage.tier import NewRecord, TierStore
 
@@ -40,8 +41,8 @@ MAX_REPLY = 16 << 20
 def per_record_pages(store: TierStore, after: int) -> Iterator[list[tuple[int, bytes]]]:
     """The rows of cmdbus-trio's own query, split as before: a pair per record."""
     table = "eventlog_records"
-    columns = f"global_sequence, {tier_store._FRAGMENT_SQL} AS fragment"
-    page = tier_store._BOUNDED_PAGE_SQL.format(
+    columns = f"global_sequence, {_tier_pages.FRAGMENT_SQL} AS fragment"
+    page = _tier_pages.BOUNDED_PAGE_SQL.format(
         columns=columns, table=table, condition="execution_id = ? AND"
     )
     sql = (

@@ -19,13 +19,13 @@ from hypothesis import strategies as st
 from cmdbus_trio.protocol.tier import record_fragment
 from cmdbus_trio.storage import StoreState, StoreUnavailable
 from cmdbus_trio.storage import tier as tier_module
+from cmdbus_trio.storage._tier_pages import sqlite_writes_fragments
 from cmdbus_trio.storage.tier import (
     PAGE_ROWS,
     TIERS,
     NewRecord,
     TierStore,
     VersionConflict,
-    _sqlite_writes_fragments,
 )
 
 
@@ -317,15 +317,15 @@ def test_encoded_pages_are_the_records_reply_fragments(
 def test_fragments_are_made_in_sqlite_only_where_it_escapes_as_we_do(store: TierStore) -> None:
     assert store.fragments_in_sqlite  # this SQLite: every CI Python links one like it
     connection = sqlite3.connect(":memory:")
-    assert _sqlite_writes_fragments(connection)
+    assert sqlite_writes_fragments(connection)
 
     def upper_hex_json_object(*pairs: object) -> str:  # \u001F where we write \u001f
         return json.dumps(dict(zip(pairs[::2], pairs[1::2], strict=True))).upper()
 
     connection.create_function("json_object", -1, upper_hex_json_object)
-    assert not _sqlite_writes_fragments(connection)
+    assert not sqlite_writes_fragments(connection)
     connection.create_function("json_object", -1, None)  # as if built without JSON
-    assert not _sqlite_writes_fragments(connection)
+    assert not sqlite_writes_fragments(connection)
 
 
 @pytest.mark.parametrize("in_sqlite", [True, False])

@@ -14,11 +14,19 @@ from typing import Any, Final, TypeVar
 
 import attrs
 
-from cmdbus_trio.protocol.tier import Fragments, record_fragment
+from cmdbus_trio.protocol.tier import Fragments
 
 from ._common import StoreState
 from ._guard import refuses_loop_thread
 from ._sqlite import SqliteStore
+from ._tier_pages import (
+    BOUNDED_PAGE_SQL,
+    FRAGMENT_SQL,
+    FRAGMENTS_SQL,
+    encode_rows,
+    joined_fragments,
+    sqlite_writes_fragments,
+)
 
 Page = TypeVar("Page")
 
@@ -30,41 +38,10 @@ PAGE_ROWS: Final = 256
 
 _COLUMNS: Final = "global_sequence, execution_id, transaction_id, byte_len, payload"
 """A record's columns, in the order of :class:`TierRecord`."""
-# A record's reply fragment made by SQLite, which escapes the payload without the GIL: a
-# reader's page then holds the GIL only to copy bytes, not to escape a megabyte of JSON
-# (issue 16 item 1: the appends and the probes get that time). Used only where SQLite
-# writes exactly the bytes of protocol.tier.record_fragment (checked at open).
-_FRAGMENT_SQL: Final = (
-    "CAST(json_object('global_sequence', global_sequence, "
-    "'execution_id', execution_id, 'transaction_id', transaction_id, "
-    "'byte_len', byte_len, 'payload', payload) AS BLOB)"
-)
 PAGE_BYTES: Final = 4 << 20
 """About the most payload bytes one page of :meth:`TierStore.iter_execution_encoded` holds
 (always at least one record): records may be up to a request's size each, and a page of
 :data:`PAGE_ROWS` of them is not held in memory at once."""
-# A bounded page: up to PAGE_ROWS records after a sort key, chosen by their lengths first so
-# that nothing past PAGE_BYTES is read (the payload is read only for the records chosen).
-_BOUNDED_PAGE_SQL: Final = (
-    "SELECT {columns} FROM ("
-    "SELECT global_sequence, sum(byte_len) OVER (ORDER BY global_sequence) - byte_len AS before "
-    "FROM (SELECT global_sequence, byte_len FROM {table} WHERE {condition} "
-    "global_sequence > ? ORDER BY global_sequence LIMIT ?)"
-    ") AS page JOIN {table} USING (global_sequence) WHERE page.before < ? "
-    "ORDER BY global_sequence"
-)
-# The page's fragments in one result row: the sequences and byte lengths comma-separated,
-# then the fragments comma-separated as a reply lists them (group_concat keeps the order
-# the subquery feeds it; a test holds it). The sqlite3 module releases and retakes the GIL
-# for every row, and beside a busy loop each retake can wait: pages of one row per record
-# read at about half speed (docs/benchmarks.md). A reply then takes a page's records by
-# slicing the blob (protocol.tier.Fragments), with no Python code per record.
-_FRAGMENTS_SQL: Final = (
-    "SELECT group_concat(global_sequence), group_concat(length(fragment)), "
-    "CAST(group_concat(fragment, ',') AS BLOB) FROM ({page})"
-)
-# Every character class JSON escapes differently across encoders.
-_ESCAPE_SAMPLE: Final = "".join(map(chr, range(0x20))) + '"\\/\x7f\u00e9\u2028\U0001f600'
 
 
 class VersionConflict(Exception):
@@ -173,7 +150,7 @@ class TierStore(SqliteStore):
         for tier in TIERS:
             connection.execute("INSERT OR IGNORE INTO tier_counts VALUES (?, 0)", (tier,))
         self._counts = dict(connection.execute("SELECT tier, record_count FROM tier_counts"))
-        self.fragments_in_sqlite = _sqlite_writes_fragments(connection)
+        self.fragments_in_sqlite = sqlite_writes_fragments(connection)
 
     @property
     def records(self) -> int:
@@ -404,12 +381,12 @@ class TierStore(SqliteStore):
     ) -> Iterator[Fragments]:
         table = f"{tier}_records"
         if not self.fragments_in_sqlite:
-            sql = _BOUNDED_PAGE_SQL.format(columns=_COLUMNS, table=table, condition=condition)
-            return self._pages(sql, head, after, _encode_rows, PAGE_BYTES)
-        columns = f"global_sequence, {_FRAGMENT_SQL} AS fragment"
-        page = _BOUNDED_PAGE_SQL.format(columns=columns, table=table, condition=condition)
-        sql = _FRAGMENTS_SQL.format(page=page)
-        return self._pages(sql, head, after, _joined_fragments, PAGE_BYTES)
+            sql = BOUNDED_PAGE_SQL.format(columns=_COLUMNS, table=table, condition=condition)
+            return self._pages(sql, head, after, encode_rows, PAGE_BYTES)
+        columns = f"global_sequence, {FRAGMENT_SQL} AS fragment"
+        page = BOUNDED_PAGE_SQL.format(columns=columns, table=table, condition=condition)
+        sql = FRAGMENTS_SQL.format(page=page)
+        return self._pages(sql, head, after, joined_fragments, PAGE_BYTES)
 
     def _pages(
         self,
@@ -437,33 +414,6 @@ class TierStore(SqliteStore):
 
 def _as_rows(rows: list[Any]) -> tuple[list[Any], int | None]:
     return rows, rows[-1][0] if rows else None
-
-
-def _encode_rows(rows: list[Any]) -> tuple[Fragments, int | None]:
-    page = Fragments.of((row[0], record_fragment(*row)) for row in rows)
-    return page, page.keys[-1] if rows else None
-
-
-def _joined_fragments(rows: list[Any]) -> tuple[Fragments, int | None]:
-    [(sequences, lengths, blob)] = rows
-    if sequences is None:  # no records: group_concat of nothing
-        return Fragments((), (), b""), None
-    keys = list(map(int, sequences.split(",")))
-    return Fragments.joined(keys, map(int, lengths.split(",")), blob), keys[-1]
-
-
-def _sqlite_writes_fragments(connection: sqlite3.Connection) -> bool:
-    """Whether this SQLite has ``json_object`` and escapes as our encoder does."""
-    row = (1, _ESCAPE_SAMPLE, "", 2, _ESCAPE_SAMPLE)
-    try:
-        written = connection.execute(
-            f"SELECT 0, {_FRAGMENT_SQL} FROM (SELECT ? AS global_sequence, ? AS execution_id, "
-            "? AS transaction_id, ? AS byte_len, ? AS payload)",
-            row,
-        ).fetchone()[1]
-    except sqlite3.Error:  # built without JSON
-        return False
-    return bool(written == record_fragment(*row))
 
 
 def _check_tier(tier: str) -> None:
