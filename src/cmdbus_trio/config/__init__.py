@@ -8,9 +8,7 @@ turns that into one line on stderr and exit status 2.
 
 from __future__ import annotations
 
-import ipaddress
 import os
-import re
 import socket
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -18,7 +16,24 @@ from typing import Any
 
 import attrs
 
-from cmdbus_trio.protocol.bus import GROUP_NAME, GROUP_NAME_RULE
+from ._values import (
+    MIN_EVT_MAX_BYTES,
+    ORDINAL,
+    Bind,
+    IPNetwork,
+    boolean,
+    byte_cap,
+    choice,
+    cidrs,
+    group_names,
+    int_range,
+    optional_int,
+    optional_path,
+    optional_text,
+    parse_bind,
+    positive_float,
+    shard_value,
+)
 
 ENV_PREFIX = "CMDBUS_"
 
@@ -34,8 +49,6 @@ FACE_NAMES = (
 DATA_FACE_NAMES = FACE_NAMES[1:]
 LAG_PORT_NAMES = ("cmd_lag", "evt_lag")
 """NoETL's lag ports (/metrics of one bus's lag series), served by the control nursery."""
-
-IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 DEFAULT_PORTS = {
     "control": 9090,
@@ -56,142 +69,6 @@ class ConfigError(ValueError):
         self.value = value
         self.allowed = allowed
         super().__init__(f"invalid setting {setting.env} (--{setting.flag}): {value!r}: {allowed}")
-
-
-@attrs.frozen
-class Bind:
-    """A listening address. ``port`` 0 asks the kernel for a free port."""
-
-    host: str
-    port: int
-
-    def __str__(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}"
-
-
-# --- parsers: text -> value, raising ValueError with what is allowed -------------------------
-
-
-def _parse_bind(text: str) -> Bind | None:
-    text = text.strip()
-    if not text:
-        return None  # an empty bind disables the face
-    match = re.fullmatch(r"\[([0-9A-Fa-f:.]+)\]:(\d{1,5})|([^:\[\]\s]+):(\d{1,5})", text)
-    if match is None:
-        raise ValueError("expected HOST:PORT (or [IPv6]:PORT), or empty to disable the face")
-    host = match.group(1) or match.group(3)
-    port = int(match.group(2) or match.group(4))
-    if port > 65535:
-        raise ValueError("port must be 0..65535 (0 picks a free port)")
-    return Bind(host, port)
-
-
-def _int_range(low: int, high: int | None = None) -> Callable[[str], int]:
-    allowed = f"an integer >= {low}" if high is None else f"an integer in {low}..{high}"
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text.strip(), 10)
-        except ValueError:
-            raise ValueError(f"expected {allowed}") from None
-        if value < low or (high is not None and value > high):
-            raise ValueError(f"expected {allowed}")
-        return value
-
-    return parse
-
-
-_ORDINAL = re.compile(r"-(\d+)$")
-
-
-MIN_EVT_MAX_BYTES = 1 << 20
-"""The smallest event-log cap: an empty log's tables and indexes take about 100 KiB, and
-a cap near that would evict every event as soon as it is published."""
-
-
-def _byte_cap(text: str) -> int:
-    """0 (no cap), or a cap of at least :data:`MIN_EVT_MAX_BYTES`."""
-    value = _int_range(0)(text)
-    if 0 < value < MIN_EVT_MAX_BYTES:
-        raise ValueError(f"expected 0 (no cap) or an integer >= {MIN_EVT_MAX_BYTES} (1 MiB)")
-    return value
-
-
-def _shard(text: str) -> int | str:
-    """A shard number, or ``auto``: resolved from the host name by :func:`load`."""
-    if text.strip() == "auto":
-        return "auto"
-    try:
-        return _int_range(0)(text)
-    except ValueError:
-        raise ValueError("expected an integer >= 0 or auto") from None
-
-
-def _optional_int(low: int) -> Callable[[str], int | None]:
-    parse_int = _int_range(low)
-
-    def parse(text: str) -> int | None:
-        return None if text.strip() in ("", "auto") else parse_int(text)
-
-    return parse
-
-
-def _choice(*choices: str) -> Callable[[str], str]:
-    def parse(text: str) -> str:
-        value = text.strip().lower()
-        if value not in choices:
-            raise ValueError("expected one of " + ", ".join(choices))
-        return value
-
-    return parse
-
-
-def _bool(text: str) -> bool:
-    value = text.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError("expected true or false")
-
-
-def _optional_text(text: str) -> str | None:
-    return text or None
-
-
-def _optional_path(text: str) -> Path | None:
-    return Path(text) if text else None
-
-
-def _groups(text: str) -> tuple[str, ...]:
-    names = tuple(name.strip() for name in text.split(",") if name.strip())
-    for name in names:
-        if not GROUP_NAME.fullmatch(name):
-            raise ValueError(f"group {name!r}: names are {GROUP_NAME_RULE}, comma-separated")
-    if len(set(names)) != len(names):
-        raise ValueError("group names must be unique")
-    return names
-
-
-def _cidrs(text: str) -> tuple[IPNetwork, ...]:
-    networks = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        try:
-            networks.append(ipaddress.ip_network(part, strict=False))
-        except ValueError:
-            raise ValueError(f"{part!r} is not a network like 10.0.0.0/8 or ::1/128") from None
-    return tuple(networks)
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError("expected a positive number") from None
-    if not value > 0:
-        raise ValueError("expected a positive number")
-    return value
 
 
 # --- the table ---------------------------------------------------------------------------------
@@ -222,7 +99,7 @@ def _setting(default: str, parse: Callable[[str], Any], help: str) -> Any:
 def _face_bind(face: str) -> Any:
     return _setting(
         f"127.0.0.1:{DEFAULT_PORTS[face]}",
-        _parse_bind,
+        parse_bind,
         f"address of the {face} face, HOST:PORT; empty disables it; port 0 picks a free port",
     )
 
@@ -230,7 +107,7 @@ def _face_bind(face: str) -> Any:
 def _lag_bind(what: str, port: int) -> Any:
     return _setting(
         "",
-        _parse_bind,
+        parse_bind,
         f"address serving NoETL's {what} lag series at /metrics (the NoETL writer's "
         f":{port}), HOST:PORT; empty: off",
     )
@@ -239,7 +116,7 @@ def _lag_bind(what: str, port: int) -> Any:
 def _tier_retention(tier: str) -> Any:
     return _setting(
         "0",
-        _int_range(0),
+        int_range(0),
         f"the {tier} tier deletes the history of an execution nothing was appended to "
         "for this long; 0: kept for ever",
     )
@@ -264,175 +141,175 @@ class Config:
     evt_lag_bind: Bind | None = _lag_bind("event-bus", 9106)
     ports_file: Path | None = _setting(
         "",
-        _optional_path,
+        optional_path,
         'when set, {face: "host:port"} of every enabled face is written there, once all listen',
     )
     shard: int = _setting(
         "0",
-        _shard,
+        shard_value,
         "the shard this writer owns; auto: the StatefulSet pod ordinal (host name suffix -N)",
     )
-    shard_count: int = _setting("1", _int_range(1), "how many shards the cluster has")
+    shard_count: int = _setting("1", int_range(1), "how many shards the cluster has")
     ack_wait_ms: int = _setting(
-        "30000", _int_range(1), "lease of a claimed record before redelivery"
+        "30000", int_range(1), "lease of a claimed record before redelivery"
     )
     max_deliver: int = _setting(
-        "0", _int_range(0), "deliveries before a record is dead; 0: unlimited"
+        "0", int_range(0), "deliveries before a record is dead; 0: unlimited"
     )
     stuck_after_ms: int = _setting(
         "60000",
-        _int_range(1),
+        int_range(1),
         "a record unsettled this long stops holding back its group's settled position",
     )
     tier_max_inflight: int = _setting(
         "auto",
-        _optional_int(1),
+        optional_int(1),
         "tier requests running at once; auto: the cgroup CPU quota, else the CPU count",
     )
     tier_max_waiters: int = _setting(
         "auto",
-        _optional_int(0),
+        optional_int(0),
         "tier requests queued for a slot before shedding; auto: 8 x tier_max_inflight",
     )
     tier_shed_after_ms: int = _setting(
-        "1000", _int_range(1), "longest wait for a tier slot before shedding"
+        "1000", int_range(1), "longest wait for a tier slot before shedding"
     )
     tier_writes: str = _setting(
         "lane",
-        _choice("lane", "shared"),
+        choice("lane", "shared"),
         "lane: appends have a Gate of their own, so reads never shed them; shared: one Gate",
     )
     default_budget_ms: int = _setting(
-        "10000", _int_range(1), "time budget of a data request that carries no deadline_ms"
+        "10000", int_range(1), "time budget of a data request that carries no deadline_ms"
     )
     ingest_max_pending: int = _setting(
         "4096",
-        _int_range(1),
+        int_range(1),
         "publish requests per ingest face queued for or in a group commit; more: busy",
     )
-    max_request_bytes: int = _setting(str(1 << 20), _int_range(64), "largest request frame body")
+    max_request_bytes: int = _setting(str(1 << 20), int_range(64), "largest request frame body")
     face_pending_bytes: int = _setting(
         str(8 << 20),
-        _int_range(1),
+        int_range(1),
         "request bytes a data face takes in before it stops reading more (then they wait)",
     )
     connection_unsent_bytes: int = _setting(
         str(8 << 20),
-        _int_range(1),
+        int_range(1),
         "unsent reply bytes of one connection before it stops taking that client's requests",
     )
-    max_reply_bytes: int = _setting(str(16 << 20), _int_range(64), "largest reply frame body")
-    sync: str = _setting("full", _choice("full", "normal"), "SQLite synchronous mode")
+    max_reply_bytes: int = _setting(str(16 << 20), int_range(64), "largest reply frame body")
+    sync: str = _setting("full", choice("full", "normal"), "SQLite synchronous mode")
     shutdown_timeout_ms: int = _setting(
         "15000",
-        _int_range(0),
+        int_range(0),
         "after SIGTERM, how long in-flight work may run before it is cancelled",
     )
     idle_timeout_ms: int = _setting(
-        "300000", _int_range(1), "close a data connection idle this long"
+        "300000", int_range(1), "close a data connection idle this long"
     )
     read_timeout_ms: int = _setting(
-        "30000", _int_range(1), "close a connection stalled mid-frame this long"
+        "30000", int_range(1), "close a connection stalled mid-frame this long"
     )
     dedup_window_ms: int = _setting(
-        "120000", _int_range(0), "how long a publish msg_id is remembered"
+        "120000", int_range(0), "how long a publish msg_id is remembered"
     )
     cmd_keep_acked_ms: int = _setting(
         str(3_600_000),
-        _int_range(0),
+        int_range(0),
         "an acked command is kept this long (for inspection), then deleted",
     )
     evt_retention_ms: int = _setting(
         str(7 * 86_400_000),
-        _int_range(0),
+        int_range(0),
         "an event is deleted once every group has settled it and it is older than this "
         "(the subscribers' replay window)",
     )
     evt_max_bytes: int = _setting(
         "0",
-        _byte_cap,
+        byte_cap,
         "the event log's pages in use are kept under this many bytes by evicting the oldest "
         "events, whatever the groups did (counted in cmdbus_evicted_unconsumed_total); "
         "0: no cap",
     )
     dead_retention_ms: int = _setting(
         str(7 * 86_400_000),
-        _int_range(0),
+        int_range(0),
         "a dead letter not requeued or purged is deleted after this long",
     )
     tier_eventlog_retention_ms: int = _tier_retention("eventlog")
     tier_projection_retention_ms: int = _tier_retention("projection")
     tier_catalog_retention_ms: int = _tier_retention("catalog")
     retention_interval_ms: int = _setting(
-        "10000", _int_range(1), "how often retention runs (and store sizes are measured)"
+        "10000", int_range(1), "how often retention runs (and store sizes are measured)"
     )
     evt_groups: tuple[str, ...] = _setting(
         "noetl_materializer,noetl_result_materializer,noetl_state_materializer",
-        _groups,
+        group_names,
         "event consumer groups, comma-separated",
     )
     evt_max_groups: int = _setting(
         "1000",
-        _int_range(1),
+        int_range(1),
         "event consumer groups the writer keeps; creating one more is refused (invalid)",
     )
     subject_series: int = _setting(
         "500",
-        _int_range(1),
+        int_range(1),
         "subjects exported with their own metric series; later ones count under _other",
     )
     subscriber_buffer: int = _setting(
-        "10000", _int_range(1), "records buffered per subscriber before cut"
+        "10000", int_range(1), "records buffered per subscriber before cut"
     )
     liveness_threshold_ms: int = _setting(
         "5000",
-        _int_range(1),
+        int_range(1),
         "/livez fails when the event loop stalled longer than this in the last liveness window",
     )
     liveness_window_ms: int = _setting(
-        "10000", _int_range(1), "how long a loop stall keeps /livez failing after it ended"
+        "10000", int_range(1), "how long a loop stall keeps /livez failing after it ended"
     )
     control_keepalive_ms: int = _setting(
         "5000",
-        _int_range(1),
+        int_range(1),
         "control face: close an idle keep-alive HTTP connection after this long",
     )
     switch_interval_ms: float = _setting(
         "1",
-        _positive_float,
+        positive_float,
         "sys.setswitchinterval while serving, so worker threads cannot hog the GIL",
     )
     auth_token: str | None = _setting(
-        "", _optional_text, "shared token required in the v2 hello (unset: off)"
+        "", optional_text, "shared token required in the v2 hello (unset: off)"
     )
     allow_v1: bool = _setting(
         "false",
-        _bool,
+        boolean,
         "with an auth token set, still accept v1 (token-less) connections from v1_cidrs",
     )
     v1_cidrs: tuple[IPNetwork, ...] = _setting(
         "127.0.0.0/8,::1/128",
-        _cidrs,
+        cidrs,
         "networks v1 connections may come from when allow_v1 is on, comma-separated",
     )
     max_connections: int = _setting(
         "1024",
-        _int_range(1),
+        int_range(1),
         "open connections per data face; more are accepted and closed at once (counted)",
     )
     tls_cert: Path | None = _setting(
-        "", _optional_path, "TLS certificate for the data faces (unset: off)"
+        "", optional_path, "TLS certificate for the data faces (unset: off)"
     )
     tls_key: Path | None = _setting(
-        "", _optional_path, "TLS private key for the data faces (unset: off)"
+        "", optional_path, "TLS private key for the data faces (unset: off)"
     )
-    log_format: str = _setting("json", _choice("json", "console"), "log line format")
+    log_format: str = _setting("json", choice("json", "console"), "log line format")
     log_level: str = _setting(
-        "info", _choice("debug", "info", "warning", "error"), "lowest level logged"
+        "info", choice("debug", "info", "warning", "error"), "lowest level logged"
     )
     debug_hooks: bool = _setting(
         "false",
-        _bool,
+        boolean,
         "enable POST /debug/block-loop, /debug/fail-writes and /debug/slow-commits on the "
         "control face (for tests and drills; never in prod)",
     )
@@ -508,7 +385,7 @@ def _resolve_derived(values: dict[str, Any], cgroup_root: Path, environ: Mapping
     if values["shard"] == "auto":
         # Kubernetes sets HOSTNAME to the pod name: <statefulset>-<ordinal>.
         host = environ.get("HOSTNAME") or socket.gethostname()
-        ordinal = _ORDINAL.search(host)
+        ordinal = ORDINAL.search(host)
         if ordinal is None:
             raise ConfigError(
                 SETTINGS_BY_NAME["shard"],
@@ -544,3 +421,22 @@ def _resolve_derived(values: dict[str, Any], cgroup_root: Path, environ: Mapping
                 f"already used by the {seen[bind]} face",
             )
         seen[bind] = face
+
+
+__all__ = [
+    "DATA_FACE_NAMES",
+    "DEFAULT_PORTS",
+    "ENV_PREFIX",
+    "FACE_NAMES",
+    "LAG_PORT_NAMES",
+    "MIN_EVT_MAX_BYTES",
+    "SETTINGS",
+    "SETTINGS_BY_NAME",
+    "Bind",
+    "Config",
+    "ConfigError",
+    "IPNetwork",
+    "Setting",
+    "cpu_quota",
+    "load",
+]

@@ -1,0 +1,150 @@
+"""Settings' values: text in, a value out, or ``ValueError`` saying what is allowed."""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import attrs
+
+from cmdbus_trio.protocol.bus import GROUP_NAME, GROUP_NAME_RULE
+
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+@attrs.frozen
+class Bind:
+    """A listening address. ``port`` 0 asks the kernel for a free port."""
+
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+
+# --- parsers: text -> value, raising ValueError with what is allowed -------------------------
+
+
+def parse_bind(text: str) -> Bind | None:
+    text = text.strip()
+    if not text:
+        return None  # an empty bind disables the face
+    match = re.fullmatch(r"\[([0-9A-Fa-f:.]+)\]:(\d{1,5})|([^:\[\]\s]+):(\d{1,5})", text)
+    if match is None:
+        raise ValueError("expected HOST:PORT (or [IPv6]:PORT), or empty to disable the face")
+    host = match.group(1) or match.group(3)
+    port = int(match.group(2) or match.group(4))
+    if port > 65535:
+        raise ValueError("port must be 0..65535 (0 picks a free port)")
+    return Bind(host, port)
+
+
+def int_range(low: int, high: int | None = None) -> Callable[[str], int]:
+    allowed = f"an integer >= {low}" if high is None else f"an integer in {low}..{high}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text.strip(), 10)
+        except ValueError:
+            raise ValueError(f"expected {allowed}") from None
+        if value < low or (high is not None and value > high):
+            raise ValueError(f"expected {allowed}")
+        return value
+
+    return parse
+
+
+ORDINAL = re.compile(r"-(\d+)$")
+
+
+MIN_EVT_MAX_BYTES = 1 << 20
+"""The smallest event-log cap: an empty log's tables and indexes take about 100 KiB, and
+a cap near that would evict every event as soon as it is published."""
+
+
+def byte_cap(text: str) -> int:
+    """0 (no cap), or a cap of at least :data:`MIN_EVT_MAX_BYTES`."""
+    value = int_range(0)(text)
+    if 0 < value < MIN_EVT_MAX_BYTES:
+        raise ValueError(f"expected 0 (no cap) or an integer >= {MIN_EVT_MAX_BYTES} (1 MiB)")
+    return value
+
+
+def shard_value(text: str) -> int | str:
+    """A shard number, or ``auto``: resolved from the host name by :func:`load`."""
+    if text.strip() == "auto":
+        return "auto"
+    try:
+        return int_range(0)(text)
+    except ValueError:
+        raise ValueError("expected an integer >= 0 or auto") from None
+
+
+def optional_int(low: int) -> Callable[[str], int | None]:
+    parse_int = int_range(low)
+
+    def parse(text: str) -> int | None:
+        return None if text.strip() in ("", "auto") else parse_int(text)
+
+    return parse
+
+
+def choice(*choices: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        value = text.strip().lower()
+        if value not in choices:
+            raise ValueError("expected one of " + ", ".join(choices))
+        return value
+
+    return parse
+
+
+def boolean(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError("expected true or false")
+
+
+def optional_text(text: str) -> str | None:
+    return text or None
+
+
+def optional_path(text: str) -> Path | None:
+    return Path(text) if text else None
+
+
+def group_names(text: str) -> tuple[str, ...]:
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    for name in names:
+        if not GROUP_NAME.fullmatch(name):
+            raise ValueError(f"group {name!r}: names are {GROUP_NAME_RULE}, comma-separated")
+    if len(set(names)) != len(names):
+        raise ValueError("group names must be unique")
+    return names
+
+
+def cidrs(text: str) -> tuple[IPNetwork, ...]:
+    networks = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        try:
+            networks.append(ipaddress.ip_network(part, strict=False))
+        except ValueError:
+            raise ValueError(f"{part!r} is not a network like 10.0.0.0/8 or ::1/128") from None
+    return tuple(networks)
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError("expected a positive number") from None
+    if not value > 0:
+        raise ValueError("expected a positive number")
+    return value
