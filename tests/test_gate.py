@@ -17,8 +17,8 @@ from cmdbus_trio.admission import (
     Shed,
     ShedReason,
 )
-from cmdbus_trio.app import CLAIM_MAX_READS, gate_for
 from cmdbus_trio.config import cpu_quota, load
+from cmdbus_trio.gates import CLAIM_MAX_READS, gate_for
 
 
 @pytest.fixture

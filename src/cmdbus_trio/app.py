@@ -28,7 +28,7 @@ import trio
 from . import __version__, control, metrics
 from .admission import ByteBudget, Gate, run_in_thread
 from .bus import Bus
-from .config import DATA_FACE_NAMES, LAG_PORT_NAMES, Bind, Config, cpu_quota
+from .config import DATA_FACE_NAMES, LAG_PORT_NAMES, Bind, Config
 from .faces import (
     FaceContext,
     FaceServe,
@@ -39,12 +39,12 @@ from .faces import (
     evt_subscribe,
 )
 from .faces import tier as tier_face
+from .gates import gate_for, lanes_for
 from .health import FaceState, Health
 from .heartbeat import Heartbeat
 from .logs import event
 from .protocol.bus import BusKind
-from .protocol.tier import WRITE_OPS as TIER_WRITE_OPS
-from .retention import Eviction, RetentionPolicy, run_retention, run_tier_retention
+from .retention import Eviction, retention_for, run_retention, run_tier_retention, tier_windows
 from .storage import Store
 from .storage.tier import TierStore
 
@@ -87,69 +87,6 @@ def _leaf(exc: BaseException) -> BaseException:
     return exc
 
 
-CLAIM_MAX_READS = 64
-"""Deliveries per claim face whose body is being read at once (at most this many bodies,
-each at most max_request_bytes, are in memory for reads)."""
-
-
-ADMITTED_OPS: Mapping[str, tuple[str, ...]] = {
-    "tier": ("append", "append_batch", "read_execution", "scan"),
-    "cmd_ingest": ("publish", "publish_batch"),
-    "evt_ingest": ("publish", "publish_batch"),
-    "cmd_claim": ("next", "dead", "requeue", "purge"),
-    "evt_claim": ("next", "dead", "requeue", "purge"),
-    "evt_subscribe": ("subscribe",),
-}
-"""The ops that ask each face's Gate for a slot (their shed counters start at 0)."""
-
-
-def lanes_for(face: str, config: Config) -> dict[str, Gate]:
-    """The ops of ``face`` admitted by a Gate of their own: the tier face's writes
-    (``CMDBUS_TIER_WRITES=lane``), with the reads' waiters and shed rule. Reads page
-    through big executions and hold their slots long; in NoETL the appends are the
-    critical path, and sharing the Gate had them shed as ``busy`` by a crowd of readers.
-
-    One write at a time: SQLite takes one writer, so a second slot only had a thread wait
-    for the write lock, where the Gate can neither see nor shed it, while two threads
-    competed with the readers for the GIL (measured in docs/benchmarks.md, "Two write
-    slots for one writer")."""
-    if face != "tier" or config.tier_writes != "lane":
-        return {}
-    writes = Gate(
-        "tier",
-        name="tier_writes",
-        max_inflight=1,
-        max_waiters=config.tier_max_waiters,
-        shed_after=config.tier_shed_after_ms / 1000,
-        default_budget=config.default_budget_ms / 1000,
-        ops=TIER_WRITE_OPS,
-    )
-    return dict.fromkeys(TIER_WRITE_OPS, writes)
-
-
-def retention_for(bus: str, config: Config) -> RetentionPolicy:
-    """The command bus keeps an acked command ``cmd_keep_acked_ms``; the event bus keeps an
-    event ``evt_retention_ms`` from its publish, and until every group settled it."""
-    commands = bus == "commands"
-    return RetentionPolicy(
-        keep_settled=config.cmd_keep_acked_ms / 1000 if commands else None,
-        keep_published=None if commands else config.evt_retention_ms / 1000,
-        keep_dead=config.dead_retention_ms / 1000,
-        interval=config.retention_interval_ms / 1000,
-    )
-
-
-def tier_windows(config: Config) -> dict[str, float]:
-    """Seconds each tier keeps an idle execution's history, for the tiers that do not keep
-    it for ever."""
-    windows = {
-        "eventlog": config.tier_eventlog_retention_ms,
-        "projection": config.tier_projection_retention_ms,
-        "catalog": config.tier_catalog_retention_ms,
-    }
-    return {tier: ms / 1000 for tier, ms in windows.items() if ms}
-
-
 async def _measure_stores(
     stores: Mapping[str, Store],
     data_dir: Path,
@@ -169,56 +106,6 @@ async def _measure_stores(
         metrics.DATA_DIR_FREE.set(volume.f_bavail * volume.f_frsize)
         metrics.DATA_DIR_CAPACITY.set(volume.f_blocks * volume.f_frsize)
         await trio.sleep(period)
-
-
-def gate_for(face: str, config: Config) -> Gate:
-    """The Gate of a data face: the tier face's from its settings; an ingest face's slots
-    are publishes pending a group commit; a claim face's, deliveries whose body is being
-    read; the subscribe face's, catch-up page reads (the CPU quota)."""
-    budget = config.default_budget_ms / 1000
-    if face in ("cmd_ingest", "evt_ingest"):
-        # Slots are publishes queued for or in a group commit (see bus/committer.py).
-        pending = config.ingest_max_pending
-        return Gate(
-            face,
-            max_inflight=pending,
-            max_waiters=pending,
-            shed_after=1.0,
-            default_budget=budget,
-            ops=ADMITTED_OPS[face],
-        )
-    if face == "tier":
-        return Gate(
-            face,
-            max_inflight=config.tier_max_inflight,
-            max_waiters=config.tier_max_waiters,
-            shed_after=config.tier_shed_after_ms / 1000,
-            default_budget=budget,
-            ops=ADMITTED_OPS[face],
-        )
-    quota = cpu_quota()
-    if face in ("cmd_claim", "evt_claim"):
-        # Slots are mostly deliveries whose body is queued for or in a batched read
-        # (bus/bodies.py): they bound the bodies held in memory. The thread work slots
-        # run (`dead` listings) stays within the CPU quota.
-        return Gate(
-            face,
-            max_inflight=CLAIM_MAX_READS,
-            max_waiters=8 * CLAIM_MAX_READS,
-            shed_after=1.0,
-            default_budget=budget,
-            max_threads=quota,
-            ops=ADMITTED_OPS[face],
-        )
-    # evt_subscribe: every slot is a catch-up page read in a thread.
-    return Gate(
-        face,
-        max_inflight=quota,
-        max_waiters=8 * quota,
-        shed_after=1.0,
-        default_budget=budget,
-        ops=ADMITTED_OPS[face],
-    )
 
 
 def write_ports_file(path: Path, addresses: Mapping[str, str]) -> None:

@@ -34,6 +34,7 @@ from cmdbus_trio import metrics
 from cmdbus_trio.admission import run_in_thread
 from cmdbus_trio.bus.bodies import BodyReader
 from cmdbus_trio.bus.groups import ConsumerGroups
+from cmdbus_trio.config import Config
 from cmdbus_trio.logs import event
 from cmdbus_trio.storage import StoreUnavailable
 from cmdbus_trio.storage.buslog import BusLog
@@ -227,3 +228,26 @@ async def _in_steps(step: Callable[[], Awaitable[bool]], interval: float) -> Non
         except StoreUnavailable:
             more = False
         await trio.sleep(trio.current_time() - started if more else interval)
+
+
+def retention_for(bus: str, config: Config) -> RetentionPolicy:
+    """The command bus keeps an acked command ``cmd_keep_acked_ms``; the event bus keeps an
+    event ``evt_retention_ms`` from its publish, and until every group settled it."""
+    commands = bus == "commands"
+    return RetentionPolicy(
+        keep_settled=config.cmd_keep_acked_ms / 1000 if commands else None,
+        keep_published=None if commands else config.evt_retention_ms / 1000,
+        keep_dead=config.dead_retention_ms / 1000,
+        interval=config.retention_interval_ms / 1000,
+    )
+
+
+def tier_windows(config: Config) -> dict[str, float]:
+    """Seconds each tier keeps an idle execution's history, for the tiers that do not keep
+    it for ever."""
+    windows = {
+        "eventlog": config.tier_eventlog_retention_ms,
+        "projection": config.tier_projection_retention_ms,
+        "catalog": config.tier_catalog_retention_ms,
+    }
+    return {tier: ms / 1000 for tier, ms in windows.items() if ms}
