@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import trio
 
-from cmdbus_trio.bus.claims import Claims, open_claims, sample_lag
+from cmdbus_trio.bus.claims import Claims
 from cmdbus_trio.bus.committer import GroupCommitter, Ticket
+from cmdbus_trio.bus.durable import open_claims, sample_lag
 from cmdbus_trio.bus.groups import ConsumerGroups
 from cmdbus_trio.protocol.bus import BusKind, PublishRecord, SubjectRule
 from cmdbus_trio.protocol.subjects import parse_filter

@@ -10,7 +10,8 @@ import trio
 import trio.testing
 
 from cmdbus_trio import metrics
-from cmdbus_trio.bus.claims import Claims, sample_lag
+from cmdbus_trio.bus.claims import Claims
+from cmdbus_trio.bus.durable import sample_lag
 from cmdbus_trio.protocol.subjects import parse_filter
 
 

@@ -18,8 +18,9 @@ from cmdbus_trio.protocol.bus import BusKind, SubjectRule
 from cmdbus_trio.storage.buslog import BusLog
 
 from .bodies import BodyReader
-from .claims import Claims, open_claims, sample_lag
+from .claims import Claims
 from .committer import GroupCommitter
+from .durable import open_claims, sample_lag
 from .groups import ConsumerGroups
 from .subscriptions import Hub
 

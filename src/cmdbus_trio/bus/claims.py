@@ -27,11 +27,8 @@ import attrs
 import trio
 
 from cmdbus_trio import metrics
-from cmdbus_trio.admission import GateClosed, run_in_thread
+from cmdbus_trio.admission import GateClosed
 from cmdbus_trio.protocol.subjects import matches
-from cmdbus_trio.storage.buslog import BusLog
-
-from .committer import Committed, GroupCommitter, Ticket
 
 if TYPE_CHECKING:
     from .tail import Tail
@@ -155,7 +152,7 @@ class Claims:
         maybe settled or back for redelivery since)."""
         self._taken: set[int] = set()  # sort keys taken past the cursor
         self.persisted_low_water = start_after + 1
-        """The settled position last made durable (see :func:`persist_low_water`):
+        """The settled position last made durable (see ``durable.persist_low_water``):
         every record below it is settled or recorded as owed."""
         self.evicted_through = 0
         """Every record up to this sort key was evicted from the store for space (see
@@ -779,152 +776,3 @@ class Claims:
                 pending.append(tail.keys[self.cursor - tail.base])
             last_seen = tail.newest
         return min(pending, default=last_seen + 1)
-
-
-async def sample_lag(
-    claims: Claims,
-    committer: GroupCommitter,
-    *,
-    shard: int = 0,
-    period: float = 1.0,
-    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Publish the command backlog every ``period`` seconds, so a scrape never computes
-    it: the gauge of each subject whose backlog changed (one that empties stays, at 0),
-    and the total. Subjects past the exported ones (:class:`metrics.SubjectSeries`) are
-    summed into the ``_other`` series. NoETL's per-shard families (``shard``: this
-    writer's) are set alongside."""
-    shard_label = str(shard)
-    task_status.started()
-    while True:
-        folded = False
-        for subject, count in claims.changed_backlog().items():
-            label = metrics.SUBJECTS.label(subject)
-            if label == metrics.OTHER_SUBJECTS:
-                folded = True
-            else:
-                metrics.FEED_SUBJECT_LAG.labels(subject=label).set(count)
-        if folded:
-            named = sum(claims.backlog_of(subject) for subject in metrics.SUBJECTS.named)
-            metrics.FEED_SUBJECT_LAG.labels(subject=metrics.OTHER_SUBJECTS).set(
-                claims.total - named
-            )
-        metrics.FEED_TOTAL_LAG.set(claims.total)
-        metrics.FEED_SHARD_LAG.labels(shard=shard_label).set(claims.total)
-        metrics.FEED_SHARD_INFLIGHT.labels(shard=shard_label).set(claims.leased)
-        metrics.FEED_TOTAL_INFLIGHT.set(claims.leased)
-        persist_low_water(claims, committer)
-        metrics.FEED_SHARD_COMMITTED.labels(shard=shard_label).set(claims.persisted_low_water - 1)
-        await trio.sleep(period)
-
-
-def persist_low_water(claims: Claims, committer: GroupCommitter) -> None:
-    """Make the group's settled position durable when it moved (group-committed): a
-    restart then reloads from there instead of scanning the whole history, and the acks
-    below it are pruned from the store. What it passes unsettled is recorded as owed
-    (see :meth:`Claims.position`)."""
-    mark, passed_unsettled = claims.position(trio.current_time())
-    if mark > claims.persisted_low_water:
-        owe = []
-        if passed_unsettled:
-            after = max(claims.start_after, claims.persisted_low_water - 1)
-            owe.append((claims.group, after, passed_unsettled))
-        claims.persisted_low_water = mark
-        committer.enqueue(Ticket(positions=[(claims.group, mark)], owe=owe))
-
-
-def durable_settlements(
-    committer: GroupCommitter, group: str
-) -> tuple[Callable[[int, str, int], None], Callable[[int, int], None]]:
-    """The ``on_dead`` and ``on_count`` callbacks of a group's :class:`Claims`: each
-    group-commits what it is told."""
-
-    def park(sort_key: int, _subject: str, deliveries: int) -> None:
-        committer.enqueue(Ticket(dead=[(group, sort_key, deliveries)]))
-
-    def count(sort_key: int, deliveries: int) -> None:
-        committer.enqueue(Ticket(counts=[(group, sort_key, deliveries)]))
-
-    return park, count
-
-
-RELOAD_PAGE = 10_000
-
-
-async def open_claims(
-    log: BusLog,
-    committer: GroupCommitter,
-    group: str,
-    *,
-    start_after: int,
-    ack_wait: float,
-    max_deliver: int,
-    limiter: trio.CapacityLimiter,
-    stuck_after: float = STUCK_AFTER,
-) -> Claims:
-    """A group's coordinator, loaded with every record after ``start_after`` that the
-    group has neither acked nor parked, fed each newly committed record, and making its
-    dead letters durable through ``committer``.
-
-    Every record reaches the group exactly once, whatever is committed while its history
-    loads: the live feed is attached first, at a fixed sort key (the newest committed);
-    the history is loaded up to that key, and the feed holds what comes after it until
-    the history is in.
-
-    Cancellation: nothing is left behind (the feed is detached).
-    """
-
-    park, count = durable_settlements(committer, group)
-    claims = Claims(
-        group,
-        ack_wait=ack_wait,
-        max_deliver=max_deliver,
-        on_dead=park,
-        on_count=count,
-        start_after=start_after,
-        stuck_after=stuck_after,
-    )
-    # No await between reading the newest key and attaching: a record at or below it is
-    # committed (so the history query sees it), one above it is settled later (so the
-    # feed sees it).
-    feed = _LiveFeed(claims, through=log.last_sort_key)
-    committer.listeners.append(feed)
-    try:
-        settled_below = await run_in_thread(log.settled_below, group, limiter=limiter)
-        below = max(start_after, settled_below - 1)  # `unsettled` starts there too
-        claims.persisted_low_water = below + 1
-        claims.restore_owed(await run_in_thread(log.owed, group, below, limiter=limiter))
-        after = start_after
-        while page := await run_in_thread(
-            log.unsettled, group, after, RELOAD_PAGE, feed.through, limiter=limiter
-        ):
-            claims.add_many((key, subject) for key, subject, _ in page)
-            claims.restore_deliveries((key, count) for key, _, count in page)
-            after = page[-1][0]
-    except BaseException:
-        committer.listeners.remove(feed)
-        raise
-    feed.go_live()
-    return claims
-
-
-class _LiveFeed:
-    """A committer listener handing a group every record committed after ``through``:
-    held while the group's history (up to ``through``) loads, then as they come."""
-
-    def __init__(self, claims: Claims, through: int) -> None:
-        self.claims = claims
-        self.through = through
-        self._held: list[tuple[int, str]] | None = []
-
-    def __call__(self, committed: list[Committed]) -> None:
-        records = [(c.sort_key, c.subject) for c in committed if c.sort_key > self.through]
-        if self._held is None:
-            self.claims.add_many(records)
-        else:
-            self._held += records
-
-    def go_live(self) -> None:
-        """The history is in: hand over what was held, then every record as it comes."""
-        held, self._held = self._held or [], None
-        self.claims.add_many(held, seen_through=self.through)

@@ -24,8 +24,9 @@ from cmdbus_trio.protocol import FieldError
 from cmdbus_trio.protocol.bus import GROUP_NAME, GROUP_NAME_RULE
 from cmdbus_trio.storage.buslog import BusLog
 
-from .claims import STUCK_AFTER, Claims, durable_settlements, persist_low_water
+from .claims import STUCK_AFTER, Claims
 from .committer import GroupCommitter, Ticket
+from .durable import durable_settlements, persist_low_water
 from .tail import Tail
 
 
