@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 import attrs
 
 from .config import SETTINGS_BY_NAME, ConfigError
+from .config._values import boolean
 
 PREFIX = "NOETL_"
 
@@ -61,9 +62,6 @@ HOST_SWITCHES: Mapping[str, tuple[str, ...]] = {
 """``true`` made a NoETL worker binary host that bus's writer; ``false`` here turns the
 bus's faces off (an empty bind), ``true`` leaves them on."""
 
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
-
 
 @attrs.frozen
 class Translation:
@@ -102,11 +100,12 @@ def translate(
     for switch, names in HOST_SWITCHES.items():
         if switch not in environ:
             continue
-        text = environ[switch].strip().lower()
-        if text not in _TRUE | _FALSE:
+        try:
+            served = boolean(environ[switch])
+        except ValueError as exc:
             setting = SETTINGS_BY_NAME[names[0]]
-            raise ConfigError(setting, environ[switch], f"{switch}: expected true or false")
-        if text in _FALSE:  # the bus is not served: its binds given too are not used
+            raise ConfigError(setting, environ[switch], f"{switch}: {exc}") from None
+        if not served:  # the bus is not served: its binds given too are not used
             for name in names:
                 overridden.update(values.get(name, ("", []))[1])
                 values[name] = ("", [switch])
