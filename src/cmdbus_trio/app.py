@@ -276,8 +276,8 @@ class Writer:
         for name, users in STORE_FACES.items():
             if not users & {face for face in faces if face in self._faces}:
                 continue
-            path = config.data_dir / f"{name}.sqlite3"
             if name == "tier":
+                path = config.data_dir / "tier.sqlite3"
                 tier = await run_in_thread(
                     partial(TierStore.open, path, synchronous=config.sync),
                     limiter=self._maintenance,
