@@ -31,6 +31,7 @@ with atheris.instrument_imports():
         subscribe,
         tier,
     )
+    from cmdbus_trio.protocol.server import Closed, Dialect, FrameReceived, ServerConnection
     from cmdbus_trio.protocol.subjects import parse_filter
 
 OPS = ["append", "append_batch", "read_execution", "scan", "health", "publish", "publish_batch",
@@ -49,6 +50,26 @@ def frames(data: bytes, cap: int) -> None:
         pass
 
 
+def server_connection(data: bytes, token: str | None) -> None:
+    """A server connection fed ``data`` in pieces, each v2 request read as a face would.
+    Nothing the peer sends may raise: every answer is an event or a frame."""
+    server = ServerConnection(
+        face="fuzz",
+        server="fuzz",
+        max_request_bytes=256,
+        max_reply_bytes=128,
+        auth_token=token,
+        v1_trusted=len(data) % 3 == 0,
+    )
+    for start in range(0, len(data) + 11, 11):
+        server.receive_data(data[start : start + 11])  # b"" once past the end: EOF
+        while (event := server.next_event()) is not NEED_DATA:
+            if isinstance(event, Closed):
+                return
+            if isinstance(event, FrameReceived) and server.dialect is Dialect.V2:
+                server.read_request(event.data)
+
+
 def client_replies(data: bytes) -> None:
     client = ClientProtocol()
     if data:
@@ -60,7 +81,7 @@ def client_replies(data: bytes) -> None:
 
 def test_one_input(data: bytes) -> None:
     provider = atheris.FuzzedDataProvider(data)
-    target = provider.ConsumeIntInRange(0, 7)
+    target = provider.ConsumeIntInRange(0, 8)
     depth = provider.ConsumeIntInRange(0, 100_000) if target == 7 else 0
     body = provider.ConsumeBytes(provider.remaining_bytes())
     try:
@@ -90,6 +111,8 @@ def test_one_input(data: bytes) -> None:
                     parse_filter(fields.get("filter"))
         elif target == 5:
             client_replies(body)
+        elif target == 8:
+            server_connection(body, token="t" if len(body) % 2 else None)
         elif target == 7:  # deep nesting, around whatever else was given
             text = "[" * depth + body.decode("utf-8", "surrogateescape") + "]" * depth
             parse_request(text.encode("utf-8", "surrogateescape"))

@@ -21,7 +21,7 @@ from cmdbus_trio.bus.committer import GroupCommitter
 from cmdbus_trio.config import Bind, load
 from cmdbus_trio.faces import FaceContext
 from cmdbus_trio.faces._claim import ClaimHandler
-from cmdbus_trio.faces._connection import Deferred
+from cmdbus_trio.faces._handler import Deferred
 from cmdbus_trio.protocol import Request
 from cmdbus_trio.protocol.bus import BusKind, SubjectRule
 from cmdbus_trio.storage import StoreUnavailable

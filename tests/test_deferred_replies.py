@@ -14,7 +14,8 @@ import trio
 from cmdbus_trio.admission import Gate
 from cmdbus_trio.config import Bind, load
 from cmdbus_trio.faces import FaceContext
-from cmdbus_trio.faces._connection import Deferred, Sender, V1Reply, serve
+from cmdbus_trio.faces._handler import Deferred, Sender, V1Reply
+from cmdbus_trio.faces._listen import serve
 from cmdbus_trio.protocol import Request, encode_ok
 from cmdbus_trio.storage import StoreUnavailable
 

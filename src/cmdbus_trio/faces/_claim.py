@@ -40,7 +40,7 @@ from cmdbus_trio.storage import StoreUnavailable
 from cmdbus_trio.storage.buslog import DeadRecord, StoredRecord
 
 from . import FaceContext
-from ._connection import CloseConnection, Deferred, V1Reply, checked_pages
+from ._handler import CloseConnection, Deferred, V1Reply, checked_pages
 
 Resolve = Callable[[Any, Any], Awaitable[Claims]]
 """(group field, from field) -> the group's coordinator; raises FieldError."""

@@ -13,7 +13,7 @@ from cmdbus_trio.protocol import FieldError
 
 from . import FaceContext
 from ._claim import ClaimHandler
-from ._connection import serve as serve_connections
+from ._listen import serve as serve_connections
 
 
 async def serve(

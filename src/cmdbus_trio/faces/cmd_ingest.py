@@ -20,8 +20,8 @@ from cmdbus_trio.storage import StoreUnavailable
 from cmdbus_trio.storage.buslog import Published
 
 from . import FaceContext
-from ._connection import CloseConnection, Deferred, V1Reply
-from ._connection import serve as serve_connections
+from ._handler import CloseConnection, Deferred, V1Reply
+from ._listen import serve as serve_connections
 
 
 class IngestHandler:

@@ -9,7 +9,7 @@ import trio
 from cmdbus_trio.bus import Bus
 
 from . import FaceContext
-from ._connection import serve as serve_connections
+from ._listen import serve as serve_connections
 from .cmd_ingest import IngestHandler
 
 

@@ -26,8 +26,8 @@ from cmdbus_trio.protocol import subscribe as codec
 from cmdbus_trio.protocol.subjects import matches
 
 from . import FaceContext
-from ._connection import CloseConnection, Sender, V1Reply
-from ._connection import serve as serve_connections
+from ._handler import CloseConnection, Sender, V1Reply
+from ._listen import serve as serve_connections
 
 CATCH_UP_PAGE = 500
 MOST_PER_FRAME = 1000

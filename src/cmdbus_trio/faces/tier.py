@@ -29,8 +29,8 @@ from cmdbus_trio.protocol import tier as codec
 from cmdbus_trio.storage.tier import NewRecord, TierStore, VersionConflict
 
 from . import FaceContext
-from ._connection import FaceError, V1Reply, as_face_error, checked_pages, each_checked
-from ._connection import serve as serve_connections
+from ._handler import FaceError, V1Reply, as_face_error, checked_pages, each_checked
+from ._listen import serve as serve_connections
 
 Pages = Iterator[codec.Fragments]
 

@@ -1,0 +1,143 @@
+"""What a data face gives the connection runner, and what it may raise or return.
+
+A face supplies a :class:`FaceHandler` (how to answer a v1 frame and a v2 request);
+``faces._connection`` runs the connections. A v2 request is answered by the awaitable the
+handler returns, or, when it returns a :class:`Deferred`, by the callback that settles it
+(the group committer, the body reader), with no task of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from typing import Protocol, TypeVar
+
+import attrs
+import trio
+
+from cmdbus_trio.admission import DeadlineExceeded, GateClosed, Shed
+from cmdbus_trio.protocol import ErrorCode, LocalProtocolError, RemoteProtocolError, Request
+from cmdbus_trio.storage import StoreUnavailable
+
+T = TypeVar("T")
+P = TypeVar("P")
+
+
+class FaceError(Exception):
+    """An error answer: v2 ``{"ok": false, "error": …}``, v1 as the face words it."""
+
+    def __init__(self, code: ErrorCode, message: str, retry_after_ms: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.retry_after_ms = retry_after_ms
+
+
+class CloseConnection(Exception):
+    """Close the connection, after ``final`` if given (v1's documented response to bad
+    input; a v2 subscriber cut off as a slow consumer)."""
+
+    def __init__(self, outcome: str = "protocol_error", final: bytes | None = None) -> None:
+        super().__init__(outcome)
+        self.outcome = outcome
+        self.final = final
+
+
+Sender = Callable[[bytes], Awaitable[bool]]
+"""Sends bytes on the connection, in order; False once the peer is gone."""
+
+
+class Deferred:
+    """A v2 reply that a callback on the loop settles (the group committer settling a
+    ticket), so that the connection needs no task to wait for it. Under pipelined load a
+    task and a wake-up per request were most of the loop's time."""
+
+    __slots__ = ("_callback", "_outcome")
+
+    def __init__(self) -> None:
+        self._callback: Callable[[bytes | Exception], None] | None = None
+        self._outcome: bytes | Exception | None = None
+
+    def settle(self, outcome: bytes | Exception) -> None:
+        """The reply body, or the exception to answer with (as a handler would raise)."""
+        if self._outcome is not None:
+            raise RuntimeError("a reply is settled once")
+        self._outcome = outcome
+        if self._callback is not None:
+            self._callback(outcome)
+
+    def when_settled(self, callback: Callable[[bytes | Exception], None]) -> None:
+        """Call ``callback`` with the outcome, now if it is already settled."""
+        self._callback = callback
+        if self._outcome is not None:
+            callback(self._outcome)
+
+
+def checked_pages(pages: Iterable[P]) -> Iterator[P]:
+    """``pages``, read in a worker thread, with a cancellation check before each: an
+    expired budget or a vanished client stops the thread within one page."""
+    for page in pages:
+        trio.from_thread.check_cancelled()
+        yield page
+
+
+def each_checked(pages: Iterable[Iterable[T]]) -> Iterator[T]:
+    """The items of :func:`checked_pages`."""
+    for page in checked_pages(pages):
+        yield from page
+
+
+def as_face_error(exc: Exception) -> FaceError | None:
+    """The answer for an exception from admission, the stores or the codecs."""
+    if isinstance(exc, FaceError):
+        return exc
+    if isinstance(exc, Shed):
+        if exc.reason.value == "deadline":
+            return FaceError(ErrorCode.DEADLINE, "the request's budget ran out before it started")
+        return FaceError(ErrorCode.BUSY, exc.reason.value, exc.retry_after_ms)
+    if isinstance(exc, DeadlineExceeded):
+        return FaceError(ErrorCode.DEADLINE, "the request's budget ran out; read work stopped")
+    if isinstance(exc, GateClosed):  # draining, or the consumer group was deleted
+        return FaceError(ErrorCode.UNAVAILABLE, str(exc) or "the writer is draining")
+    if isinstance(exc, StoreUnavailable):
+        return FaceError(ErrorCode.UNAVAILABLE, str(exc))
+    if isinstance(exc, RemoteProtocolError | LocalProtocolError) and not exc.fatal:
+        return FaceError(exc.code, exc.hint)  # a bad field, or a reply over the cap
+    return None
+
+
+@attrs.frozen
+class V1Reply:
+    op: str
+    data: bytes
+    """Sent as it is (a face frames it, or not, as its v1 dialect says)."""
+    outcome: str = "ok"
+
+
+class FaceHandler(Protocol):
+    gated_ops: frozenset[str]
+    """The v2 ops that take a Gate slot (the others never wait for one)."""
+    large_reply_ops: frozenset[str]
+    """The v2 ops whose reply may be as large as the reply cap (pages): a connection
+    runs only as many at once as its unsent-bytes cap holds (at least one)."""
+
+    async def v1(self, frame: bytes, arrival: float) -> V1Reply:
+        """Answer one v1 frame. Raise :class:`CloseConnection` to close instead."""
+        ...
+
+    def v2(self, request: Request, arrival: float) -> Awaitable[bytes] | Deferred:
+        """Start one v2 request; the awaitable (run in a task of its own) or the
+        :class:`Deferred` gives its reply body (``{"id": …, "ok": true, …}``). Called in
+        the order the requests arrived, so whatever this does before returning keeps that
+        order (an ``async def`` does nothing before it is awaited). Raise, here or from
+        the awaitable, or settle with, an exception that :func:`as_face_error` maps, for
+        an error answer."""
+        ...
+
+    def holding(self) -> bool:
+        """The connection holds work that has timers of its own (claim leases): it is
+        not idle while it does, even when it asks nothing."""
+        ...
+
+    def closed(self) -> None:
+        """The connection ended (whatever the reason): let go of what it held."""
+        ...
