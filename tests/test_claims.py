@@ -395,7 +395,7 @@ async def test_a_lease_has_one_timer_entry_however_often_extended(
     for _ in range(1000):
         await trio.sleep(0.01)
         assert claims.extend(1, owner)
-    assert len(claims._expiries) == 1
+    assert len(claims._leases._expiries) == 1
     await trio.sleep(claims.ack_wait - 1)  # still within the last extension
     assert claims.leased == 1
     await trio.sleep(2)  # past it: redelivered
@@ -436,8 +436,8 @@ async def test_filter_indexes_stay_bounded(
         delivery = claims.next_nowait(parse_filter("commands.shared.>"), owner)
         assert delivery is not None and claims.begin_ack(delivery.sort_key, owner)
         claims.finish_ack(delivery.sort_key)
-    stale = claims._indexes[parse_filter("commands.>")]
+    stale = claims._queues.indexes[parse_filter("commands.>")]
     assert len(stale.fresh) <= 2 * 7 + 64
     for n in range(1000):
         claims.has(parse_filter(f"commands.once{n}.>"))
-    assert len(claims._indexes) <= 256 + 1
+    assert len(claims._queues.indexes) <= 256 + 1

@@ -1,0 +1,110 @@
+"""An event group's place on the bus's shared :class:`~cmdbus_trio.bus.tail.Tail`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from cmdbus_trio.protocol.subjects import matches
+
+from ._queues import MAX_MATCHED, FilterIndex
+
+if TYPE_CHECKING:
+    from .tail import Tail
+
+
+class TailCursor:
+    """A group's fresh records are the tail's from :attr:`position` on, less those in
+    :attr:`taken`: every record before the position has been taken (leased, and maybe
+    settled or back for redelivery since), and the records taken past it are kept by
+    sort key until the position reaches them."""
+
+    def __init__(self, tail: Tail) -> None:
+        self.tail = tail
+        self.position = 0
+        self.taken: set[int] = set()
+
+    def attach(self, after: int, settled: Iterable[int]) -> int:
+        """Start after sort key ``after``; ``settled``: the records after it that are
+        settled already. Returns how many records after it are not."""
+        self.position = self.tail.position(after)
+        self.taken = {key for key in settled if key > after}
+        untaken = self.tail.end - self.position - len(self.taken)
+        self._advance()
+        return untaken
+
+    def head(self) -> int | None:
+        """The sort key at the position (the oldest record maybe not taken), if any."""
+        tail = self.tail
+        return tail.keys[self.position - tail.base] if self.position < tail.end else None
+
+    def subjects_from(self, start: int) -> Iterable[str]:
+        """The subjects of the records from position ``start`` on, each once."""
+        return dict.fromkeys(self.tail.subjects[start - self.tail.base :])
+
+    def oldest(self, index: FilterIndex) -> tuple[int, str] | None:
+        """The oldest untaken record the filter matches; ``index.position`` is left on
+        it."""
+        tail = self.tail
+        keys, subjects, base, end = tail.keys, tail.subjects, tail.base, tail.end
+        taken, matched, tokens = self.taken, index.matched, index.filter
+        position = max(index.position, self.position)
+        while position < end:
+            key, subject = keys[position - base], subjects[position - base]
+            if key not in taken:
+                hit = matched.get(subject)
+                if hit is None:
+                    if len(matched) >= MAX_MATCHED:
+                        matched.clear()
+                    hit = matched[subject] = matches(tokens, subject)
+                if hit:
+                    index.position = position
+                    return key, subject
+            position += 1
+        index.position = position
+        return None
+
+    def take(self, index: FilterIndex, sort_key: int) -> None:
+        """Take the record :meth:`oldest` found for ``index``."""
+        if index.position == self.position:
+            self.position += 1
+            self._advance()
+        else:
+            self.taken.add(sort_key)
+        index.position += 1
+
+    def drop_through(self, through: int) -> int:
+        """Move past every record up to ``through`` (evicted from the store); returns
+        how many of them were not taken."""
+        tail = self.tail
+        past = tail.position(through)
+        if past <= self.position:
+            return 0
+        keys, base, taken = tail.keys, tail.base, self.taken
+        untaken = sum(1 for at in range(self.position, past) if keys[at - base] not in taken)
+        self.taken = {key for key in taken if key > through}
+        self.position = past
+        self._advance()
+        return untaken
+
+    def walk(self, counts: dict[str, int], step: int) -> Iterable[None]:
+        """Count the untaken records per subject into ``counts``, yielding every
+        ``step`` records (the caller may let the loop run there)."""
+        tail = self.tail
+        position = self.position
+        while position < tail.end:
+            position = max(position, self.position, tail.base)
+            stop = min(tail.end, position + step)
+            keys, subjects, base, taken = tail.keys, tail.subjects, tail.base, self.taken
+            for at in range(position - base, stop - base):
+                if keys[at] not in taken:
+                    counts[subjects[at]] += 1
+            position = stop
+            yield
+
+    def _advance(self) -> None:
+        tail = self.tail
+        keys, base, end, taken = tail.keys, tail.base, tail.end, self.taken
+        while self.position < end and keys[self.position - base] in taken:
+            taken.discard(keys[self.position - base])
+            self.position += 1

@@ -1,0 +1,135 @@
+"""A group's records out of its queues for a time: leased to a consumer until a
+deadline, or nacked with a delay until they may be delivered again."""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Iterator
+
+import attrs
+import trio
+
+
+@attrs.define
+class Lease:
+    owner: object
+    subject: str
+    deadline: float
+
+
+class Leases:
+    """Leased records by sort key and by owner (a connection), each with one timer entry
+    however often it is extended (when that entry comes due, a lease extended meanwhile
+    is pushed again for its new deadline); and the delayed nacks, by when they are ready.
+
+    :meth:`due` and :meth:`wait_due` are the group's timers task; a timer added sooner
+    than the task means to wake wakes it."""
+
+    def __init__(self) -> None:
+        self.by_key: dict[int, Lease] = {}
+        self.delayed: list[tuple[float, int, str]] = []  # heap: (ready_at, sort_key, subject)
+        self._owned: dict[object, set[int]] = {}  # owner -> its leased sort keys
+        self._expiries: list[tuple[float, int]] = []  # heap: (deadline, sort_key)
+        self._changed = trio.Event()
+        self._due_at = math.inf  # when the timers task wakes next, unless woken
+
+    def __len__(self) -> int:
+        return len(self.by_key)
+
+    def grant(self, sort_key: int, owner: object, subject: str, deadline: float) -> None:
+        self.by_key[sort_key] = Lease(owner, subject, deadline)
+        self._owned.setdefault(owner, set()).add(sort_key)
+        heapq.heappush(self._expiries, (deadline, sort_key))
+        self._timer_added(deadline)
+
+    def delay(self, sort_key: int, subject: str, ready_at: float) -> None:
+        """A nacked record to deliver again from ``ready_at`` on."""
+        heapq.heappush(self.delayed, (ready_at, sort_key, subject))
+        self._timer_added(ready_at)
+
+    def end(self, sort_key: int, owner: object | None = None) -> Lease | None:
+        """Remove the record's lease (only if ``owner`` holds it, when given)."""
+        lease = self.by_key.get(sort_key)
+        if lease is None or (owner is not None and lease.owner is not owner):
+            return None
+        del self.by_key[sort_key]
+        owned = self._owned[lease.owner]
+        owned.discard(sort_key)
+        if not owned:
+            del self._owned[lease.owner]
+        return lease
+
+    def holds(self, owner: object) -> bool:
+        return owner in self._owned
+
+    def extend(self, sort_key: int, owner: object, deadline: float) -> bool:
+        lease = self.by_key.get(sort_key)
+        if lease is None or lease.owner is not owner:
+            return False
+        lease.deadline = deadline  # its one timer entry stays (see the class)
+        return True
+
+    def release(self, owner: object) -> list[tuple[int, str]]:
+        """End every lease of ``owner``, oldest first: ``(sort_key, subject)``. The cost
+        is its own leases, not everyone's."""
+        mine = sorted(self._owned.pop(owner, set()))
+        return [(sort_key, self.by_key.pop(sort_key).subject) for sort_key in mine]
+
+    def drop_through(self, through: int) -> list[str]:
+        """End every lease and drop every delayed record up to ``through``; returns
+        their subjects."""
+        subjects = [self.by_key[key].subject for key in self.by_key if key <= through]
+        for sort_key in [key for key in self.by_key if key <= through]:
+            self.end(sort_key)
+        kept = [entry for entry in self.delayed if entry[1] > through]
+        subjects += [entry[2] for entry in self.delayed if entry[1] <= through]
+        heapq.heapify(kept)
+        self.delayed = kept
+        return subjects
+
+    def keys(self) -> list[int]:
+        """The sort keys of the leased and the delayed records."""
+        return [*self.by_key, *(sort_key for _, sort_key, _ in self.delayed)]
+
+    def subjects(self) -> Iterator[str]:
+        """The subject of each leased and each delayed record."""
+        yield from (lease.subject for lease in self.by_key.values())
+        yield from (subject for _, _, subject in self.delayed)
+
+    def due(self, now: float) -> Iterator[tuple[int, str]]:
+        """End and yield, as ``(sort_key, subject)``, each lease whose deadline has
+        passed, then each delayed record now ready."""
+        self._changed = trio.Event()
+        while self._expiries and self._expiries[0][0] <= now:
+            _, sort_key = heapq.heappop(self._expiries)
+            lease = self.by_key.get(sort_key)
+            if lease is None:
+                continue  # acked, nacked or released meanwhile
+            if lease.deadline > now:  # extended: its one entry goes back in
+                heapq.heappush(self._expiries, (lease.deadline, sort_key))
+                continue
+            self.end(sort_key)
+            yield sort_key, lease.subject
+        while self.delayed and self.delayed[0][0] <= now:
+            _, sort_key, subject = heapq.heappop(self.delayed)
+            yield sort_key, subject
+
+    async def wait_due(self) -> None:
+        """Sleep until the soonest timer, a sooner one added, or :meth:`wake`."""
+        self._due_at = min(
+            self._expiries[0][0] if self._expiries else math.inf,
+            self.delayed[0][0] if self.delayed else math.inf,
+        )
+        with trio.move_on_at(self._due_at):
+            await self._changed.wait()
+
+    def wake(self) -> None:
+        self._changed.set()
+
+    def _timer_added(self, at: float) -> None:
+        # Wake the timers task only when it would sleep past ``at``: with a fixed ack_wait
+        # a new lease's expiry is never the soonest, and a wake-up per delivery was a
+        # task switch per `next` for nothing.
+        if at < self._due_at:
+            self._changed.set()

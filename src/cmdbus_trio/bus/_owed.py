@@ -1,0 +1,69 @@
+"""What a group owes: its backlog counted as it changes, and the settled position it
+makes durable."""
+
+from __future__ import annotations
+
+from collections import deque
+
+STUCK_AFTER = 60.0
+"""Seconds a record may stay unsettled before it stops holding its group's settled
+position back (CMDBUS_STUCK_AFTER_MS)."""
+
+
+class BacklogCount:
+    """The group's backlog (records neither acked nor dead): the total always, and per
+    subject where it is kept (the command bus's group; an event group's per-subject
+    backlog is walked on request instead, so its memory does not follow the subjects).
+    Memory follows the subjects with a backlog, not every subject seen."""
+
+    def __init__(self, *, per_subject: bool) -> None:
+        self.total = 0
+        self.per_subject = per_subject
+        self.by_subject: dict[str, int] = {}
+        self._changed: set[str] = set()  # subjects whose backlog changed since sampled
+
+    def count(self, subject: str, change: int) -> None:
+        self.total += change
+        if self.per_subject:
+            backlog = self.by_subject.get(subject, 0) + change
+            if backlog:
+                self.by_subject[subject] = backlog
+            else:
+                del self.by_subject[subject]
+            self._changed.add(subject)
+
+    def changed(self) -> dict[str, int]:
+        """The backlog of each subject whose backlog changed since the last call (a
+        sampler sets only those gauges)."""
+        changed, self._changed = self._changed, set()
+        return {subject: self.by_subject.get(subject, 0) for subject in changed}
+
+
+class SettledPosition:
+    """The settled position to make durable, from the low-water mark.
+
+    It is the low-water mark while that is recent. A record unsettled for longer than
+    ``stuck_after`` (a pool with no workers, a lease extended forever, a nack with a long
+    delay) would hold the mark back for ever: the acks table would never be pruned and
+    every restart would rescan everything after it. So the position never trails what
+    the group had seen ``stuck_after`` ago: the records it passes that are still
+    unsettled are recorded as owed (and reloaded from there)."""
+
+    def __init__(self, stuck_after: float) -> None:
+        self.stuck_after = stuck_after
+        self._frontiers: deque[tuple[float, int]] = deque()  # (when, newest seen then)
+
+    def at(self, now: float, seen: int, low_water: int) -> tuple[int, int]:
+        """The position, and the newest sort key it passes unsettled (0: none);
+        ``seen``: the newest record the group has been offered."""
+        frontiers = self._frontiers
+        frontiers.append((now, seen))
+        old: tuple[float, int] | None = None
+        while frontiers and frontiers[0][0] <= now - self.stuck_after:
+            old = frontiers.popleft()
+        if old is not None:
+            frontiers.appendleft(old)  # the newest one old enough, kept for next time
+        stuck_through = old[1] if old is not None else 0
+        if low_water > stuck_through:
+            return low_water, 0
+        return stuck_through + 1, stuck_through
