@@ -13,6 +13,7 @@ import functools
 import sqlite3
 import time
 from collections.abc import Callable, Generator, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 
 import attrs
@@ -20,40 +21,33 @@ import attrs
 from cmdbus_trio.protocol.claim import MAX_SORT_KEYS
 from cmdbus_trio.protocol.subjects import matches
 
+from . import _bus_retention, _bus_schema, _bus_writes
+from ._bus_retention import RETENTION_BATCH, Evicted, Retained, Windows
+from ._bus_writes import BusEntry, Published, Settlements
 from ._guard import refuses_loop_thread
 from ._sqlite import SqliteStore
 
-MSG_ID_PRUNE_BATCH = 1000
-"""msg_ids past the window deleted per publish at most, so pruning never makes one
-transaction long."""
+__all__ = [
+    "DEAD_KEYS_PAGE",
+    "MAX_READ_MANY",
+    "RETENTION_BATCH",
+    "BusEntry",
+    "BusLog",
+    "DeadRecord",
+    "Evicted",
+    "Published",
+    "Retained",
+    "StoredRecord",
+]
+
 MAX_READ_MANY = 256
 """Most records :meth:`BusLog.read_many` reads in one query."""
 DEAD_PAGE_ROWS = 16
 """Dead letters (bodies included) per query of :meth:`BusLog.iter_dead`: a page of 1 MiB
 records stays small, and a reader that stops early has read little past it."""
-RETENTION_BATCH = 1000
-"""Records (and, apart, dead letters) one retention step deletes at most: one short
-transaction, so a publish never waits long behind it."""
 DEAD_KEYS_PAGE = MAX_SORT_KEYS
 """Dead letters per query (and per requeue or purge transaction) when they are selected by
 sort keys or a filter: as many as one request may name, so named ones take one query."""
-
-
-@attrs.frozen
-class BusEntry:
-    """A record to publish: its subject, the record as JSON text (as it will be
-    delivered), and an optional ``msg_id`` for deduplication."""
-
-    subject: str
-    record: str
-    msg_id: str | None = None
-
-
-@attrs.frozen
-class Published:
-    sort_key: int
-    subject: str
-    duplicate: bool
 
 
 @attrs.frozen
@@ -61,28 +55,6 @@ class StoredRecord:
     sort_key: int
     subject: str
     record: str
-
-
-@attrs.frozen
-class Retained:
-    """What one step of :meth:`BusLog.retain` deleted."""
-
-    records: int
-    dead_letters: int
-    more: bool
-    """A batch was full: there may be more to delete now."""
-    through: int = 0
-    """The newest sort key of the records deleted (0: none)."""
-
-
-@attrs.frozen
-class Evicted:
-    """What one :meth:`BusLog.evict` deleted."""
-
-    records: int
-    dead_letters: dict[str, int]
-    """Per consumer, its dead letters deleted with their records."""
-    through: int
 
 
 @attrs.frozen
@@ -112,80 +84,8 @@ class BusLog(SqliteStore):
         self._deleted_through = 0
 
     def _setup(self, connection: sqlite3.Connection) -> None:
-        connection.executescript(
-            """
-            CREATE TABLE IF NOT EXISTS records (
-                sort_key INTEGER PRIMARY KEY AUTOINCREMENT,
-                subject TEXT NOT NULL,
-                record TEXT NOT NULL
-            );
-            CREATE TABLE IF NOT EXISTS msg_ids (
-                msg_id TEXT PRIMARY KEY,
-                sort_key INTEGER NOT NULL,
-                subject TEXT NOT NULL,
-                published_at REAL NOT NULL
-            ) WITHOUT ROWID;
-            CREATE INDEX IF NOT EXISTS msg_ids_by_age ON msg_ids (published_at);
-            CREATE TABLE IF NOT EXISTS acks (
-                consumer TEXT NOT NULL,
-                sort_key INTEGER NOT NULL,
-                PRIMARY KEY (consumer, sort_key)
-            ) WITHOUT ROWID;
-            CREATE TABLE IF NOT EXISTS positions (
-                consumer TEXT PRIMARY KEY,
-                settled_below INTEGER NOT NULL
-            ) WITHOUT ROWID;
-            CREATE TABLE IF NOT EXISTS groups (
-                name TEXT PRIMARY KEY,
-                start_after INTEGER NOT NULL
-            ) WITHOUT ROWID;
-            CREATE TABLE IF NOT EXISTS dead (
-                consumer TEXT NOT NULL,
-                sort_key INTEGER NOT NULL,
-                deliveries INTEGER NOT NULL,
-                died_at REAL,
-                PRIMARY KEY (consumer, sort_key)
-            ) WITHOUT ROWID;
-            CREATE TABLE IF NOT EXISTS deliveries (
-                consumer TEXT NOT NULL,
-                sort_key INTEGER NOT NULL,
-                deliveries INTEGER NOT NULL,
-                PRIMARY KEY (consumer, sort_key)
-            ) WITHOUT ROWID;
-            CREATE TABLE IF NOT EXISTS owed (
-                consumer TEXT NOT NULL,
-                sort_key INTEGER NOT NULL,
-                PRIMARY KEY (consumer, sort_key)
-            ) WITHOUT ROWID;
-            CREATE INDEX IF NOT EXISTS dead_by_key ON dead (sort_key);
-            CREATE INDEX IF NOT EXISTS owed_by_key ON owed (sort_key);
-            CREATE TABLE IF NOT EXISTS retention_floor (
-                only INTEGER PRIMARY KEY CHECK (only = 0),
-                deleted_through INTEGER NOT NULL
-            );
-            CREATE TABLE IF NOT EXISTS marks (
-                at REAL PRIMARY KEY,
-                newest INTEGER NOT NULL,
-                settled INTEGER NOT NULL
-            ) WITHOUT ROWID;
-            """
-        )
-        columns = {row[1] for row in connection.execute("PRAGMA table_info(dead)")}
-        if "died_at" not in columns:  # a store made before retention
-            connection.execute("ALTER TABLE dead ADD COLUMN died_at REAL")
-        # After the column exists: in the script above, an old store's dead table has none.
-        connection.execute("CREATE INDEX IF NOT EXISTS dead_by_age ON dead (died_at)")
-        # Dead letters of unknown age count from now: kept a whole window, never less.
-        connection.execute(
-            "UPDATE dead SET died_at = ? WHERE died_at IS NULL", (self._wall_clock(),)
-        )
-        self._records = int(connection.execute("SELECT count(*) FROM records").fetchone()[0])
-        row = connection.execute("SELECT deleted_through FROM retention_floor").fetchone()
-        self._deleted_through = int(row[0]) if row else 0
-        row = connection.execute(
-            "SELECT seq FROM sqlite_sequence WHERE name = 'records'"
-        ).fetchone()
-        self._last_sort_key = int(row[0]) if row else 0
+        counted = _bus_schema.create(connection, self._wall_clock())
+        self._records, self._deleted_through, self._last_sort_key = counted
 
     @property
     def last_sort_key(self) -> int:
@@ -226,102 +126,22 @@ class BusLog(SqliteStore):
         settled (they stayed unsettled too long): each is recorded as owed, so that a
         restart still loads it, before the position moves."""
 
+        done = Settlements(
+            acks=acks,
+            dead=dead,
+            positions=positions,
+            counts=counts,
+            dropped=dropped,
+            dead_moves=dead_moves,
+            owe=owe,
+        )
+
         def write(connection: sqlite3.Connection) -> list[Published]:
-            if counts:
-                connection.executemany("INSERT OR REPLACE INTO deliveries VALUES (?, ?, ?)", counts)
-            settled = [*acks, *((consumer, key) for consumer, key, _ in dead)]
-            if settled:  # a settled record's count is no longer needed
-                connection.executemany(
-                    "DELETE FROM deliveries WHERE consumer = ? AND sort_key = ?", settled
-                )
-            if settled:  # settled again after a requeue
-                connection.executemany(
-                    "DELETE FROM owed WHERE consumer = ? AND sort_key = ?", settled
-                )
-            if acks:
-                connection.executemany("INSERT OR IGNORE INTO acks VALUES (?, ?)", acks)
-            if dead:
-                died_at = self._wall_clock()
-                connection.executemany(
-                    "INSERT OR REPLACE INTO dead VALUES (?, ?, ?, ?)",
-                    [(*letter, died_at) for letter in dead],
-                )
-            # After this batch's acks and dead letters, before the prune of acks below
-            # the new position: what is not settled by then is owed.
-            for consumer, after, through in owe:
-                connection.execute(
-                    "INSERT OR IGNORE INTO owed SELECT ?, r.sort_key FROM records r "
-                    "WHERE r.sort_key > ? AND r.sort_key <= ? "
-                    "AND NOT EXISTS (SELECT 1 FROM acks a WHERE a.consumer = ? "
-                    "AND a.sort_key = r.sort_key) "
-                    "AND NOT EXISTS (SELECT 1 FROM dead d WHERE d.consumer = ? "
-                    "AND d.sort_key = r.sort_key)",
-                    (consumer, after, through, consumer, consumer),
-                )
-            for consumer, settled_below in positions:
-                connection.execute(
-                    "INSERT INTO positions VALUES (?, ?) ON CONFLICT (consumer) DO UPDATE "
-                    "SET settled_below = MAX(settled_below, excluded.settled_below)",
-                    (consumer, settled_below),
-                )
-                connection.execute(
-                    "DELETE FROM acks WHERE consumer = ? AND sort_key < ?",
-                    (consumer, settled_below),
-                )
-                connection.execute(  # an owed record keeps its count
-                    "DELETE FROM deliveries WHERE consumer = ? AND sort_key < ? AND sort_key "
-                    "NOT IN (SELECT sort_key FROM owed WHERE consumer = ?)",
-                    (consumer, settled_below, consumer),
-                )
-            for consumer, sort_key, requeue in dead_moves:
-                key = (consumer, sort_key)
-                if not connection.execute(
-                    "DELETE FROM dead WHERE consumer = ? AND sort_key = ?", key
-                ).rowcount:
-                    continue  # not dead (any more): requeued or purged meanwhile
-                connection.execute(
-                    "DELETE FROM deliveries WHERE consumer = ? AND sort_key = ?", key
-                )
-                table = "owed" if requeue else "acks"
-                connection.execute(f"INSERT OR IGNORE INTO {table} VALUES (?, ?)", key)
-                if moved is not None:
-                    moved.append(key)
-            for group in dropped:
-                connection.execute("DELETE FROM groups WHERE name = ?", (group,))
-                for table in ("acks", "dead", "deliveries", "positions", "owed"):
-                    connection.execute(f"DELETE FROM {table} WHERE consumer = ?", (group,))
+            now = self._wall_clock()
+            _bus_writes.settle(connection, done, now, moved)
             if not entries:
                 return []
-            now = self._wall_clock()
-            oldest = now - self.dedup_window
-            connection.execute(
-                "DELETE FROM msg_ids WHERE msg_id IN "
-                "(SELECT msg_id FROM msg_ids WHERE published_at < ? LIMIT ?)",
-                (oldest, MSG_ID_PRUNE_BATCH),
-            )
-            results: list[Published] = []
-            for entry in entries:
-                if entry.msg_id is not None:
-                    seen = connection.execute(
-                        "SELECT sort_key, subject FROM msg_ids "
-                        "WHERE msg_id = ? AND published_at >= ?",
-                        (entry.msg_id, oldest),
-                    ).fetchone()
-                    if seen:
-                        results.append(Published(seen[0], seen[1], duplicate=True))
-                        continue
-                cursor = connection.execute(
-                    "INSERT INTO records (subject, record) VALUES (?, ?)",
-                    (entry.subject, entry.record),
-                )
-                assert cursor.lastrowid is not None
-                if entry.msg_id is not None:
-                    connection.execute(
-                        "INSERT OR REPLACE INTO msg_ids VALUES (?, ?, ?, ?)",
-                        (entry.msg_id, cursor.lastrowid, entry.subject, now),
-                    )
-                results.append(Published(cursor.lastrowid, entry.subject, duplicate=False))
-            return results
+            return _bus_writes.append(connection, entries, now, self.dedup_window)
 
         results = self._write(write)
         fresh = [r.sort_key for r in results if not r.duplicate]
@@ -369,54 +189,23 @@ class BusLog(SqliteStore):
         never sooner, and at most ``mark_every`` later. Marks are in the log, so a restart
         keeps the ages."""
 
+        windows = Windows(
+            consumers=consumers,
+            keep_settled=keep_settled,
+            keep_published=keep_published,
+            keep_dead=keep_dead,
+            mark_every=mark_every,
+        )
+
         def write(connection: sqlite3.Connection) -> Retained:
             now = self._wall_clock()
-            settled = self._settled_by_all(connection, consumers)
-            newest_mark = connection.execute("SELECT max(at) FROM marks").fetchone()[0]
-            if newest_mark is None or newest_mark <= now - mark_every:
-                connection.execute(
-                    "INSERT OR REPLACE INTO marks VALUES (?, ?, ?)",
-                    (now, self._last_sort_key, settled),
-                )
-            below = settled
-            if keep_settled is not None:
-                below = min(below, _mark(connection, "settled", now - keep_settled))
-            if keep_published is not None:
-                below = min(below, _mark(connection, "newest", now - keep_published) + 1)
-            gone = connection.execute(
-                "DELETE FROM records WHERE sort_key IN (SELECT sort_key FROM records r "
-                "WHERE r.sort_key < ? "
-                "AND NOT EXISTS (SELECT 1 FROM dead d WHERE d.sort_key = r.sort_key) "
-                "AND NOT EXISTS (SELECT 1 FROM owed o WHERE o.sort_key = r.sort_key) "
-                "ORDER BY r.sort_key LIMIT ?) RETURNING sort_key",
-                (below, RETENTION_BATCH),
-            ).fetchall()
-            deleted = len(gone)
-            through = max((key for (key,) in gone), default=0)
-            self._raise_floor(connection, through)
-            # The letter goes; its record follows in a later step once no one needs it.
-            dead = connection.execute(
-                "DELETE FROM dead WHERE (consumer, sort_key) IN (SELECT consumer, sort_key "
-                "FROM dead WHERE died_at <= ? ORDER BY died_at LIMIT ?)",
-                (now - keep_dead, RETENTION_BATCH),
-            ).rowcount
-            # Marks older than the longest window but the newest of them are not needed.
-            longest = max(w for w in (keep_settled, keep_published, 0.0) if w is not None)
-            connection.execute(
-                "DELETE FROM marks WHERE at < (SELECT max(at) FROM marks WHERE at <= ?)",
-                (now - longest,),
+            return _bus_retention.retain_step(
+                connection, windows, now=now, newest=self._last_sort_key
             )
-            more = deleted == RETENTION_BATCH or dead == RETENTION_BATCH
-            return Retained(records=deleted, dead_letters=dead, more=more, through=through)
 
         retained = self._write(write)
         self._deleted(retained.records, retained.through)
         return retained
-
-    def _raise_floor(self, connection: sqlite3.Connection, through: int) -> None:
-        """In a deleting transaction: readers starting before ``through`` are told so."""
-        if through > self._deleted_through:
-            connection.execute("INSERT OR REPLACE INTO retention_floor VALUES (0, ?)", (through,))
 
     def _deleted(self, records: int, through: int) -> None:
         """After a deleting transaction committed: the counts read without the store."""
@@ -428,7 +217,7 @@ class BusLog(SqliteStore):
         """Bytes of the database's pages in use (records, indexes, acks; not the free
         pages a vacuum step has yet to return, nor the WAL)."""
         with self._connection() as connection:
-            return _used_bytes(connection)
+            return _bus_retention.used_bytes(connection)
 
     @refuses_loop_thread
     def eviction_floor(self, over: int, down_to: int | None = None) -> int:
@@ -439,17 +228,7 @@ class BusLog(SqliteStore):
         :data:`RETENTION_BATCH`: a step estimates, the next measures again."""
         down_to = over if down_to is None else down_to
         with self._connection() as connection:
-            used = _used_bytes(connection)
-            if used <= over or not self._records:
-                return 0
-            excess = used - min(down_to, over)
-            count = min(RETENTION_BATCH, max(1, -(-self._records * excess // used)))
-            row = connection.execute(
-                "SELECT max(sort_key) FROM (SELECT sort_key FROM records "
-                "ORDER BY sort_key LIMIT ?)",
-                (count,),
-            ).fetchone()
-        return int(row[0] or 0)
+            return _bus_retention.eviction_floor(connection, self._records, over, down_to)
 
     @refuses_loop_thread
     def evict(self, through: int) -> Evicted:
@@ -458,45 +237,9 @@ class BusLog(SqliteStore):
         in one write transaction: keep ``through`` to what :meth:`eviction_floor` said,
         so the transaction stays short. Readers see it as retention: a reader starting
         before ``through`` is told :attr:`deleted_through`."""
-
-        def write(connection: sqlite3.Connection) -> Evicted:
-            gone = connection.execute(
-                "DELETE FROM records WHERE sort_key <= ?", (through,)
-            ).rowcount
-            dead: dict[str, int] = {}
-            for (consumer,) in connection.execute(
-                "DELETE FROM dead WHERE sort_key <= ? RETURNING consumer", (through,)
-            ).fetchall():
-                dead[consumer] = dead.get(consumer, 0) + 1
-            connection.execute("DELETE FROM owed WHERE sort_key <= ?", (through,))
-            consumers = [
-                row[0]
-                for row in connection.execute(
-                    "SELECT name FROM groups UNION SELECT consumer FROM positions"
-                )
-            ]
-            for table in ("acks", "deliveries"):  # by their primary key, per consumer
-                connection.executemany(
-                    f"DELETE FROM {table} WHERE consumer = ? AND sort_key <= ?",
-                    [(consumer, through) for consumer in consumers],
-                )
-            self._raise_floor(connection, through)
-            return Evicted(records=gone, dead_letters=dead, through=through)
-
-        evicted = self._write(write)
+        evicted = self._write(partial(_bus_retention.evict, through=through))
         self._deleted(evicted.records, through)
         return evicted
-
-    def _settled_by_all(
-        self, connection: sqlite3.Connection, consumers: Mapping[str, int] | None
-    ) -> int:
-        if consumers is None:
-            consumers = dict(connection.execute("SELECT name, start_after FROM groups"))
-        positions = dict(connection.execute("SELECT consumer, settled_below FROM positions"))
-        return min(
-            (max(positions.get(name, 0), start + 1) for name, start in consumers.items()),
-            default=self._last_sort_key + 1,
-        )
 
     @refuses_loop_thread
     def groups(self) -> dict[str, int]:
@@ -701,18 +444,3 @@ def _subject_matches(filter: str | None, subject: str) -> bool:
 def _with_subject_matches(connection: sqlite3.Connection) -> None:
     """``subject_matches(filter, subject)`` in this connection's SQL (NATS filters)."""
     connection.create_function("subject_matches", 2, _subject_matches, deterministic=True)
-
-
-def _used_bytes(connection: sqlite3.Connection) -> int:
-    pages = connection.execute("PRAGMA page_count").fetchone()[0]
-    free = connection.execute("PRAGMA freelist_count").fetchone()[0]
-    size = connection.execute("PRAGMA page_size").fetchone()[0]
-    return int((pages - free) * size)
-
-
-def _mark(connection: sqlite3.Connection, column: str, at_or_before: float) -> int:
-    """``column`` of the newest mark made at or before the time; 0 when none is that old."""
-    row = connection.execute(
-        f"SELECT {column} FROM marks WHERE at <= ? ORDER BY at DESC LIMIT 1", (at_or_before,)
-    ).fetchone()
-    return int(row[0]) if row else 0
