@@ -8,6 +8,9 @@ return the attrs results below, and take an opt-in :class:`RetryPolicy`. This pa
 ``__init__`` imports neither transport, so importing the blocking one stays trio-free.
 """
 
+from cmdbus_trio.protocol.bus import Published
+from cmdbus_trio.protocol.tier import TierRecord
+
 from ._calls import (
     Appended,
     Batch,
@@ -16,10 +19,8 @@ from ._calls import (
     Delivery,
     Lag,
     Page,
-    Published,
     Record,
     Subscribed,
-    TierRecord,
 )
 from ._errors import (
     Busy,

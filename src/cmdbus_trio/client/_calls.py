@@ -8,6 +8,9 @@ from typing import Any, Generic, TypeVar
 
 import attrs
 
+from cmdbus_trio.protocol.bus import Published
+from cmdbus_trio.protocol.tier import TierRecord
+
 T = TypeVar("T")
 Record = dict[str, Any]
 """A published record: ``{"execution_id": str | int, "payload": "<JSON text>",
@@ -26,13 +29,6 @@ class Call(Generic[T]):
 
 
 # --- results ------------------------------------------------------------------------------
-
-
-@attrs.frozen
-class Published:
-    sort_key: int
-    subject: str
-    duplicate: bool
 
 
 @attrs.frozen
@@ -72,15 +68,6 @@ class BatchAppended:
     """Records actually stored (deduplicated ones are not)."""
     requested: int
     results: tuple[Appended, ...]
-
-
-@attrs.frozen
-class TierRecord:
-    global_sequence: int
-    execution_id: str
-    transaction_id: str
-    byte_len: int
-    payload: str
 
 
 @attrs.frozen

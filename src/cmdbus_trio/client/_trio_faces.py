@@ -13,6 +13,9 @@ from typing import Any, Generic, Self, TypeVar
 
 import trio
 
+from cmdbus_trio.protocol.bus import Published
+from cmdbus_trio.protocol.tier import TierRecord
+
 from . import _calls as calls
 from ._calls import (
     Appended,
@@ -22,9 +25,7 @@ from ._calls import (
     Delivery,
     Lag,
     Page,
-    Published,
     Record,
-    TierRecord,
 )
 from ._errors import ClientError
 from ._shards import ClaimRounds, Rotation, ShardDelivery, ShardMap

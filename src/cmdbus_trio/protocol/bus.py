@@ -35,6 +35,16 @@ class BusKind(enum.Enum):
 
 
 @attrs.frozen
+class Published:
+    """A published record's place, as a publish is answered: ``duplicate`` when its
+    ``msg_id`` was seen within the dedup window (the first record's sort key)."""
+
+    sort_key: int
+    subject: str
+    duplicate: bool
+
+
+@attrs.frozen
 class PublishRecord:
     execution_id: str | int
     payload: str

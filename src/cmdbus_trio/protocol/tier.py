@@ -35,6 +35,17 @@ V1_HEALTH_REPLY: Final = b"ok tier-service v1"
 
 
 @attrs.frozen
+class TierRecord:
+    """A stored record as a read returns it (the store's columns, in this order)."""
+
+    global_sequence: int
+    execution_id: str
+    transaction_id: str
+    byte_len: int
+    payload: str
+
+
+@attrs.frozen
 class Health:
     op = "health"
 

@@ -8,6 +8,8 @@ from collections.abc import Sequence
 
 import attrs
 
+from cmdbus_trio.protocol.bus import Published
+
 MSG_ID_PRUNE_BATCH = 1000
 """msg_ids past the window deleted per publish at most, so pruning never makes one
 transaction long."""
@@ -21,13 +23,6 @@ class BusEntry:
     subject: str
     record: str
     msg_id: str | None = None
-
-
-@attrs.frozen
-class Published:
-    sort_key: int
-    subject: str
-    duplicate: bool
 
 
 @attrs.frozen(kw_only=True)

@@ -18,12 +18,13 @@ from pathlib import Path
 
 import attrs
 
+from cmdbus_trio.protocol.bus import Published
 from cmdbus_trio.protocol.claim import MAX_SORT_KEYS
 from cmdbus_trio.protocol.subjects import matches
 
 from . import _bus_retention, _bus_schema, _bus_writes
 from ._bus_retention import RETENTION_BATCH, Evicted, Retained, Windows
-from ._bus_writes import BusEntry, Published, Settlements
+from ._bus_writes import BusEntry, Settlements
 from ._guard import refuses_loop_thread
 from ._sqlite import SqliteStore
 

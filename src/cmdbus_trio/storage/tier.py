@@ -14,7 +14,7 @@ from typing import Any, Final, TypeVar
 
 import attrs
 
-from cmdbus_trio.protocol.tier import Fragments
+from cmdbus_trio.protocol.tier import Fragments, TierRecord
 
 from ._common import StoreState
 from ._guard import refuses_loop_thread
@@ -66,15 +66,6 @@ class AppendResult:
     global_sequence: int
     log_record_count: int
     deduplicated: bool
-
-
-@attrs.frozen
-class TierRecord:
-    global_sequence: int
-    execution_id: str
-    transaction_id: str
-    byte_len: int
-    payload: str
 
 
 @attrs.frozen
