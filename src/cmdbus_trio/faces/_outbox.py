@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import attrs
 import trio
 
 from cmdbus_trio import metrics
 
 
+@attrs.define(eq=False)
 class Outbox:
     """Writes a connection's frames whole and in order.
 
@@ -23,25 +25,17 @@ class Outbox:
     reader once got).
     """
 
-    def __init__(
-        self,
-        stream: trio.abc.Stream,
-        *,
-        face: str,
-        write_timeout: float,
-        max_unsent: int,
-        broken: Callable[[], None],
-    ) -> None:
-        self.stream = stream
-        self.face = face
-        self.write_timeout = write_timeout
-        self.max_unsent = max_unsent
-        self._broken = broken
-        self.peer_gone = False
-        self._frames: list[bytes] = []
-        self._flushing = False
-        self._unsent = 0  # bytes queued or being written
-        self._drained: trio.Event | None = None  # set once unsent is back under the cap
+    stream: trio.abc.Stream
+    face: str = attrs.field(kw_only=True)
+    write_timeout: float = attrs.field(kw_only=True)
+    max_unsent: int = attrs.field(kw_only=True)
+    _broken: Callable[[], None] = attrs.field(kw_only=True)
+    peer_gone: bool = attrs.field(default=False, init=False)
+    _frames: list[bytes] = attrs.field(factory=list, init=False)
+    _flushing: bool = attrs.field(default=False, init=False)
+    _unsent: int = attrs.field(default=0, init=False)  # bytes queued or being written
+    # Set once unsent is back under the cap:
+    _drained: trio.Event | None = attrs.field(default=None, init=False)
 
     @property
     def over_cap(self) -> bool:

@@ -22,15 +22,8 @@ from typing import Literal
 
 import attrs
 
-from ._envelope import (
-    Hello,
-    Request,
-    RequestError,
-    detect_dialect,
-    encode_error,
-    encode_hello_reply,
-    parse_request,
-)
+from . import _envelope as envelope
+from ._envelope import Hello, Request
 from ._errors import ErrorCode, LocalProtocolError, RemoteProtocolError
 from ._framing import NEED_DATA, FrameDecoder, Sentinel, encode_frame
 
@@ -89,6 +82,7 @@ UNKNOWN_OP = "unknown"
 client made up is not a metric label."""
 
 
+@attrs.define(kw_only=True)
 class ServerConnection:
     """One connection of a data face.
 
@@ -102,25 +96,20 @@ class ServerConnection:
     :meth:`next_event` gives the same :class:`Closed` again.
     """
 
-    def __init__(
-        self,
-        *,
-        face: str,
-        server: str,
-        max_request_bytes: int,
-        max_reply_bytes: int,
-        auth_token: str | None = None,
-        v1_trusted: bool = False,
-    ) -> None:
-        self.face = face
-        self.server = server
-        self.max_request_bytes = max_request_bytes
-        self.max_reply_bytes = max_reply_bytes
-        self._auth_token = auth_token
-        self._v1_trusted = v1_trusted
-        self._decoder = FrameDecoder(max_request_bytes)
-        self.dialect = Dialect.UNDECIDED
-        self._closed: Closed | None = None
+    face: str
+    server: str
+    """How the hello reply names the server."""
+    max_request_bytes: int
+    max_reply_bytes: int
+    _auth_token: str | None = None
+    _v1_trusted: bool = False
+    dialect: Dialect = attrs.field(default=Dialect.UNDECIDED, init=False)
+    _closed: Closed | None = attrs.field(default=None, init=False)
+    _decoder: FrameDecoder = attrs.field(init=False)
+
+    @_decoder.default
+    def _frames(self) -> FrameDecoder:
+        return FrameDecoder(self.max_request_bytes)
 
     @property
     def in_partial_frame(self) -> bool:
@@ -157,8 +146,8 @@ class ServerConnection:
         names a bad field (the connection goes on); or, for a frame that is not a JSON
         object at all, :class:`Closed` with the answer (``id`` null) as its final frame."""
         try:
-            return parse_request(frame)
-        except RequestError as exc:
+            return envelope.parse_request(frame)
+        except envelope.RequestError as exc:
             return self.error(exc.request_id, UNKNOWN_OP, exc.code, exc.hint)
         except RemoteProtocolError as exc:
             return self._close("protocol_error", self._unreadable(exc.code, exc.hint))
@@ -180,12 +169,12 @@ class ServerConnection:
         retry_after_ms: int | None = None,
     ) -> Answer:
         """An error answer (``{"ok": false, "error": …}``)."""
-        body = encode_error(request_id, code, message, retry_after_ms=retry_after_ms)
+        body = envelope.encode_error(request_id, code, message, retry_after_ms=retry_after_ms)
         return Answer(encode_frame(body), op, code.value)
 
     def _first(self, frame: bytes) -> Event:
         try:
-            hello = detect_dialect(frame)
+            hello = envelope.detect_dialect(frame)
         except RemoteProtocolError as exc:
             return self._close("protocol_error", self._unreadable(exc.code, exc.hint))
         if hello is None:
@@ -197,7 +186,7 @@ class ServerConnection:
             refusal = "hello.token: missing or not accepted"
             return self._close("unauthorized", self._unreadable(ErrorCode.INVALID, refusal))
         self.dialect = Dialect.V2
-        reply = encode_hello_reply(
+        reply = envelope.encode_hello_reply(
             server=self.server,
             face=self.face,
             max_request_bytes=self.max_request_bytes,
@@ -224,7 +213,7 @@ class ServerConnection:
     @staticmethod
     def _unreadable(code: ErrorCode, hint: str) -> bytes:
         """The answer to a frame whose request could not be read: ``id`` is null."""
-        return encode_frame(encode_error(None, code, hint))
+        return encode_frame(envelope.encode_error(None, code, hint))
 
     def _close(self, outcome: str, final: bytes | None = None, *, by_peer: bool = False) -> Closed:
         self._closed = Closed(outcome, final, by_peer)
