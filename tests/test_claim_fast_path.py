@@ -18,6 +18,7 @@ from cmdbus_trio.bus import Bus
 from cmdbus_trio.bus.bodies import BodyReader
 from cmdbus_trio.bus.claims import Claims
 from cmdbus_trio.bus.committer import GroupCommitter
+from cmdbus_trio.bus.groups import ConsumerGroups
 from cmdbus_trio.config import Bind, load
 from cmdbus_trio.faces import FaceContext
 from cmdbus_trio.faces._claim import ClaimHandler
@@ -45,19 +46,20 @@ async def setup(tmp_path: Path) -> AsyncIterator[Setup]:
         log.publish, [BusEntry(SUBJECT, json.dumps({"n": n})) for n in (1, 2)]
     )
     committer = GroupCommitter(log, SubjectRule(BusKind.COMMANDS))
-    claims = Claims("commands", ack_wait=30.0)
-    claims.add_many([(1, SUBJECT), (2, SUBJECT)])
-    bus = Bus(log, committer, BodyReader(log), claims)
+    groups = ConsumerGroups(
+        log, committer, ack_wait=30.0, max_deliver=0, limiter=trio.CapacityLimiter(1),
+        fixed="commands",
+    )  # fmt: skip
+    await groups.open()  # records 1 and 2, from the store
+    claims = await groups.resolve(None, None)
+    bus = Bus(log, committer, BodyReader(log), groups)
     gate = Gate("cmd_claim", max_inflight=1, max_waiters=8, shed_after=1.0, default_budget=10)
     ctx = FaceContext("cmd_claim", Bind("127.0.0.1", 0), load({}, environ={}), gate, trio.Event())
-
-    async def resolve(group: Any, start: Any) -> Claims:
-        return claims
 
     async with trio.open_nursery() as nursery:
         await nursery.start(committer.run)
         await nursery.start(bus.bodies.run)
-        yield Setup(ClaimHandler(ctx, bus, resolve), claims, gate, log)
+        yield Setup(ClaimHandler(ctx, bus), claims, gate, log)
         nursery.cancel_scope.cancel()
     await trio.to_thread.run_sync(log.close)
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import sqlite3
 from collections.abc import AsyncIterator
-from functools import partial
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ import trio
 
 from cmdbus_trio.bus.claims import Claims
 from cmdbus_trio.bus.committer import GroupCommitter, Ticket
-from cmdbus_trio.bus.durable import open_claims, sample_lag
+from cmdbus_trio.bus.durable import open_claims
 from cmdbus_trio.bus.groups import ConsumerGroups
 from cmdbus_trio.protocol.bus import BusKind, PublishRecord, SubjectRule
 from cmdbus_trio.protocol.subjects import parse_filter
@@ -64,10 +63,12 @@ async def test_a_pool_with_no_workers_and_a_long_nack_no_longer_hold_the_positio
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
             await nursery.start(committer.run)
-            claims = await open_claims(
-                log, committer, "commands", start_after=0, ack_wait=30, max_deliver=0,
-                limiter=limiter, stuck_after=STUCK_AFTER,
+            groups = ConsumerGroups(
+                log, committer, ack_wait=30, max_deliver=0, limiter=limiter,
+                stuck_after=STUCK_AFTER, fixed="commands", sample_every=0.05,
             )  # fmt: skip
+            await groups.open()
+            claims = await groups.resolve(None, None)
             (stuck,) = await publish(committer, ['{"execution_pool": "nobody"}'])
             busy = await publish(committer, ['{"execution_pool": "busy"}'] * 200)
             owner = object()
@@ -78,7 +79,7 @@ async def test_a_pool_with_no_workers_and_a_long_nack_no_longer_hold_the_positio
             committer.enqueue(counted)
             await counted.wait()
             assert await ack_all(claims, committer, "commands.busy.>") == busy[1:]
-            await nursery.start(partial(sample_lag, claims, committer, period=0.05))
+            await nursery.start(groups.run)  # its timers, and the lag sampler
             await trio.sleep(STUCK_AFTER * 4)  # well past the stuck window
             nursery.cancel_scope.cancel()
     ((position,),) = rows(log, "SELECT settled_below FROM positions WHERE consumer = 'commands'")

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import trio
 
-from cmdbus_trio import app, bus, metrics
+from cmdbus_trio import app, metrics
 from cmdbus_trio.admission import Gate
 from cmdbus_trio.bus.bodies import BodyReader
 from cmdbus_trio.bus.claims import Claims
@@ -33,9 +33,9 @@ async def crash(
 TARGETS: dict[str, tuple[Any, str, list[str]]] = {
     "committer": (GroupCommitter, "run", ["commands.committer", "events.committer"]),
     "bodies": (BodyReader, "run", ["commands.bodies", "events.bodies"]),
-    "claim timers": (Claims, "run_timers", ["commands.claim_timers", "events.groups"]),
-    "lag sampler": (bus, "sample_lag", ["commands.lag_sampler"]),
-    "groups": (ConsumerGroups, "run", ["events.groups"]),
+    "claim timers": (Claims, "run_timers", ["commands.groups", "events.groups"]),
+    "lag sampler": (ConsumerGroups, "_sample_lag", ["commands.groups", "events.groups"]),
+    "groups": (ConsumerGroups, "run", ["commands.groups", "events.groups"]),
     "retention": (app, "run_retention", ["commands.retention", "events.retention"]),
     "tier retention": (app, "run_tier_retention", ["tier.retention"]),
     "store sizes": (app, "_measure_stores", ["store_sizes"]),

@@ -213,12 +213,13 @@ class Writer:
         for name, store in self._stores.items():
             if not isinstance(store, Bus):
                 continue
-            for task, run in store.tasks(config.shard).items():
+            for task, run in store.tasks().items():
                 await self._start_task(background, f"{name}.{task}", run)
-            # The command bus has one consumer, itself; an event log's are its groups.
-            consumers = {name: 0} if store.claims is not None else None
+            # The command bus's fixed group is not among the log's (persisted) groups.
+            groups = store.groups
+            consumers = {groups.fixed: 0} if groups.fixed is not None else None
             eviction = None
-            if store.groups is not None and config.evt_max_bytes:
+            if groups.named and config.evt_max_bytes:
                 eviction = Eviction(store.log, store.groups, store.bodies, config.evt_max_bytes)
             retain = partial(
                 run_retention,

@@ -18,9 +18,7 @@ from cmdbus_trio.protocol.bus import BusKind, SubjectRule
 from cmdbus_trio.storage.buslog import BusLog
 
 from .bodies import BodyReader
-from .claims import Claims
 from .committer import GroupCommitter
-from .durable import open_claims, sample_lag
 from .groups import ConsumerGroups
 from .subscriptions import Hub
 
@@ -31,7 +29,8 @@ Task = Callable[..., Coroutine[Any, Any, None]]
 @attrs.frozen
 class Bus:
     """One bus as the faces see it: its log, the committer that appends to it, the reader
-    of delivered bodies, and the claim coordinator of its consumers.
+    of delivered bodies, and its consumer groups (the command bus's one fixed group, the
+    event bus's named ones); the event bus also has live subscriptions (``hub``).
 
     Lifecycle: :meth:`open` (the log and its consumers loaded), :meth:`tasks` (what runs
     in the background while it serves), :meth:`stop_consumers` (the drain: waiting
@@ -40,17 +39,14 @@ class Bus:
     log: BusLog
     committer: GroupCommitter
     bodies: BodyReader
-    claims: Claims | None = None
-    """The command bus's single consumer group."""
-    groups: ConsumerGroups | None = None
-    """The event bus's named consumer groups."""
+    groups: ConsumerGroups
     hub: Hub | None = None
-    """The event bus's live subscriptions."""
+    """The event bus's live subscriptions (the command bus has no subscribe face)."""
 
     @classmethod
     async def open(cls, kind: BusKind, config: Config, *, limiter: trio.CapacityLimiter) -> Bus:
-        """Open ``<data dir>/<kind>.sqlite3`` and load its consumers (the command bus's
-        one group from its position, the event bus's named groups).
+        """Open ``<data dir>/<kind>.sqlite3`` and load its consumer groups (the command
+        bus's one group from its position, the event bus's named groups).
 
         Error handling: the store's errors (the file cannot be opened, or is corrupt)."""
         name = kind.value
@@ -65,55 +61,41 @@ class Bus:
             limiter=limiter,
         )
         committer = GroupCommitter(log, SubjectRule(kind, config.shard, config.shard_count))
-        bodies = BodyReader(log)
         kinds = ("records", "dead_letters", *(("evicted",) if kind is BusKind.EVENTS else ()))
         for retained in kinds:  # 0 from the start
             metrics.RETAINED.labels(store=name, kind=retained)
-        ack_wait, stuck_after = config.ack_wait_ms / 1000, config.stuck_after_ms / 1000
-        if kind is BusKind.EVENTS:
-            groups = ConsumerGroups(
-                log,
-                committer,
-                ack_wait=ack_wait,
-                max_deliver=config.max_deliver,
-                limiter=limiter,
-                max_groups=config.evt_max_groups,
-                stuck_after=stuck_after,
-            )
-            await groups.open(config.evt_groups)
-            hub = Hub(config.subscriber_buffer)
-            committer.listeners.append(hub.feed)
-            return cls(log, committer, bodies, groups=groups, hub=hub)
-        claims = await open_claims(
+        events = kind is BusKind.EVENTS
+        groups = ConsumerGroups(
             log,
             committer,
-            name,
-            start_after=0,
-            ack_wait=ack_wait,
+            ack_wait=config.ack_wait_ms / 1000,
             max_deliver=config.max_deliver,
             limiter=limiter,
-            stuck_after=stuck_after,
+            max_groups=config.evt_max_groups,
+            stuck_after=config.stuck_after_ms / 1000,
+            fixed=None if events else name,
+            shard=config.shard,
         )
-        return cls(log, committer, bodies, claims)
+        await groups.open(config.evt_groups if events else ())
+        hub = None
+        if events:
+            hub = Hub(config.subscriber_buffer)
+            committer.listeners.append(hub.feed)
+        return cls(log, committer, BodyReader(log), groups, hub)
 
-    def tasks(self, shard: int) -> dict[str, Task]:
+    def tasks(self) -> dict[str, Task]:
         """The background tasks the bus needs while it serves, by name (the writer starts
-        each supervised; ``shard`` labels the command lag series)."""
-        tasks: dict[str, Task] = {"committer": self.committer.run, "bodies": self.bodies.run}
-        if self.claims is not None:
-            tasks["claim_timers"] = self.claims.run_timers
-            tasks["lag_sampler"] = partial(sample_lag, self.claims, self.committer, shard=shard)
-        if self.groups is not None:
-            tasks["groups"] = self.groups.run
-        return tasks
+        each supervised)."""
+        return {
+            "committer": self.committer.run,
+            "bodies": self.bodies.run,
+            "groups": self.groups.run,
+        }
 
     def stop_consumers(self) -> None:
         """The drain: consumers waiting in ``next`` are answered now, subscriptions end
         (their connections close); nothing more is leased."""
-        if self.claims is not None:
-            self.claims.close()
-        if self.groups is not None:
-            self.groups.close()
+        self.groups.close()
         if self.hub is not None:
             self.hub.close()
 

@@ -1,5 +1,5 @@
-"""A group's coordinator and the store: loading it (:func:`open_claims`), making what it
-settles durable through the group committer, and sampling its lag for the metrics."""
+"""A group's coordinator and the store: loading it (:func:`open_claims`), and making what
+it settles, and its settled position, durable through the group committer."""
 
 from __future__ import annotations
 
@@ -7,49 +7,11 @@ from collections.abc import Callable
 
 import trio
 
-from cmdbus_trio import metrics
 from cmdbus_trio.admission import run_in_thread
 from cmdbus_trio.storage.buslog import BusLog
 
 from .claims import STUCK_AFTER, Claims
 from .committer import Committed, GroupCommitter, Ticket
-
-
-async def sample_lag(
-    claims: Claims,
-    committer: GroupCommitter,
-    *,
-    shard: int = 0,
-    period: float = 1.0,
-    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Publish the command backlog every ``period`` seconds, so a scrape never computes
-    it: the gauge of each subject whose backlog changed (one that empties stays, at 0),
-    and the total. Subjects past the exported ones (:class:`metrics.SubjectSeries`) are
-    summed into the ``_other`` series. NoETL's per-shard families (``shard``: this
-    writer's) are set alongside."""
-    shard_label = str(shard)
-    task_status.started()
-    while True:
-        folded = False
-        for subject, count in claims.changed_backlog().items():
-            label = metrics.SUBJECTS.label(subject)
-            if label == metrics.OTHER_SUBJECTS:
-                folded = True
-            else:
-                metrics.FEED_SUBJECT_LAG.labels(subject=label).set(count)
-        if folded:
-            named = sum(claims.backlog_of(subject) for subject in metrics.SUBJECTS.named)
-            metrics.FEED_SUBJECT_LAG.labels(subject=metrics.OTHER_SUBJECTS).set(
-                claims.total - named
-            )
-        metrics.FEED_TOTAL_LAG.set(claims.total)
-        metrics.FEED_SHARD_LAG.labels(shard=shard_label).set(claims.total)
-        metrics.FEED_SHARD_INFLIGHT.labels(shard=shard_label).set(claims.leased)
-        metrics.FEED_TOTAL_INFLIGHT.set(claims.leased)
-        persist_low_water(claims, committer)
-        metrics.FEED_SHARD_COMMITTED.labels(shard=shard_label).set(claims.persisted_low_water - 1)
-        await trio.sleep(period)
 
 
 def persist_low_water(claims: Claims, committer: GroupCommitter) -> None:

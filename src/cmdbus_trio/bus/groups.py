@@ -1,19 +1,24 @@
-"""The event bus's named consumer groups: every record goes to every group; the members
-of one group compete for it (one :class:`Claims` per group).
+"""A bus's consumer groups: every record goes to every group; the members of one group
+compete for it (one :class:`Claims` per group).
 
-A group is a cursor into the bus's shared :class:`~cmdbus_trio.bus.tail.Tail` plus what it
-has in flight: its memory does not grow with the number of subjects, and creating one
-copies no backlog (the tail is extended back from the store once, for the earliest start).
+The event bus's groups are *named*. A group is a cursor into the bus's shared
+:class:`~cmdbus_trio.bus.tail.Tail` plus what it has in flight: its memory does not grow
+with the number of subjects, and creating one copies no backlog (the tail is extended back
+from the store once, for the earliest start). Groups are persisted with the position they
+start after, so a restart keeps them and their acks. A group is created from the
+configured defaults at start (from the beginning) or by a v2 client naming it with
+``from``: ``beginning`` or ``tail`` (only records published after its creation).
 
-Groups are persisted with the position they start after, so a restart keeps them and
-their acks. A group is created from the configured defaults at start (from the
-beginning) or by a v2 client naming it with ``from``: ``beginning`` or ``tail`` (only
-records published after its creation).
+The command bus has one *fixed* group, ``commands``, that requests never name: its
+records are queued per subject (a worker's filter names its pool, and a pool with no
+workers holds only its own records), and its lag is exported per subject (NoETL's
+``ehdb_feed_*`` families) where a named group's is one gauge.
 """
 
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import attrs
 import trio
@@ -26,7 +31,7 @@ from cmdbus_trio.storage.buslog import BusLog
 
 from .claims import STUCK_AFTER, Claims
 from .committer import GroupCommitter, Ticket
-from .durable import durable_settlements, persist_low_water
+from .durable import durable_settlements, open_claims, persist_low_water
 from .tail import Tail
 
 
@@ -37,6 +42,12 @@ class _Creation:
 
 
 class ConsumerGroups:
+    """The groups of one bus: named ones, or only ``fixed`` (see the module).
+
+    Lifecycle: :meth:`open` loads them; :meth:`run` runs every group's timers and the
+    lag sampler (every ``sample_every`` seconds; ``shard`` labels the fixed group's
+    per-shard series); :meth:`close` is the drain."""
+
     def __init__(
         self,
         log: BusLog,
@@ -47,7 +58,11 @@ class ConsumerGroups:
         limiter: trio.CapacityLimiter,
         max_groups: int = 1000,
         stuck_after: float = STUCK_AFTER,
+        fixed: str | None = None,
+        shard: int = 0,
+        sample_every: float = 1.0,
     ) -> None:
+        self.fixed = fixed
         self.stuck_after = stuck_after
         self.log = log
         self.max_groups = max_groups
@@ -57,16 +72,32 @@ class ConsumerGroups:
         self._limiter = limiter
         self.claims: dict[str, Claims] = {}
         self.tail = Tail(log, limiter=limiter)
-        # No await since the tail read the newest sort key: it gets every record after.
-        committer.listeners.append(self.tail)
+        if fixed is None:
+            # No await since the tail read the newest sort key: it gets every record after.
+            committer.listeners.append(self.tail)
+        self._shard = str(shard)
+        self._sample_every = sample_every
         self._creating: dict[str, _Creation] = {}  # groups whose history is loading
         self._nursery: trio.Nursery | None = None
         self._closed = False
         self.evicted_through = 0
         """Records up to this sort key are evicted (see :meth:`evict_through`)."""
 
-    async def open(self, defaults: tuple[str, ...]) -> None:
-        """Load the persisted groups and create the configured ones that are missing."""
+    async def open(self, defaults: tuple[str, ...] = ()) -> None:
+        """Load the persisted groups and create the configured ones that are missing; or
+        load the fixed group, with every record it has not settled."""
+        if self.fixed is not None:
+            self.claims[self.fixed] = await open_claims(
+                self.log,
+                self.committer,
+                self.fixed,
+                start_after=0,
+                ack_wait=self.ack_wait,
+                max_deliver=self.max_deliver,
+                limiter=self._limiter,
+                stuck_after=self.stuck_after,
+            )
+            return
         persisted = await run_in_thread(self.log.groups, limiter=self._limiter)
         with self.tail.pinned():
             if persisted:  # the earliest start first: one read of the history for all
@@ -85,6 +116,26 @@ class ConsumerGroups:
                 nursery.start_soon(claims.run_timers)
             nursery.start_soon(self._sample_lag)
             task_status.started()
+
+    @property
+    def named(self) -> bool:
+        """Requests name their group (and may create and delete one)."""
+        return self.fixed is None
+
+    async def resolve(self, group: Any, start: Any) -> Claims:
+        """The coordinator a request's ``group`` and ``from`` fields name (see
+        :meth:`get`); with a fixed group, a request names none.
+
+        Error handling: :class:`FieldError` naming the field."""
+        if self.fixed is not None:
+            if group is not None:
+                raise FieldError("group", "the command bus has no consumer groups")
+            if start is not None:
+                raise FieldError("from", "the command bus has no consumer groups")
+            return self.claims[self.fixed]
+        if not isinstance(group, str):
+            raise FieldError("group", "expected the name of a consumer group")
+        return await self.get(group, start)
 
     async def get(self, name: str, start: str | None = None) -> Claims:
         """The group's coordinator; created when ``start`` is ``beginning`` or ``tail``.
@@ -247,12 +298,42 @@ class ConsumerGroups:
             claims.close()
 
     async def _sample_lag(self) -> None:
+        """Publish each group's lag, so a scrape never computes it, and make its settled
+        position durable when it moved."""
         while True:
             for name, claims in sorted(self.claims.items()):
                 if claims.deleted:  # while this pass went on
                     continue
-                metrics.EVENTS_GROUP_LAG.labels(group=name).set(claims.total)
                 persist_low_water(claims, self.committer)
+                self._export_lag(name, claims)
                 await trio.lowlevel.checkpoint()  # many groups: one at a time per loop turn
             self.tail.trim()
-            await trio.sleep(1.0)
+            await trio.sleep(self._sample_every)
+
+    def _export_lag(self, name: str, claims: Claims) -> None:
+        if self.fixed is None:
+            metrics.EVENTS_GROUP_LAG.labels(group=name).set(claims.total)
+        else:
+            export_feed_lag(claims, self._shard)
+
+
+def export_feed_lag(claims: Claims, shard: str) -> None:
+    """The fixed group's backlog: the gauge of each subject whose backlog changed (one
+    that empties stays, at 0), and the total. Subjects past the exported ones
+    (:class:`metrics.SubjectSeries`) are summed into the ``_other`` series. NoETL's
+    per-shard families (``shard``: this writer's) are set alongside."""
+    folded = False
+    for subject, count in claims.changed_backlog().items():
+        label = metrics.SUBJECTS.label(subject)
+        if label == metrics.OTHER_SUBJECTS:
+            folded = True
+        else:
+            metrics.FEED_SUBJECT_LAG.labels(subject=label).set(count)
+    if folded:
+        named = sum(claims.backlog_of(subject) for subject in metrics.SUBJECTS.named)
+        metrics.FEED_SUBJECT_LAG.labels(subject=metrics.OTHER_SUBJECTS).set(claims.total - named)
+    metrics.FEED_TOTAL_LAG.set(claims.total)
+    metrics.FEED_SHARD_LAG.labels(shard=shard).set(claims.total)
+    metrics.FEED_SHARD_INFLIGHT.labels(shard=shard).set(claims.leased)
+    metrics.FEED_TOTAL_INFLIGHT.set(claims.leased)
+    metrics.FEED_SHARD_COMMITTED.labels(shard=shard).set(claims.persisted_low_water - 1)

@@ -5,8 +5,9 @@ Each connection has its own handler: the leases it holds are released the moment
 closes. ``next`` waits in memory (no thread, no polling) for a matching record, leases it,
 and, under a Gate slot, has its body read from the store with the other bodies asked for
 meanwhile (:mod:`cmdbus_trio.bus.bodies`). ``ack`` is durable before it is answered: it
-goes through the group committer like a publish. A face gives the handler a *resolver*
-from the request's ``group`` (and ``from``) to the coordinator to use.
+goes through the group committer like a publish. The bus's consumer groups resolve a
+request's ``group`` (and ``from``) to the coordinator to use: the command bus's one fixed
+group, or an event group by name.
 
 On a group the connection already uses, an ``ack``, and a ``next`` that finds a record
 and a Gate slot at once, are answered by a callback (a :class:`Deferred`) instead of a
@@ -41,11 +42,7 @@ from cmdbus_trio.storage.buslog import DeadRecord, StoredRecord
 
 from . import FaceContext
 from ._handler import CloseConnection, Deferred, V1Reply, checked_pages
-
-Resolve = Callable[[Any, Any], Awaitable[Claims]]
-"""(group field, from field) -> the group's coordinator; raises FieldError."""
-Delete = Callable[[str], Awaitable[bool]]
-"""group name -> deleted (False: no such group)."""
+from ._listen import serve as serve_connections
 
 
 class ClaimHandler:
@@ -54,19 +51,16 @@ class ClaimHandler:
     so a consumer parked in ``next`` holds no intake place (see :meth:`_next`)."""
     large_reply_ops = frozenset({"dead"})
 
-    def __init__(
-        self, ctx: FaceContext, bus: Bus, resolve: Resolve, delete: Delete | None = None
-    ) -> None:
+    def __init__(self, ctx: FaceContext, bus: Bus) -> None:
         self.gate = ctx.gate
         self.max_reply = ctx.config.max_reply_bytes
         self.bus = bus
-        self.resolve = resolve
-        self.delete = delete  # named groups only (the event claim face)
+        self.groups = bus.groups
         self._used: dict[str, Claims] = {}  # the groups this connection claimed from
         self._resolved: dict[str | None, Claims] = {}  # group field -> its coordinator
 
     async def _claims(self, group: Any, start: Any = None) -> Claims:
-        claims = await self.resolve(group, start)
+        claims = await self.groups.resolve(group, start)
         self._used[claims.group] = claims
         if start is None and (group is None or isinstance(group, str)):
             self._resolved[group] = claims  # until it is deleted
@@ -118,7 +112,7 @@ class ClaimHandler:
     # --- v2 --------------------------------------------------------------------------------
 
     def v2(self, request: Request, arrival: float) -> Awaitable[bytes] | Deferred:
-        op = codec.decode_op(request.op, request.fields, named_groups=self.delete is not None)
+        op = codec.decode_op(request.op, request.fields, named_groups=self.groups.named)
         # A group this connection has used already, and nothing to wait for: answered by
         # a callback, without a task (a task per request was much of the loop's time).
         group = op.group
@@ -138,8 +132,8 @@ class ClaimHandler:
         self, op: codec.ClaimRequest, request_id: int, budget: float | None, arrival: float
     ) -> bytes:
         if isinstance(op, codec.DeleteGroup):
-            assert self.delete is not None  # the codec refuses it on the command face
-            return encode_ok(request_id, {"deleted": await self.delete(op.group)})
+            # (the codec refuses it where groups are not named)
+            return encode_ok(request_id, {"deleted": await self.groups.delete(op.group)})
         claims = await self._claims(op.group, op.start if isinstance(op, codec.Next) else None)
         if isinstance(op, codec.Next):
             result: Any = None
@@ -392,3 +386,11 @@ def _delivery(delivery: Delivery, stored: StoredRecord) -> dict[str, Any]:
         "deliveries": delivery.deliveries,
         "record": _record(stored),
     }
+
+
+async def serve(
+    ctx: FaceContext, store: str, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Serve the claim face of the bus ``store``: each connection has its own handler."""
+    bus = ctx.store(store, Bus)
+    await serve_connections(ctx, lambda _send: ClaimHandler(ctx, bus), task_status=task_status)
