@@ -1,19 +1,18 @@
 """A group's records to deliver, per subject, and per filter the index that finds the
-oldest one a consumer's filter matches without walking every subject."""
+oldest one a consumer's filter matches without walking every subject (and keeps the
+consumers parked with that filter: see ``_waiters.py``)."""
 
 from __future__ import annotations
 
 import heapq
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import attrs
+import trio
 
 from cmdbus_trio.protocol.subjects import matches
-
-if TYPE_CHECKING:
-    from ._waiters import Waiter
 
 Kind = Literal["fresh", "again"]
 
@@ -22,6 +21,27 @@ MAX_MATCHED = 1024
 MAX_IDLE_FILTERS = 256
 """Filters with no waiter whose index is kept (the most recently used); one used again
 after it was dropped has its index rebuilt once (a walk of the subjects with records)."""
+
+
+@attrs.frozen
+class Delivery:
+    sort_key: int
+    subject: str
+    redelivered: bool
+    deliveries: int
+
+
+@attrs.define(eq=False)
+class Waiter:
+    """A parked consumer: a record is leased to it and handed over (``delivery``), or
+    it is woken when the group closes (``delivery`` None)."""
+
+    seq: int
+    owner: object
+    filter: tuple[str, ...]
+    woken: trio.Event = attrs.field(factory=trio.Event)
+    delivery: Delivery | None = None
+    gone: bool = False  # cancelled while parked: skipped, and dropped when met
 
 
 @attrs.define

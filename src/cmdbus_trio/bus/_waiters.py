@@ -1,37 +1,12 @@
 """Consumers parked in :meth:`Claims.next <cmdbus_trio.bus.claims.Claims.next>`, each
-in its filter's index, and the record each is handed."""
+in its filter's index, and how a record finds the oldest of them."""
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
 
-import attrs
-import trio
-
-from ._queues import FilterIndex, SubjectQueues
-
-
-@attrs.frozen
-class Delivery:
-    sort_key: int
-    subject: str
-    redelivered: bool
-    deliveries: int
-
-
-@attrs.define(eq=False)
-class Waiter:
-    """A parked consumer: a record is leased to it and handed over (``delivery``), or
-    it is woken when the group closes (``delivery`` None)."""
-
-    seq: int
-    owner: object
-    filter: tuple[str, ...]
-    woken: trio.Event = attrs.field(factory=trio.Event)
-    delivery: Delivery | None = None
-    gone: bool = False  # cancelled while parked: skipped, and dropped when met
-
+from ._queues import Delivery, FilterIndex, SubjectQueues, Waiter
 
 Take = Callable[[tuple[str, ...], object], Delivery | None]
 """Lease the oldest record a filter matches to an owner (``Claims.next_nowait``)."""

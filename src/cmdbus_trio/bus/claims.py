@@ -31,8 +31,8 @@ from cmdbus_trio.protocol.subjects import matches
 from ._cursor import TailCursor
 from ._leases import Leases
 from ._owed import STUCK_AFTER, BacklogCount, SettledPosition
-from ._queues import FilterIndex, SubjectQueues
-from ._waiters import Delivery, Parked
+from ._queues import Delivery, FilterIndex, SubjectQueues
+from ._waiters import Parked
 
 if TYPE_CHECKING:
     from .tail import Tail

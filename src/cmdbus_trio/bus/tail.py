@@ -13,7 +13,7 @@ import bisect
 from array import array
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import trio
 
@@ -22,8 +22,19 @@ from cmdbus_trio.storage.buslog import BusLog
 
 from .committer import Committed
 
-if TYPE_CHECKING:
-    from .claims import Claims
+
+class Reader(Protocol):
+    """A group reading the tail (a :class:`~cmdbus_trio.bus.claims.Claims`)."""
+
+    @property
+    def cursor(self) -> int:
+        """The group needs nothing before this position."""
+        ...
+
+    def arrived(self, start: int) -> None:
+        """The tail has new records from position ``start``."""
+        ...
+
 
 LOAD_PAGE = 10_000
 """Records per query when the tail is extended back into the store's history."""
@@ -48,7 +59,7 @@ class Tail:
         """Every record with a greater sort key is held."""
         self.newest = self.after
         """The newest sort key the tail has been fed."""
-        self.groups: dict[Claims, None] = {}  # the groups fed (ordered, for determinism)
+        self.groups: dict[Reader, None] = {}  # the groups fed (ordered, for determinism)
         self._pins = 0
         self._covering = trio.Lock()
 
