@@ -1,23 +1,34 @@
-"""Command bus throughput: cmdbus-trio against local Redis and NATS, in the same run.
+"""Command bus throughput and cost: cmdbus-trio against local Redis and NATS, in the same run.
 
-    python benchmarks/bus.py --peer redis --peer nats      # about 5 minutes on 2 cores
-    python benchmarks/bus.py --peer redis --quick          # about 40 s
+    python benchmarks/bus.py --floor --peer redis --peer nats --rate 1000   # about 8 minutes
+    python benchmarks/bus.py --peer redis --quick          # about 1 minute
+    python benchmarks/bus.py --only "publish x16"          # the workloads named so
     python benchmarks/bus.py --memory                      # writer RSS with a 1M backlog
-    python benchmarks/bus.py --floor --peer redis          # adds the floor (see below)
 
 Workloads (each --duration seconds): durable publish with 1 and 16 producers, one at a time
-(unpipelined), 32 in flight (pipelined: 32 single-record requests) and 32 records per round
+(ack-each), 32 in flight (pipelined: 32 single-record requests) and 32 records per round
 trip (batched: cmdbus-trio's publish_batch; Redis and NATS have no multi-record publish, so
 for them this is their pipelined workload again); claim+ack cycles with 1 and 16 consumers
-over a preloaded backlog, with ack latency.
+over a preloaded backlog. --rate R adds, first, on an empty bus, the steady end-to-end
+workload: 16 producers publishing R records a second between them (an open loop, each
+record stamped with its publish time), 16 consumers claiming and acking, and the latency
+of each record from its publish to its delivery.
+
+For every workload and server: ops/s; latency p50/p99 (claim+ack: the next and the ack;
+steady: publish to delivery); the server's CPU (utime + stime of its process, all
+threads, over exactly the workload's window) in cores and in microseconds per operation;
+the load generators' CPU in cores; and for cmdbus-trio the latency of /healthz, probed on
+a new connection every 50 ms during the workload, as a kubelet would.
 
 --floor adds `floor_server.py`: the same protocol answered from memory by the least a trio
 server can do per request (no disk, no admission, no metrics). It bounds what one trio loop
 can reach on this machine with this protocol and these load generators.
 
-The load generators are separate processes (4 at most), with each system's usual Python
-client: our codec and redis-py on blocking sockets in threads; nats-py (asyncio only) in
-tasks.
+The load generators (`_generators.py`) are the same for every server: worker processes (at
+most 2 a side of the load) running asyncio, one connection per client, requests pipelined
+as the workload says, no client library where one would cost more than the server it
+measures (our frames for cmdbus-trio and the floor, RESP for Redis; nats-py for NATS, whose
+protocol needs its library). All start at the same instant, after connecting.
 
 Durability: cmdbus-trio with synchronous=FULL (an fsync per group commit); Redis with
 appendonly yes and appendfsync always; NATS JetStream (work-queue stream, file storage,
@@ -42,12 +53,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _client import BlockingClient, percentiles
+from _client import percentiles
 
 HERE = Path(__file__).resolve()
 PIPELINE = 32
-SUBJECT = "commands.shared.shard.0"
 WORKLOADS = [  # (mode, clients, style)
     ("publish", 1, "single"),
     ("publish", 16, "single"),
@@ -188,150 +200,101 @@ def stop(process: subprocess.Popen[bytes]) -> None:
         process.wait()
 
 
-# --- clients (in the worker processes) ----------------------------------------------------
+# --- measuring a workload -------------------------------------------------------------------
 
 
-class CmdbusClient:
-    def __init__(self, address: str) -> None:
-        ports = json.loads(address)
-        self.ingest = BlockingClient(ports["cmd_ingest"])
-        self.claim = BlockingClient(ports["cmd_claim"])
-
-    def publish(self, n: int, count: int, batched: bool) -> None:
-        if batched:
-            reply = self.ingest.call("publish_batch", records=[body(n) for _ in range(count)])
-            assert len(reply["sort_keys"]) == count
-            return
-        frames = [self.ingest.request_frame("publish", record=body(n)) for _ in range(count)]
-        self.ingest.send_raw(b"".join(frames))
-        for _ in range(count):
-            assert self.ingest.receive()["ok"]
-
-    def claim_ack(self) -> float | None:
-        delivery = self.claim.call("next", filter="commands.>", timeout_ms=1000)["delivery"]
-        if delivery is None:
-            return None
-        start = time.perf_counter()
-        assert self.claim.call("ack", sort_key=delivery["sort_key"])["acked"]
-        return time.perf_counter() - start
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, all its threads (``/proc/PID/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-class RedisClient:
-    def __init__(self, address: str) -> None:
-        import redis
+def probe(control: str, until: float, latencies: list[float]) -> None:
+    """GET /healthz on a new connection every 50 ms until ``until``, as a kubelet does."""
+    import http.client
 
-        self.redis = redis.Redis(port=int(address.rsplit(":", 1)[1]))
-        self.name = f"c{os.getpid()}-{threading.get_ident()}"
-
-    def publish(self, n: int, count: int, batched: bool) -> None:
-        del batched  # no multi-record XADD: a pipeline is Redis's way to batch
-        pipe = self.redis.pipeline(transaction=False)
-        for _ in range(count):
-            pipe.xadd("commands", body(n))
-        pipe.execute()
-
-    def claim_ack(self) -> float | None:
-        got = self.redis.xreadgroup("workers", self.name, {"commands": ">"}, count=1, block=1000)
-        if not got:
-            return None
-        start = time.perf_counter()
-        self.redis.xack("commands", "workers", got[0][1][0][0])
-        return time.perf_counter() - start
+    host, port = control.rsplit(":", 1)
+    while time.monotonic() < until:
+        started = time.monotonic()
+        connection = http.client.HTTPConnection(host, int(port), timeout=10)
+        try:
+            connection.request("GET", "/healthz")
+            connection.getresponse().read()
+        finally:
+            connection.close()
+        latencies.append(time.monotonic() - started)
+        time.sleep(max(0.0, 0.05 - (time.monotonic() - started)))
 
 
-def thread_worker(
-    target: str, address: str, kind: str, clients: int, count: int, duration: float
-) -> dict[str, Any]:
-    """``kind``: publish (``count`` in flight), batched (``count`` records per request) or
-    claim+ack."""
-    ops = [0] * clients
-    latencies: list[float] = []
-    lock = threading.Lock()
-    deadline = time.monotonic() + duration
-
-    def run(index: int) -> None:
-        client: Any = RedisClient(address) if target == "redis" else CmdbusClient(address)
-        n = index * 10_000_000
-        while time.monotonic() < deadline:
-            if kind != "claim+ack":
-                client.publish(n, count, kind == "batched")
-                ops[index] += count
-                n += 1
-            elif (latency := client.claim_ack()) is not None:
-                ops[index] += 1
-                with lock:
-                    latencies.append(latency)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(clients)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return {"ops": sum(ops), "latencies": latencies}
-
-
-async def nats_worker(
-    address: str, kind: str, clients: int, count: int, duration: float
-) -> dict[str, Any]:
-    import nats
-
-    ops = [0] * clients
-    latencies: list[float] = []
-    deadline = time.monotonic() + duration
-
-    async def run(index: int) -> None:
-        connection = await nats.connect(f"nats://{address}")
-        js = connection.jetstream()
-        subscription = (
-            None if kind != "claim+ack" else await js.pull_subscribe_bind("workers", "COMMANDS")
-        )
-        n = index * 10_000_000
-        while time.monotonic() < deadline:
-            if subscription is None:
-                data = json.dumps(body(n)).encode()
-                await asyncio.gather(*(js.publish(SUBJECT, data) for _ in range(count)))
-                ops[index] += count
-                n += 1
-                continue
-            try:
-                messages = await subscription.fetch(1, timeout=1)
-            except nats.errors.TimeoutError:
-                continue
-            start = time.perf_counter()
-            await messages[0].ack_sync()
-            latencies.append(time.perf_counter() - start)
-            ops[index] += 1
-        await connection.close()
-
-    await asyncio.gather(*(run(i) for i in range(clients)))
-    return {"ops": sum(ops), "latencies": latencies}
-
-
-def run_workload(
-    target: str, address: str, kind: str, clients: int, count: int, duration: float
-) -> dict[str, Any]:
-    processes = min(clients, 4)
-    shares = [
-        clients // processes + (1 if i < clients % processes else 0) for i in range(processes)
-    ]
-    command = [sys.executable, str(HERE), "--worker", target, address, kind]
-    workers = [
+def generators(
+    target: str, address: str, kind: str, clients: int, count: float, start_at: float, span: float
+) -> list[subprocess.Popen[str]]:
+    """Worker processes sharing ``clients`` (at most 2 processes a side of the load)."""
+    processes = min(clients, 2)
+    shares = [clients // processes + (i < clients % processes) for i in range(processes)]
+    command = [sys.executable, str(HERE.parent / "_generators.py"), target, address, kind]
+    return [
         subprocess.Popen(
-            [*command, str(share), str(count), str(duration)], stdout=subprocess.PIPE, text=True
+            [*command, str(share), str(count), str(start_at), str(span)],
+            stdout=subprocess.PIPE,
+            text=True,
         )
         for share in shares
     ]
-    results = [json.loads(w.communicate(timeout=duration + 120)[0]) for w in workers]
-    latencies = [x for r in results for x in r["latencies"]]
-    return {"rate": sum(r["ops"] for r in results) / duration, "ack": percentiles(latencies)}
 
 
-def preload(target: str, address: str, records: int) -> None:
+@attrs.frozen
+class Server:
+    name: str
+    process: subprocess.Popen[bytes]
+    address: str
+    control: str | None = None
+    """The control face (cmdbus-trio only): /healthz is probed during each workload."""
+
+
+def run_workload(
+    server: Server, loads: list[tuple[str, int, float]], duration: float
+) -> dict[str, Any]:
+    """Run ``loads`` (kind, clients, count) together for ``duration`` seconds, all
+    starting at the same instant; the server's CPU is sampled over exactly that window,
+    and its /healthz probed throughout when it has a control face."""
+    start_at = time.monotonic() + 2.0  # the workers have connected by then
+    workers = [
+        (index, w)
+        for index, (kind, clients, count) in enumerate(loads)
+        for w in generators(server.name, server.address, kind, clients, count, start_at, duration)
+    ]
+    probes: list[float] = []
+    prober = None
+    if server.control is not None:
+        prober = threading.Thread(target=probe, args=(server.control, start_at + duration, probes))
+    time.sleep(max(0.0, start_at - time.monotonic()))
+    before = cpu_seconds(server.process.pid)
+    if prober is not None:
+        prober.start()
+    time.sleep(max(0.0, start_at + duration - time.monotonic()))
+    server_cpu = cpu_seconds(server.process.pid) - before
+    if prober is not None:
+        prober.join()
+    results = [(i, json.loads(w.communicate(timeout=duration + 120)[0])) for i, w in workers]
+    # The last load's operations count: with producers and consumers, the deliveries.
+    ops = sum(r["ops"] for i, r in results if i == len(loads) - 1)
+    return {
+        "rate": ops / duration,
+        "latency": percentiles([x for _, r in results for x in r["latencies"]]),
+        "server_cores": server_cpu / duration,
+        "server_us": server_cpu / max(ops, 1) * 1e6,
+        "generator_cores": sum(r["cpu"] for _, r in results) / duration,
+        "probe": percentiles(probes) if probes else None,
+    }
+
+
+def preload(server: Server, records: int) -> None:
     """Publish about ``records`` records (pipelined, 4 producers) for the claim workloads."""
-    per_second = run_workload(target, address, "publish", 4, PIPELINE, 2.0)["rate"]
+    per_second = run_workload(server, [("publish", 4, PIPELINE)], 2.0)["rate"]
     remaining = max(0.0, (records - per_second * 2.0) / max(per_second, 1.0))
     if remaining:
-        run_workload(target, address, "publish", 4, PIPELINE, remaining)
+        run_workload(server, [("publish", 4, PIPELINE)], remaining)
 
 
 def measure_memory(backlog: int, workdir: Path) -> None:
@@ -361,6 +324,55 @@ def measure_memory(backlog: int, workdir: Path) -> None:
     )
 
 
+def start(name: str, workdir: Path) -> Server:
+    process, address = STARTERS[name](workdir)
+    control = json.loads(address)["control"] if name == "cmdbus-trio" else None
+    return Server(name, process, address, control)
+
+
+def workloads(rate: float | None) -> list[tuple[str, list[tuple[str, int, float]]]]:
+    """(name, loads) in the order they run: the steady one first, on an empty bus."""
+    runs = []
+    if rate:
+        runs.append((f"steady {rate:.0f}/s e2e", [("produce", 16, rate / 16), ("consume", 16, 1)]))
+    for mode, clients, style in WORKLOADS:
+        name = f"{mode} x{clients}" + ("" if style == "single" else f" {style}")
+        kind = {"single": mode, "pipelined": "publish"}.get(style, style)
+        runs.append((name, [(kind, clients, 1 if style == "single" else PIPELINE)]))
+    return runs
+
+
+def report(names: list[str], results: dict[str, dict[str, Any]], duration: float) -> None:
+    print(
+        f"\n{duration:.0f} s per workload. ops/s; latency p50/p99 ms (claim+ack: next and ack; "
+        "steady: publish to delivery); server CPU in cores and us per op; the load "
+        "generators' CPU in cores; /healthz p50/p99/max ms during the workload."
+    )
+    print(
+        f"{'workload':<24}{'server':<13}{'ops/s':>9}{'latency':>15}{'cores':>7}{'us/op':>8}"
+        f"{'gen':>6}{'healthz':>18}"
+    )
+    for key in results[names[0]]:
+        for name in names:
+            r = results[name][key]
+            latency = r["latency"]
+            lat = f"{latency['p50']:.1f}/{latency['p99']:.1f}" if key[0] in "cs" else ""
+            probe = r["probe"]
+            probed = f"{probe['p50']:.0f}/{probe['p99']:.0f}/{probe['max']:.0f}" if probe else ""
+            print(
+                f"{key:<24}{name:<13}{r['rate']:>9.0f}{lat:>15}{r['server_cores']:>7.2f}"
+                f"{r['server_us']:>8.0f}{r['generator_cores']:>6.2f}{probed:>18}"
+            )
+    others = names[1:]
+    if not others:
+        return
+    print(f"\n{'ratios (ops/s)':<24}" + "".join(f"{'ours / ' + n:>16}" for n in others))
+    for key in results[names[0]]:
+        ours = results[names[0]][key]["rate"]
+        cells = "".join(f"{ours / max(results[n][key]['rate'], 1e-9):>15.2f}x" for n in others)
+        print(f"{key:<24}" + cells)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -369,6 +381,8 @@ def main() -> None:
     parser.add_argument("--floor", action="store_true", help="also run floor_server.py")
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--backlog", type=int, default=40_000, help="records preloaded for claims")
+    parser.add_argument("--rate", type=float, help="add the steady end-to-end workload (records/s)")
+    parser.add_argument("--only", help="run only the workloads whose name starts with this")
     parser.add_argument("--quick", action="store_true", help="3 s workloads, 10k backlog")
     parser.add_argument("--memory", type=int, nargs="?", const=1_000_000, help="only measure RSS")
     args = parser.parse_args()
@@ -380,58 +394,20 @@ def main() -> None:
         measure_memory(args.memory, workdir)
         return
     names = ["cmdbus-trio", *(["floor"] if args.floor else []), *dict.fromkeys(args.peer)]
+    runs = [(k, loads) for k, loads in workloads(args.rate) if k.startswith(args.only or "")]
     results: dict[str, dict[str, Any]] = {name: {} for name in names}
     for name in names:  # one server at a time: they share the machine's 2 cores and disk
         (workdir / name).mkdir()
-        process, address = STARTERS[name](workdir / name)
+        server = start(name, workdir / name)
         try:
-            for mode, clients, style in WORKLOADS:
-                if mode == "claim+ack" and clients == 1:
-                    preload(name, address, args.backlog)
-                key = f"{mode} x{clients}" + ("" if style == "single" else f" {style}")
-                kind = {"single": mode, "pipelined": "publish"}.get(style, style)
-                count = 1 if style == "single" else PIPELINE
-                results[name][key] = run_workload(
-                    name, address, kind, clients, count, args.duration
-                )
+            for key, loads in runs:
+                if key.startswith("claim+ack x1"):
+                    preload(server, args.backlog)
+                results[name][key] = run_workload(server, loads, args.duration)
         finally:
-            stop(process)
-    print(f"\n{args.duration:.0f} s per workload; ops/s (ack p50 / p99 ms for claim+ack)")
-    peers = names[names.index("cmdbus-trio") + 1 + args.floor :]
-    measured = ["cmdbus-trio", *(["floor"] if args.floor else [])]
-    ratio_columns = [(m, p) for m in measured for p in peers]
-    if args.floor:
-        ratio_columns.insert(0, ("cmdbus-trio", "floor"))
-    print(
-        f"{'workload':<26}"
-        + "".join(f"{n:>22}" for n in names)
-        + "".join(f"{(m if m == 'floor' else 'ours') + ' / ' + p:>16}" for m, p in ratio_columns)
-    )
-    for key in results["cmdbus-trio"]:
-        cells = []
-        for name in names:
-            r = results[name][key]
-            ack = (
-                f" ({r['ack']['p50']:.1f}/{r['ack']['p99']:.1f})" if key.startswith("claim") else ""
-            )
-            cells.append(f"{r['rate']:.0f}{ack}")
-        ratios = [
-            f"{results[m][key]['rate'] / results[p][key]['rate']:.2f}x" for m, p in ratio_columns
-        ]
-        print(
-            f"{key:<26}" + "".join(f"{c:>22}" for c in cells) + "".join(f"{r:>16}" for r in ratios)
-        )
+            stop(server.process)
+    report(names, results, args.duration)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 8 and sys.argv[1] == "--worker":
-        _, _, target, address, kind, clients, count, seconds = sys.argv
-        if target == "nats":
-            result = asyncio.run(
-                nats_worker(address, kind, int(clients), int(count), float(seconds))
-            )
-        else:
-            result = thread_worker(target, address, kind, int(clients), int(count), float(seconds))
-        print(json.dumps(result))
-    else:
-        main()
+    main()

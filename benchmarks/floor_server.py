@@ -2,13 +2,13 @@
 
     python benchmarks/floor_server.py PORTS_FILE
 
-It speaks just enough v2 for `bus.py`'s workloads (hello, publish, publish_batch, next,
-ack) on one port, one task per connection, with our frame codec and the standard json
-module, and keeps records in memory: no disk, no fsync, no admission, no metrics, no
-pipelining concurrency beyond answering frames in order. No real server can be cheaper
-per request on the same loop, so whatever it reaches bounds what cmdbus-trio can reach
-with one trio loop on this machine. `bus.py --floor` runs it beside the others. Never a
-product: it loses everything on exit and checks nothing.
+It speaks just enough v2 for `bus.py`'s workloads (hello, publish, publish_batch, next
+waiting up to its timeout_ms, ack) on one port, one task per connection, with our frame
+codec and the standard json module, and keeps records in memory: no disk, no fsync, no
+admission, no metrics, no pipelining concurrency beyond answering frames in order. No
+real server can be cheaper per request on the same loop, so whatever it reaches bounds
+what cmdbus-trio can reach with one trio loop on this machine. `bus.py --floor` runs it
+beside the others. Never a product: it loses everything on exit and checks nothing.
 """
 
 from __future__ import annotations
@@ -32,6 +32,15 @@ class Memory:
         self.sort_keys = itertools.count(1)
         self.records: deque[tuple[int, Any]] = deque()
         self.leased: dict[int, Any] = {}
+        self.arrived = trio.Event()  # set, and replaced, when records come
+
+    def _arrived(self) -> None:
+        self.arrived.set()
+        self.arrived = trio.Event()
+
+    async def wait_for_records(self) -> None:
+        while not self.records:
+            await self.arrived.wait()
 
     def answer(self, request: dict[str, Any]) -> dict[str, Any]:
         reply: dict[str, Any] = {"id": request["id"], "ok": True}
@@ -39,6 +48,7 @@ class Memory:
         if op == "publish":
             key = next(self.sort_keys)
             self.records.append((key, request["record"]))
+            self._arrived()
             reply.update(sort_key=key, subject=SUBJECT, duplicate=False)
         elif op == "publish_batch":
             keys = []
@@ -46,9 +56,10 @@ class Memory:
                 keys.append(next(self.sort_keys))
                 self.records.append((keys[-1], record))
             reply.update(sort_keys=keys)
+            self._arrived()
         elif op == "next":
             if not self.records:
-                reply.update(delivery=None)  # a real server would wait; the floor does not
+                reply.update(delivery=None)  # timeout_ms passed (see serve_connection)
             else:
                 key, record = self.records.popleft()
                 self.leased[key] = record
@@ -76,13 +87,24 @@ async def serve_connection(memory: Memory, stream: trio.SocketStream) -> None:
             request = json.loads(frame)
             if "hello" in request:
                 replies.append({"ok": True, "protocol": 2, "server": "floor"})
-            else:
-                replies.append(memory.answer(request))
+                continue
+            if request["op"] == "next" and not memory.records and request.get("timeout_ms"):
+                # A next waits for a record, as the writer's does (the replies before it
+                # go first: they are answered in order).
+                await stream.send_all(b"".join(_frames(replies)))
+                replies = []
+                with trio.move_on_after(request["timeout_ms"] / 1000):
+                    await memory.wait_for_records()
+            replies.append(memory.answer(request))
         if replies:
-            await stream.send_all(b"".join(encode_frame(json.dumps(r).encode()) for r in replies))
+            await stream.send_all(b"".join(_frames(replies)))
         if frame is CLOSED:
             return
         decoder.receive_data(await stream.receive_some(65536))
+
+
+def _frames(replies: list[dict[str, Any]]) -> list[bytes]:
+    return [encode_frame(json.dumps(r).encode()) for r in replies]
 
 
 async def main(ports_file: str) -> None:

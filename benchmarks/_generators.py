@@ -1,0 +1,271 @@
+"""bus.py's load generators: asyncio, one connection per client, each request pipelined as
+its workload says, the same way for every server (our codec over asyncio streams for
+cmdbus-trio and the floor; redis-py's asyncio client; nats-py). Run in worker processes:
+
+    python benchmarks/_generators.py TARGET ADDRESS KIND CLIENTS COUNT START_AT SECONDS
+
+KIND: publish (COUNT requests in flight), batched (COUNT records a request), claim+ack,
+produce (COUNT records a second per client, each carrying its publish time) or consume
+(claim+ack, timing each record from its publish). START_AT is a time.monotonic() instant
+(CLOCK_MONOTONIC, the same in every process of the machine): every worker starts then, so
+the parent can sample the server's CPU over exactly the window. Prints one JSON line:
+ops, latencies (seconds) and the worker's own CPU seconds over the window.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import resource
+import struct
+import sys
+import time
+from typing import Any
+
+SUBJECT = "commands.shared.shard.0"
+HEADER = struct.Struct(">I")
+
+
+def body(n: int, sent_at: float | None = None) -> dict[str, Any]:
+    payload: dict[str, Any] = {"n": n, "pad": "x" * 200}
+    if sent_at is not None:
+        payload["ts"] = sent_at
+    return {"execution_id": n, "payload": json.dumps(payload)}
+
+
+class CmdbusClient:
+    """cmdbus-trio's v2 (or the floor's): frames over an asyncio stream, no client
+    library, so the generator costs what the protocol costs."""
+
+    def __init__(self, ingest: Any, claim: Any) -> None:
+        self.ingest, self.claims = ingest, claim
+        self.next_id = 0
+
+    @classmethod
+    async def open(cls, address: str) -> CmdbusClient:
+        ports = json.loads(address)
+        ingest = await _dial(ports["cmd_ingest"])
+        claim = ingest if ports["cmd_claim"] == ports["cmd_ingest"] else None
+        return cls(ingest, claim or await _dial(ports["cmd_claim"]))
+
+    def _frame(self, op: str, **fields: Any) -> bytes:
+        self.next_id += 1
+        data = json.dumps({"id": self.next_id, "op": op, **fields}).encode()
+        return HEADER.pack(len(data)) + data
+
+    async def _calls(self, streams: Any, frames: list[bytes]) -> list[dict[str, Any]]:
+        reader, writer = streams
+        writer.write(b"".join(frames))
+        return [await _reply(reader) for _ in frames]
+
+    async def publish(self, n: int, count: int, batched: bool, sent_at: float | None) -> None:
+        if batched:
+            frames = [self._frame("publish_batch", records=[body(n)] * count)]
+        else:
+            frames = [self._frame("publish", record=body(n, sent_at)) for _ in range(count)]
+        for reply in await self._calls(self.ingest, frames):
+            assert reply["ok"], reply
+
+    async def claim(self) -> dict[str, Any] | None:
+        """One next (waiting up to 1 s) and the ack of what it got: the record."""
+        (got,) = await self._calls(
+            self.claims, [self._frame("next", filter="commands.>", timeout_ms=1000)]
+        )
+        delivery: dict[str, Any] | None = got["delivery"]
+        if delivery is None:
+            return None
+        (acked,) = await self._calls(
+            self.claims, [self._frame("ack", sort_key=delivery["sort_key"])]
+        )
+        assert acked["acked"], acked
+        record: dict[str, Any] = delivery["record"]
+        return record
+
+    @staticmethod
+    def sent_at(record: dict[str, Any]) -> float:
+        return float(json.loads(record["payload"])["ts"])
+
+
+async def _dial(address: str) -> Any:
+    host, port = address.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(_hello())
+    await _reply(reader)
+    return reader, writer
+
+
+def _hello() -> bytes:
+    data = b'{"hello": {"protocol": 2, "client": "bench"}}'
+    return HEADER.pack(len(data)) + data
+
+
+async def _reply(reader: asyncio.StreamReader) -> dict[str, Any]:
+    (length,) = HEADER.unpack(await reader.readexactly(HEADER.size))
+    reply: dict[str, Any] = json.loads(await reader.readexactly(length))
+    return reply
+
+
+class RedisClient:
+    """Redis Streams over RESP on an asyncio stream, no client library (redis-py's asyncio
+    client spent more CPU than the server it measured): one connection per client,
+    pipelined as the workload says."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: Any, name: str) -> None:
+        self.reader, self.writer, self.name = reader, writer, name
+
+    @classmethod
+    async def open(cls, address: str, name: str) -> RedisClient:
+        host, port = address.rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        return cls(reader, writer, name)
+
+    async def _commands(self, commands: list[list[Any]]) -> list[Any]:
+        self.writer.write(b"".join(_resp(command) for command in commands))
+        return [await _resp_reply(self.reader) for _ in commands]
+
+    async def publish(self, n: int, count: int, batched: bool, sent_at: float | None) -> None:
+        del batched  # no multi-record XADD: a pipeline is Redis's way to batch
+        fields = [item for pair in body(n, sent_at).items() for item in pair]
+        await self._commands([["XADD", "commands", "*", *fields] for _ in range(count)])
+
+    async def claim(self) -> dict[str, Any] | None:
+        read = ["XREADGROUP", "GROUP", "workers", self.name, "COUNT", 1, "BLOCK", 1000]
+        (got,) = await self._commands([[*read, "STREAMS", "commands", ">"]])
+        if not got:
+            return None
+        key, fields = got[0][1][0]
+        await self._commands([["XACK", "commands", "workers", key]])
+        return {fields[i].decode(): fields[i + 1].decode() for i in range(0, len(fields), 2)}
+
+    @staticmethod
+    def sent_at(record: dict[str, Any]) -> float:
+        return float(json.loads(record["payload"])["ts"])
+
+
+def _resp(command: list[Any]) -> bytes:
+    parts = [b"*%d\r\n" % len(command)]
+    for item in command:
+        data = item if isinstance(item, bytes) else str(item).encode()
+        parts.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(parts)
+
+
+async def _resp_reply(reader: asyncio.StreamReader) -> Any:
+    line = (await reader.readline())[:-2]
+    kind, rest = line[:1], line[1:]
+    if kind == b"+":
+        return rest
+    if kind == b"-":
+        raise RuntimeError(rest.decode())
+    if kind == b":":
+        return int(rest)
+    if kind == b"$":
+        size = int(rest)
+        return None if size < 0 else (await reader.readexactly(size + 2))[:-2]
+    if kind == b"*":
+        size = int(rest)
+        return None if size < 0 else [await _resp_reply(reader) for _ in range(size)]
+    raise RuntimeError(f"unexpected RESP reply {line!r}")
+
+
+class NatsClient:
+    """NATS JetStream through nats-py: publishes acked by the stream, a durable pull
+    consumer with explicit acks."""
+
+    def __init__(self, connection: Any, js: Any, subscription: Any) -> None:
+        self.connection, self.js, self.subscription = connection, js, subscription
+
+    @classmethod
+    async def open(cls, address: str, consumer: bool) -> NatsClient:
+        import nats
+
+        connection = await nats.connect(f"nats://{address}")
+        js = connection.jetstream()
+        subscription = await js.pull_subscribe_bind("workers", "COMMANDS") if consumer else None
+        return cls(connection, js, subscription)
+
+    async def publish(self, n: int, count: int, batched: bool, sent_at: float | None) -> None:
+        del batched
+        data = json.dumps(body(n, sent_at)).encode()
+        await asyncio.gather(*(self.js.publish(SUBJECT, data) for _ in range(count)))
+
+    async def claim(self) -> dict[str, Any] | None:
+        import nats
+
+        assert self.subscription is not None
+        try:
+            messages = await self.subscription.fetch(1, timeout=1)
+        except nats.errors.TimeoutError:
+            return None
+        await messages[0].ack_sync()
+        record: dict[str, Any] = json.loads(messages[0].data)
+        return record
+
+    @staticmethod
+    def sent_at(record: dict[str, Any]) -> float:
+        return float(json.loads(record["payload"])["ts"])
+
+
+async def open_client(target: str, address: str, index: int, kind: str) -> Any:
+    if target == "redis":
+        return await RedisClient.open(address, f"c{index}-{time.monotonic_ns()}")
+    if target == "nats":
+        return await NatsClient.open(address, consumer=kind in ("claim+ack", "consume"))
+    return await CmdbusClient.open(address)
+
+
+async def run(
+    target: str, address: str, kind: str, clients: int, count: float, start_at: float, span: float
+) -> dict[str, Any]:
+    """``count``: records a second per client (produce), else requests in flight or
+    records a request."""
+    opened = [await open_client(target, address, i, kind) for i in range(clients)]
+    ops = [0] * clients
+    latencies: list[float] = []
+    end_at = start_at + span
+
+    async def client(index: int) -> None:
+        c = opened[index]
+        n = index * 10_000_000
+        if kind == "produce":  # an open loop: COUNT records a second, staggered
+            tick = start_at + index / (clients * count)
+            while tick < end_at:
+                await asyncio.sleep(max(0.0, tick - time.monotonic()))
+                await c.publish(n, 1, False, time.monotonic())
+                ops[index] += 1
+                n += 1
+                tick += 1 / count
+            return
+        await asyncio.sleep(max(0.0, start_at - time.monotonic()))
+        while time.monotonic() < end_at:
+            if kind in ("publish", "batched"):
+                await c.publish(n, int(count), kind == "batched", None)
+                ops[index] += int(count)
+                n += 1
+                continue
+            started = time.monotonic()
+            record = await c.claim()
+            if record is None:
+                continue
+            done = time.monotonic()
+            ops[index] += 1
+            latencies.append(done - (c.sent_at(record) if kind == "consume" else started))
+
+    await asyncio.sleep(max(0.0, start_at - time.monotonic()))
+    cpu_before = _cpu()
+    await asyncio.gather(*(client(i) for i in range(clients)))
+    cpu = _cpu() - cpu_before
+    return {"ops": sum(ops), "latencies": latencies, "cpu": cpu}
+
+
+def _cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+if __name__ == "__main__":
+    _, target, address, kind, clients, count, start_at, seconds = sys.argv
+    result = asyncio.run(
+        run(target, address, kind, int(clients), float(count), float(start_at), float(seconds))
+    )
+    print(json.dumps(result))
