@@ -1,6 +1,7 @@
 """bus.py's load generators: asyncio, one connection per client, each request pipelined as
 its workload says, the same way for every server (our codec over asyncio streams for
-cmdbus-trio and the floor; redis-py's asyncio client; nats-py). Run in worker processes:
+cmdbus-trio and the floor, RESP for Redis, NATS's text protocol; no client library, each
+of which spent more CPU than the server it measured). Run in worker processes:
 
     python benchmarks/_generators.py TARGET ADDRESS KIND CLIENTS COUNT START_AT SECONDS
 
@@ -169,36 +170,70 @@ async def _resp_reply(reader: asyncio.StreamReader) -> Any:
 
 
 class NatsClient:
-    """NATS JetStream through nats-py: publishes acked by the stream, a durable pull
-    consumer with explicit acks."""
+    """NATS JetStream over its text protocol on an asyncio stream, no client library
+    (nats-py spent more CPU than the server it measured): publishes acked by the stream,
+    a durable pull consumer with explicit acks, each ack confirmed, as nats-py's
+    ``ack_sync`` does."""
 
-    def __init__(self, connection: Any, js: Any, subscription: Any) -> None:
-        self.connection, self.js, self.subscription = connection, js, subscription
+    def __init__(self, reader: asyncio.StreamReader, writer: Any, inbox: str) -> None:
+        self.reader, self.writer, self.inbox = reader, writer, inbox
 
     @classmethod
-    async def open(cls, address: str, consumer: bool) -> NatsClient:
-        import nats
+    async def open(cls, address: str, name: str) -> NatsClient:
+        host, port = address.rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        await reader.readline()  # INFO
+        options = {"verbose": False, "pedantic": False, "headers": True, "protocol": 1}
+        inbox = f"_INBOX.{name}"
+        writer.write(f"CONNECT {json.dumps(options)}\r\nSUB {inbox}.* 1\r\nPING\r\n".encode())
+        while (await reader.readline()).strip() != b"PONG":
+            pass
+        return cls(reader, writer, inbox)
 
-        connection = await nats.connect(f"nats://{address}")
-        js = connection.jetstream()
-        subscription = await js.pull_subscribe_bind("workers", "COMMANDS") if consumer else None
-        return cls(connection, js, subscription)
+    def _pub(self, subject: str, reply: str, data: bytes) -> bytes:
+        return b"PUB %s %s %d\r\n%s\r\n" % (subject.encode(), reply.encode(), len(data), data)
+
+    async def _message(self) -> tuple[bytes, bytes, bytes]:
+        """The next message to this client: (its reply subject, headers, data)."""
+        while True:
+            line = await self.reader.readline()
+            if line.startswith(b"PING"):
+                self.writer.write(b"PONG\r\n")
+                continue
+            if line.startswith(b"-ERR"):
+                raise RuntimeError(line.decode())
+            parts = line.split()
+            if parts[:1] == [b"MSG"]:
+                reply = parts[3] if len(parts) == 5 else b""
+                data = (await self.reader.readexactly(int(parts[-1]) + 2))[:-2]
+                return reply, b"", data
+            if parts[:1] == [b"HMSG"]:
+                reply = parts[3] if len(parts) == 6 else b""
+                headers, total = int(parts[-2]), int(parts[-1])
+                raw = (await self.reader.readexactly(total + 2))[:-2]
+                return reply, raw[:headers], raw[headers:]
 
     async def publish(self, n: int, count: int, batched: bool, sent_at: float | None) -> None:
         del batched
         data = json.dumps(body(n, sent_at)).encode()
-        await asyncio.gather(*(self.js.publish(SUBJECT, data) for _ in range(count)))
+        self.writer.write(
+            b"".join(self._pub(SUBJECT, f"{self.inbox}.p", data) for _ in range(count))
+        )
+        for _ in range(count):
+            _, _, ack = await self._message()
+            assert b'"seq"' in ack, ack
 
     async def claim(self) -> dict[str, Any] | None:
-        import nats
-
-        assert self.subscription is not None
-        try:
-            messages = await self.subscription.fetch(1, timeout=1)
-        except nats.errors.TimeoutError:
+        ask = b'{"batch": 1, "expires": 1000000000}'  # 1 s, in nanoseconds
+        self.writer.write(
+            self._pub("$JS.API.CONSUMER.MSG.NEXT.COMMANDS.workers", f"{self.inbox}.f", ask)
+        )
+        ack_subject, headers, data = await self._message()
+        if headers or not data:  # a status (408: no message within expires)
             return None
-        await messages[0].ack_sync()
-        record: dict[str, Any] = json.loads(messages[0].data)
+        self.writer.write(self._pub(ack_subject.decode(), f"{self.inbox}.a", b""))
+        await self._message()  # the ack confirmed
+        record: dict[str, Any] = json.loads(data)
         return record
 
     @staticmethod
@@ -210,7 +245,7 @@ async def open_client(target: str, address: str, index: int, kind: str) -> Any:
     if target == "redis":
         return await RedisClient.open(address, f"c{index}-{time.monotonic_ns()}")
     if target == "nats":
-        return await NatsClient.open(address, consumer=kind in ("claim+ack", "consume"))
+        return await NatsClient.open(address, f"c{index}x{time.monotonic_ns()}")
     return await CmdbusClient.open(address)
 
 

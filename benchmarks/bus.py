@@ -26,9 +26,9 @@ can reach on this machine with this protocol and these load generators.
 
 The load generators (`_generators.py`) are the same for every server: worker processes (at
 most 2 a side of the load) running asyncio, one connection per client, requests pipelined
-as the workload says, no client library where one would cost more than the server it
-measures (our frames for cmdbus-trio and the floor, RESP for Redis; nats-py for NATS, whose
-protocol needs its library). All start at the same instant, after connecting.
+as the workload says, and no client library (each cost more CPU than the server it
+measured): our frames for cmdbus-trio and the floor, RESP for Redis, NATS's text protocol
+(nats-py only sets the stream up). All start at the same instant, after connecting.
 
 Durability: cmdbus-trio with synchronous=FULL (an fsync per group commit); Redis with
 appendonly yes and appendfsync always; NATS JetStream (work-queue stream, file storage,
