@@ -1,4 +1,5 @@
-"""Running a data face's connections: listening, reading, scheduling, writing, drain.
+"""One connection of a data face: reading, scheduling, admission, timers, replies (its
+listeners and drain: ``_listen.py``; its writes: ``_outbox.py``).
 
 The wire decisions (dialect, hello, auth, envelopes, error frames, the reply cap) are the
 sans-io :class:`~cmdbus_trio.protocol.server.ServerConnection`'s; this module does the
