@@ -34,6 +34,11 @@ def body(n: int, sent_at: float | None = None) -> dict[str, Any]:
     return {"execution_id": n, "payload": json.dumps(payload)}
 
 
+def sent_at(record: dict[str, Any]) -> float:
+    """When a record of the steady workload was published (its payload's stamp)."""
+    return float(json.loads(record["payload"])["ts"])
+
+
 class CmdbusClient:
     """cmdbus-trio's v2 (or the floor's): frames over an asyncio stream, no client
     library, so the generator costs what the protocol costs."""
@@ -81,10 +86,6 @@ class CmdbusClient:
         assert acked["acked"], acked
         record: dict[str, Any] = delivery["record"]
         return record
-
-    @staticmethod
-    def sent_at(record: dict[str, Any]) -> float:
-        return float(json.loads(record["payload"])["ts"])
 
 
 async def _dial(address: str) -> Any:
@@ -137,10 +138,6 @@ class RedisClient:
         key, fields = got[0][1][0]
         await self._commands([["XACK", "commands", "workers", key]])
         return {fields[i].decode(): fields[i + 1].decode() for i in range(0, len(fields), 2)}
-
-    @staticmethod
-    def sent_at(record: dict[str, Any]) -> float:
-        return float(json.loads(record["payload"])["ts"])
 
 
 def _resp(command: list[Any]) -> bytes:
@@ -236,10 +233,6 @@ class NatsClient:
         record: dict[str, Any] = json.loads(data)
         return record
 
-    @staticmethod
-    def sent_at(record: dict[str, Any]) -> float:
-        return float(json.loads(record["payload"])["ts"])
-
 
 async def open_client(target: str, address: str, index: int, kind: str) -> Any:
     if target == "redis":
@@ -284,7 +277,7 @@ async def run(
                 continue
             done = time.monotonic()
             ops[index] += 1
-            latencies.append(done - (c.sent_at(record) if kind == "consume" else started))
+            latencies.append(done - (sent_at(record) if kind == "consume" else started))
 
     await asyncio.sleep(max(0.0, start_at - time.monotonic()))
     cpu_before = _cpu()

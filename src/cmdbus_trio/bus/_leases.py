@@ -79,9 +79,8 @@ class Leases:
     def drop_through(self, through: int) -> list[str]:
         """End every lease and drop every delayed record up to ``through``; returns
         their subjects."""
-        subjects = [self.by_key[key].subject for key in self.by_key if key <= through]
-        for sort_key in [key for key in self.by_key if key <= through]:
-            self.end(sort_key)
+        ended = [self.end(key) for key in [key for key in self.by_key if key <= through]]
+        subjects = [lease.subject for lease in ended if lease is not None]
         kept = [entry for entry in self.delayed if entry[1] > through]
         subjects += [entry[2] for entry in self.delayed if entry[1] <= through]
         heapq.heapify(kept)

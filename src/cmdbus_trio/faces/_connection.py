@@ -278,11 +278,9 @@ class Connection:
         inflight: trio.Nursery,
     ) -> bool:
         """Start answering one frame; False when the connection takes no more."""
-        if self.outbox.over_cap:
-            # A client that does not read its replies: take nothing more from it until
-            # they drain (its requests wait in its socket, costing the writer nothing).
-            metrics.child(metrics.UNSENT_WAITS, self.face).inc()
-            await self.outbox.wait_drained()
+        # A client that does not read its replies: take nothing more from it until they
+        # drain (its requests wait in its socket, costing the writer nothing).
+        await self.outbox.wait_drained()
         budget = self.ctx.pending_bytes
         # Before parsing: a parsed frame weighs several times its bytes.
         lent = 0 if budget is None else await budget.acquire(len(frame))

@@ -50,9 +50,7 @@ class Outbox:
             return False
         self._put(data)
         if self._flushing:
-            if self.over_cap:
-                metrics.child(metrics.UNSENT_WAITS, self.face).inc()
-                await self.wait_drained()
+            await self.wait_drained()
             return not self.peer_gone
         return await self._flush()
 
@@ -68,7 +66,10 @@ class Outbox:
             flusher.start_soon(self._flush)
 
     async def wait_drained(self) -> None:
-        """Return once the unsent frames are within the cap (or the peer is gone)."""
+        """Return once the unsent frames are within the cap (or the peer is gone); a
+        wait is counted in ``cmdbus_unsent_waits_total``."""
+        if self.over_cap:
+            metrics.child(metrics.UNSENT_WAITS, self.face).inc()
         while self.over_cap and not self.peer_gone:
             if self._drained is None:
                 self._drained = trio.Event()

@@ -2,7 +2,8 @@
 
 Decoding checks every field but ``group`` and ``from`` and names the bad one; it never
 touches a coordinator. ``group`` and ``from`` are handed on as sent: which group they name
-(and whether it may be created) is the face's to resolve.
+(and whether it may be created) is for the bus's consumer groups to resolve
+(``bus.groups.ConsumerGroups.resolve``).
 """
 
 from __future__ import annotations
