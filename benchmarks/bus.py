@@ -98,9 +98,12 @@ def wait_for_port(port: int) -> None:
 # --- servers -------------------------------------------------------------------------------
 
 
-def start_cmdbus(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_cmdbus(workdir: Path, source: Path | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    """The writer from this checkout, or from ``source`` (a tree with ``src/``)."""
     ports_file = workdir / "ports.json"
     env = {**os.environ, "CMDBUS_PORTS_FILE": str(ports_file), "CMDBUS_LOG_LEVEL": "warning"}
+    if source is not None:
+        env["PYTHONPATH"] = str(source / "src")
     for face in ("TIER", "EVT_INGEST", "EVT_CLAIM", "EVT_SUBSCRIBE"):
         env[f"CMDBUS_{face}_BIND"] = ""
     for face in ("CONTROL", "CMD_INGEST", "CMD_CLAIM"):
@@ -259,10 +262,11 @@ def run_workload(
     starting at the same instant; the server's CPU is sampled over exactly that window,
     and its /healthz probed throughout when it has a control face."""
     start_at = time.monotonic() + 2.0  # the workers have connected by then
+    protocol = server.name.split("@")[0]  # a baseline writer speaks as the writer does
     workers = [
         (index, w)
         for index, (kind, clients, count) in enumerate(loads)
-        for w in generators(server.name, server.address, kind, clients, count, start_at, duration)
+        for w in generators(protocol, server.address, kind, clients, count, start_at, duration)
     ]
     probes: list[float] = []
     prober = None
@@ -324,9 +328,23 @@ def measure_memory(backlog: int, workdir: Path) -> None:
     )
 
 
-def start(name: str, workdir: Path) -> Server:
-    process, address = STARTERS[name](workdir)
-    control = json.loads(address)["control"] if name == "cmdbus-trio" else None
+def export_revision(revision: str, workdir: Path) -> Path:
+    """This repository's tree at ``revision``, for a baseline writer in the same run."""
+    tree = workdir / "baseline-tree"
+    tree.mkdir()
+    archive = subprocess.run(
+        ["git", "-C", str(HERE.parent.parent), "archive", revision, "src"], check=True, capture_output=True
+    )
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
+    return tree
+
+
+def start(name: str, workdir: Path, baseline: Path | None) -> Server:
+    if name.startswith("cmdbus-trio@"):
+        process, address = start_cmdbus(workdir, baseline)
+    else:
+        process, address = STARTERS[name](workdir)
+    control = json.loads(address)["control"] if name.startswith("cmdbus-trio") else None
     return Server(name, process, address, control)
 
 
@@ -349,7 +367,7 @@ def report(names: list[str], results: dict[str, dict[str, Any]], duration: float
         "generators' CPU in cores; /healthz p50/p99/max ms during the workload."
     )
     print(
-        f"{'workload':<24}{'server':<13}{'ops/s':>9}{'latency':>15}{'cores':>7}{'us/op':>8}"
+        f"{'workload':<24}{'server':<18}{'ops/s':>9}{'latency':>15}{'cores':>7}{'us/op':>8}"
         f"{'gen':>6}{'healthz':>18}"
     )
     for key in results[names[0]]:
@@ -360,7 +378,7 @@ def report(names: list[str], results: dict[str, dict[str, Any]], duration: float
             probe = r["probe"]
             probed = f"{probe['p50']:.0f}/{probe['p99']:.0f}/{probe['max']:.0f}" if probe else ""
             print(
-                f"{key:<24}{name:<13}{r['rate']:>9.0f}{lat:>15}{r['server_cores']:>7.2f}"
+                f"{key:<24}{name:<18}{r['rate']:>9.0f}{lat:>15}{r['server_cores']:>7.2f}"
                 f"{r['server_us']:>8.0f}{r['generator_cores']:>6.2f}{probed:>18}"
             )
     others = names[1:]
@@ -385,6 +403,9 @@ def main() -> None:
     parser.add_argument("--only", help="run only the workloads whose name starts with this")
     parser.add_argument("--quick", action="store_true", help="3 s workloads, 10k backlog")
     parser.add_argument("--memory", type=int, nargs="?", const=1_000_000, help="only measure RSS")
+    parser.add_argument(
+        "--baseline", metavar="REV", help="also run the writer as git revision REV (A/B)"
+    )
     args = parser.parse_args()
     if args.quick:
         args.duration, args.backlog = 3.0, 10_000
@@ -393,12 +414,18 @@ def main() -> None:
     if args.memory:
         measure_memory(args.memory, workdir)
         return
-    names = ["cmdbus-trio", *(["floor"] if args.floor else []), *dict.fromkeys(args.peer)]
+    baseline = export_revision(args.baseline, workdir) if args.baseline else None
+    names = [
+        "cmdbus-trio",
+        *([f"cmdbus-trio@{args.baseline}"] if args.baseline else []),
+        *(["floor"] if args.floor else []),
+        *dict.fromkeys(args.peer),
+    ]
     runs = [(k, loads) for k, loads in workloads(args.rate) if k.startswith(args.only or "")]
     results: dict[str, dict[str, Any]] = {name: {} for name in names}
     for name in names:  # one server at a time: they share the machine's 2 cores and disk
         (workdir / name).mkdir()
-        server = start(name, workdir / name)
+        server = start(name, workdir / name, baseline)
         try:
             for key, loads in runs:
                 if key.startswith("claim+ack x1"):
