@@ -155,6 +155,24 @@ async def test_a_worker_mid_command_is_not_idle(writer: tuple[Path, dict[str, st
             assert await client.receive() is None
 
 
+async def test_the_idle_timer_restarts_from_the_last_answer(
+    writer: tuple[Path, dict[str, str]],
+) -> None:
+    """A `next` waits longer than the idle timeout and is answered empty: the quiet time
+    counts from that answer, not from the request. A request sent 300 ms later (under the
+    400 ms timeout, 1.5 s after the last read) is answered; 600 ms of quiet closes."""
+    _, ports = writer
+    with trio.fail_after(10):
+        async with frame_client(ports["cmd_claim"]) as client:
+            reply = await client.request("next", filter="commands.restart.>", timeout_ms=1200)
+            assert reply["delivery"] is None
+            await trio.sleep(0.3)
+            reply = await client.request("next", filter="commands.restart.>", timeout_ms=0)
+            assert reply["delivery"] is None
+            await trio.sleep(0.6)
+            assert await client.receive() is None
+
+
 @pytest.mark.parametrize("dialect", ["v1", "v2"])
 async def test_a_quiet_subscriber_is_not_idle(
     writer: tuple[Path, dict[str, str]], dialect: str

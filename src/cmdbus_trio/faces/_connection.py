@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import logging
-import math
 from collections.abc import Awaitable, Callable
 from functools import partial
 
@@ -115,7 +114,7 @@ class Connection:
             max(1, config.connection_unsent_bytes // config.max_reply_bytes)
         )
         self._asked = 0  # requests being answered (the idle timeout waits for none)
-        self._idle_wait: trio.CancelScope | None = None  # the reader's idle wait, if any
+        self._quiet_since = trio.current_time()  # the last read or answer (see _asking)
 
     @classmethod
     async def run(
@@ -184,6 +183,7 @@ class Connection:
 
     async def _read_loop(self, out: trio.MemorySendChannel[Batch], read_timeout: float) -> None:
         protocol = self.protocol
+        idle_timeout = self.ctx.config.idle_timeout_ms / 1000
         batch: Batch = []
         while True:
             next_event = protocol.next_event()
@@ -208,31 +208,34 @@ class Connection:
             with trio.CancelScope() as waited:
                 if protocol.in_partial_frame:
                     waited.deadline = trio.current_time() + read_timeout
-                else:  # idle only while nothing is asked (see _asking)
-                    self._idle_wait = waited
-                    self._asking(0)
+                else:
+                    waited.deadline = self._quiet_since + idle_timeout
                 try:
                     data = await self.stream.receive_some(RECEIVE_CHUNK)
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     data = b""
-                finally:
-                    self._idle_wait = None
+            now = trio.current_time()
             if waited.cancelled_caught:
-                if not protocol.in_partial_frame and self.handler.holding():
-                    continue  # a worker mid-command: its leases time themselves
+                if not protocol.in_partial_frame:
+                    if now < self._quiet_since + idle_timeout:
+                        continue  # answered while the reader waited: the timer restarted
+                    if self._asked or self.handler.holding():  # a worker's leases time
+                        self._quiet_since = now  # themselves: not idle, look again later
+                        continue
                 self._end("idle_timeout")
                 return
+            self._quiet_since = now
             protocol.receive_data(data)
 
     def _asking(self, change: int) -> None:
-        """Count the requests this connection is answering, and time the idle timeout
-        only while there are none: a worker whose ``next`` waits for work, or a
-        subscriber, is not idle however long it waits (the wait is the client's). It
-        restarts from the last answer."""
+        """Count the requests this connection is answering. The idle timeout runs only
+        while there are none: a worker whose ``next`` waits for work, or a subscriber, is
+        not idle however long it waits (the wait is the client's). It restarts from the
+        last answer or read. The reader's wait is not re-timed here (a cancel-scope
+        deadline moved twice per request): when it expires, the reader looks again."""
         self._asked += change
-        if self._idle_wait is not None:
-            idle = self.ctx.config.idle_timeout_ms / 1000
-            self._idle_wait.deadline = math.inf if self._asked else trio.current_time() + idle
+        if not self._asked:
+            self._quiet_since = trio.current_time()
 
     # --- dispatching ---------------------------------------------------------------------
 
