@@ -109,6 +109,13 @@ TASK_CRASHES = Counter(
     ["task"],
     registry=REGISTRY,
 )
+BODY_READS = Counter(
+    "cmdbus_body_reads_total",
+    "Record bodies a claim face handed to `next`, by where they came from: `memory` (the "
+    "newest committed ones, kept) or `store` (read back in a worker thread).",
+    ["store", "source"],
+    registry=REGISTRY,
+)
 COMMIT_BATCH = Histogram(
     "cmdbus_commit_batch_records",
     "Records appended per group-commit transaction (one fsync each) of a bus log.",

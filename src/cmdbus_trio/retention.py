@@ -112,6 +112,7 @@ class Eviction:
             self._end_burst()
             return False
         self._burst_unconsumed.update(self.groups.evict_through(through))
+        self.bodies.forget_through(through)
         await self.bodies.caught_up()
         evicted = await run_in_thread(self.log.evict, through, limiter=limiter)
         for group, letters in evicted.dead_letters.items():

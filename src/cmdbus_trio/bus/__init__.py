@@ -61,6 +61,8 @@ class Bus:
             limiter=limiter,
         )
         committer = GroupCommitter(log, SubjectRule(kind, config.shard, config.shard_count))
+        bodies = BodyReader(log)
+        committer.listeners.append(bodies.remember)  # first: before any group is handed one
         kinds = ("records", "dead_letters", *(("evicted",) if kind is BusKind.EVENTS else ()))
         for retained in kinds:  # 0 from the start
             metrics.RETAINED.labels(store=name, kind=retained)
@@ -81,7 +83,7 @@ class Bus:
         if events:
             hub = Hub(config.subscriber_buffer)
             committer.listeners.append(hub.feed)
-        return cls(log, committer, BodyReader(log), groups, hub)
+        return cls(log, committer, bodies, groups, hub)
 
     def tasks(self) -> dict[str, Task]:
         """The background tasks the bus needs while it serves, by name (the writer starts

@@ -5,17 +5,23 @@ cost the loop about as much as the rest of the request (DESIGN.md: a hop is ~95 
 as the group committer does for writes, every body asked for while a read runs goes into
 the next read: one query per batch, and one thread call reads batch after batch while
 asks keep coming (:class:`~cmdbus_trio.batcher.ThreadBatcher`).
+
+Most of the time no read is needed at all: a worker claims a command moments after it was
+published, while its body is still among the recent ones the committer handed over
+(:meth:`BodyReader.remember`, bounded by :data:`RECENT_BODY_BYTES`). Such a ``next`` is
+answered without a thread hop.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 
 import attrs
 import trio
 
+from cmdbus_trio import metrics
 from cmdbus_trio.batcher import ThreadBatcher
 from cmdbus_trio.logs import event
 from cmdbus_trio.storage.buslog import MAX_READ_MANY, BusLog, StoredRecord
@@ -24,6 +30,12 @@ log = logging.getLogger(__name__)
 
 MAX_BATCHES_PER_HOP = 16
 """Batches one worker-thread call reads back to back before it returns to the loop."""
+
+RECENT_BODY_BYTES = 8 << 20
+"""Bytes of the newest committed bodies kept in memory to answer ``next`` without a read."""
+
+_ENTRY_BYTES = 200
+"""What a kept body costs besides its text (its object and its place in the dict)."""
 
 
 @attrs.define(eq=False)
@@ -43,11 +55,24 @@ class _Ask:
 
 
 class BodyReader:
-    def __init__(self, log: BusLog, *, max_batch: int = MAX_READ_MANY) -> None:
+    def __init__(
+        self,
+        log: BusLog,
+        *,
+        max_batch: int = MAX_READ_MANY,
+        recent_bytes: int = RECENT_BODY_BYTES,
+    ) -> None:
         if not 1 <= max_batch <= MAX_READ_MANY:
             raise ValueError(f"max_batch must be in 1..{MAX_READ_MANY}, got {max_batch}")
+        if recent_bytes < 0:
+            raise ValueError(f"recent_bytes must be >= 0, got {recent_bytes}")
         self.log = log
         self.max_batch = max_batch
+        self.recent_bytes = recent_bytes
+        self._recent: OrderedDict[int, StoredRecord] = OrderedDict()  # oldest first
+        self._recent_size = 0
+        self._from_memory = metrics.BODY_READS.labels(store=log.name, source="memory")
+        self._from_store = metrics.BODY_READS.labels(store=log.name, source="store")
         self._batches = ThreadBatcher(
             self._take, self._read, self._settle, max_batches=MAX_BATCHES_PER_HOP
         )
@@ -67,6 +92,10 @@ class BodyReader:
         no one needs it, or evicted after :meth:`caught_up`: a consumer group asking for
         it is told first, so this is a bug unless the record was evicted).
         """
+        recent = self._recent.get(sort_key)
+        if recent is not None:
+            self._from_memory.inc()
+            return recent
         ask = self._ask(sort_key)
         await ask.done.wait()
         outcome = ask.outcome()
@@ -77,8 +106,34 @@ class BodyReader:
     def read_then(self, sort_key: int, then: Callable[[StoredRecord | Exception], None]) -> None:
         """:meth:`read` for a caller that is not a task: ``then`` is called on the loop with
         the record or the error :meth:`read` would raise. It must not raise; if it does,
-        that is logged and the other asks are answered all the same."""
-        self._ask(sort_key, then)
+        that is logged and the other asks are answered all the same. A recent body is
+        handed over at once, before this returns."""
+        recent = self._recent.get(sort_key)
+        if recent is None:
+            self._ask(sort_key, then)
+            return
+        self._from_memory.inc()
+        _call(then, recent)
+
+    def remember(self, committed: list[StoredRecord]) -> None:
+        """A committer listener: keep the newest bodies, up to :attr:`recent_bytes` (the
+        oldest go first; a body larger than all of it is not kept)."""
+        for record in committed:
+            size = len(record.record) + _ENTRY_BYTES
+            if size > self.recent_bytes:
+                continue
+            self._recent[record.sort_key] = record
+            self._recent_size += size
+        while self._recent_size > self.recent_bytes:
+            _, oldest = self._recent.popitem(last=False)
+            self._recent_size -= len(oldest.record) + _ENTRY_BYTES
+
+    def forget_through(self, sort_key: int) -> None:
+        """Drop the kept bodies up to ``sort_key`` (evicted: a ``next`` that leased one
+        before must learn it is gone, as from the store)."""
+        while self._recent and next(iter(self._recent)) <= sort_key:
+            _, record = self._recent.popitem(last=False)
+            self._recent_size -= len(record.record) + _ENTRY_BYTES
 
     def _ask(
         self, sort_key: int, then: Callable[[StoredRecord | Exception], None] | None = None
@@ -110,6 +165,7 @@ class BodyReader:
 
     def _settle(self, batch: list[_Ask], outcome: dict[int, StoredRecord] | Exception) -> None:
         self.batches += 1
+        self._from_store.inc(len(batch))
         self._answered += len(batch)
         self._progress.set()
         self._progress = trio.Event()
@@ -120,7 +176,13 @@ class BodyReader:
                 ask.record = outcome.get(ask.sort_key)
             ask.done.set()
             if ask.then is not None:
-                try:
-                    ask.then(ask.outcome())
-                except Exception as exc:  # a callback on the loop must not raise
-                    event(log, logging.ERROR, "body_callback_failed", exc_info=exc)
+                _call(ask.then, ask.outcome())
+
+
+def _call(
+    then: Callable[[StoredRecord | Exception], None], outcome: StoredRecord | Exception
+) -> None:
+    try:
+        then(outcome)
+    except Exception as exc:  # a callback on the loop must not raise
+        event(log, logging.ERROR, "body_callback_failed", exc_info=exc)

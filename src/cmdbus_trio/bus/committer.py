@@ -17,6 +17,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import TypeAlias
 
 import attrs
 import trio
@@ -26,7 +27,7 @@ from cmdbus_trio.batcher import ThreadBatcher
 from cmdbus_trio.logs import event
 from cmdbus_trio.protocol.bus import PublishRecord, SubjectRule
 from cmdbus_trio.storage import StoreUnavailable
-from cmdbus_trio.storage.buslog import BusEntry, BusLog, Published
+from cmdbus_trio.storage.buslog import BusEntry, BusLog, Published, StoredRecord
 
 log = logging.getLogger(__name__)
 
@@ -34,14 +35,9 @@ MAX_BATCHES_PER_HOP = 16
 """Batches one worker-thread call commits back to back before it returns to the loop."""
 
 
-@attrs.frozen
-class Committed:
-    """A record a batch appended (not a duplicate), as the listeners get it."""
-
-    sort_key: int
-    subject: str
-    record: str
-    """The record as stored (JSON text)."""
+Committed: TypeAlias = StoredRecord
+"""A record a batch appended (not a duplicate), as the listeners get it: as stored, so
+that the body reader can keep it and answer a ``next`` without reading it back."""
 
 
 @attrs.define(eq=False)
