@@ -1,4 +1,4 @@
-"""The batched body reader: many deliveries' bodies per thread hop."""
+"""The batched body reader: many deliveries' bodies per thread hop, the newest kept."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import pytest
 import trio
 
 from cmdbus_trio.bus.bodies import BodyReader
+from cmdbus_trio.metrics import REGISTRY
 from cmdbus_trio.storage import StoreUnavailable
-from cmdbus_trio.storage.buslog import MAX_READ_MANY, BusEntry, BusLog
+from cmdbus_trio.storage.buslog import MAX_READ_MANY, BusEntry, BusLog, StoredRecord
 
 SUBJECT = "commands.shared.shard.0"
 
@@ -111,3 +112,63 @@ async def test_read_then_calls_back_with_the_outcome_and_survives_a_bad_callback
 def test_max_batch_is_checked(log: BusLog, max_batch: int) -> None:
     with pytest.raises(ValueError, match="max_batch must be in"):
         BodyReader(log, max_batch=max_batch)
+
+
+def body_reads(source: str) -> float:
+    value = REGISTRY.get_sample_value(
+        "cmdbus_body_reads_total", {"store": "commands", "source": source}
+    )
+    return value or 0.0
+
+
+def kept(sort_key: int, text: str = "{}") -> StoredRecord:
+    return StoredRecord(sort_key, SUBJECT, text)
+
+
+async def test_a_remembered_body_is_answered_without_a_read(reader: BodyReader) -> None:
+    """Sort key 20 is not in the store: only the kept body can answer it."""
+    memory, store = body_reads("memory"), body_reads("store")
+    reader.remember([kept(20, '{"n":20}')])
+    with trio.fail_after(10):
+        assert (await reader.read(20)).record == '{"n":20}'
+    called: list[object] = []
+    reader.read_then(20, called.append)
+    assert [r.record for r in called] == ['{"n":20}']  # type: ignore[attr-defined]
+    assert reader.batches == 0
+    assert body_reads("memory") == memory + 2
+    assert await read_all(reader, [1]) == {1: '{"n":1}'}  # not kept: read from the store
+    assert body_reads("store") == store + 1
+
+
+async def test_kept_bodies_are_bounded_by_bytes_oldest_out_first(log: BusLog) -> None:
+    entry = len('{"n":20}') + 200  # a body's text and its keeping
+    bodies = BodyReader(log, recent_bytes=3 * entry)
+    bodies.remember([kept(key, f'{{"n":{key}}}') for key in (20, 21, 22, 23, 24)])
+    bodies.remember([kept(25, "x" * (3 * entry))])  # larger than the whole: not kept
+    async with trio.open_nursery() as nursery:
+        await nursery.start(bodies.run)
+        for key in (20, 21, 25):
+            with trio.fail_after(10), pytest.raises(LookupError):
+                await bodies.read(key)  # dropped or never kept, and not in the store
+        for key in (22, 23, 24):
+            with trio.fail_after(10):
+                assert (await bodies.read(key)).record == f'{{"n":{key}}}'
+        nursery.cancel_scope.cancel()
+    assert bodies.batches == 3  # only the three that were not kept went to the store
+
+
+async def test_forget_through_drops_the_evicted_bodies(log: BusLog) -> None:
+    bodies = BodyReader(log)
+    bodies.remember([kept(key) for key in (20, 21, 22)])
+    bodies.forget_through(21)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(bodies.run)
+        with trio.fail_after(10), pytest.raises(LookupError):
+            await bodies.read(21)
+        assert (await bodies.read(22)).sort_key == 22
+        nursery.cancel_scope.cancel()
+
+
+def test_recent_bytes_is_checked(log: BusLog) -> None:
+    with pytest.raises(ValueError, match="recent_bytes must be >= 0, got -1"):
+        BodyReader(log, recent_bytes=-1)

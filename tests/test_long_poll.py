@@ -127,6 +127,9 @@ async def test_a_worker_waiting_longer_than_every_timer_gets_its_record(
     assert metric_sum(text, "cmdbus_dead_total{") == 0
     assert metric_sum(text, "cmdbus_shed_total{") == 0
     assert metric_sum(text, 'cmdbus_connections_total{face="' + claim + '",outcome="idle') == 0
+    # Published while the worker waited: its body was still kept, not read back.
+    store = "commands" if face == "cmd" else "events"
+    assert metric_sum(text, f'cmdbus_body_reads_total{{source="memory",store="{store}"}}') > 0
 
 
 async def test_an_idle_connection_with_nothing_asked_is_still_closed(
