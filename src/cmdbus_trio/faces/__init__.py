@@ -8,6 +8,7 @@ returns. It knows nothing of SQL: store work goes through ``ctx.gate`` slots.
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Awaitable, Mapping
 from typing import Protocol, TypeVar
 
@@ -44,6 +45,24 @@ class FaceContext:
         (frames are batched before they are parsed, so any of them may be for the
         fullest one)."""
         return min(gate.room for gate in (self.gate, *self.lanes.values()))
+
+    def v1_trusted(self, stream: trio.abc.Stream) -> bool:
+        """The peer may speak v1 though an auth token is set (``allow_v1`` and a
+        ``v1_cidrs`` address)."""
+        if not self.config.allow_v1:
+            return False
+        while isinstance(stream, trio.SSLStream):
+            stream = stream.transport_stream
+        if not isinstance(stream, trio.SocketStream):
+            return False
+        try:
+            peer = stream.socket.getpeername()
+        except OSError:
+            return False
+        if not isinstance(peer, tuple):
+            return False
+        address = ipaddress.ip_address(peer[0])
+        return any(address in network for network in self.config.v1_cidrs)
 
     def store(self, name: str, kind: type[T]) -> T:
         """The open store ``name``, which must be a ``kind`` (a wiring bug otherwise)."""

@@ -11,13 +11,12 @@ connection's read work.
 
 A v2 request is answered by a task of its own, or, when the handler returns a
 :class:`Deferred`, by the callback that settles it (the group committer, the body
-reader), the reply queued for one flush task per batch of ready replies.
+reader); either way through the connection's :class:`Outbox`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import logging
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -27,7 +26,6 @@ import trio
 
 from cmdbus_trio import __version__, metrics
 from cmdbus_trio.admission import Gate, Shed, ShedReason
-from cmdbus_trio.config import Config
 from cmdbus_trio.logs import event
 from cmdbus_trio.protocol import NEED_DATA, ErrorCode, Request, UnsupportedOp, encode_frame
 from cmdbus_trio.protocol.server import (
@@ -62,25 +60,6 @@ Batch = list[tuple[Event, float]]
 arrival time (one hand-over per read, not per frame, for a pipelining client)."""
 
 
-def _v1_trusted(config: Config, stream: trio.abc.Stream) -> bool:
-    """The peer may speak v1 though an auth token is set (``allow_v1`` and a ``v1_cidrs``
-    address)."""
-    if not config.allow_v1:
-        return False
-    while isinstance(stream, trio.SSLStream):
-        stream = stream.transport_stream
-    if not isinstance(stream, trio.SocketStream):
-        return False
-    try:
-        peer = stream.socket.getpeername()
-    except OSError:
-        return False
-    if not isinstance(peer, tuple):
-        return False
-    address = ipaddress.ip_address(peer[0])
-    return any(address in network for network in config.v1_cidrs)
-
-
 class Connection:
     handler: FaceHandler
 
@@ -96,7 +75,7 @@ class Connection:
             max_request_bytes=config.max_request_bytes,
             max_reply_bytes=config.max_reply_bytes,
             auth_token=config.auth_token,
-            v1_trusted=config.auth_token is not None and _v1_trusted(config, stream),
+            v1_trusted=config.auth_token is not None and ctx.v1_trusted(stream),
         )
         self._replies: trio.Nursery | None = None  # where deferred replies are flushed
         self._deferred = 0  # deferred replies not settled yet
@@ -284,9 +263,7 @@ class Connection:
         # A client that does not read its replies: take nothing more from it until they
         # drain (its requests wait in its socket, costing the writer nothing).
         await self.outbox.wait_drained()
-        budget = self.ctx.pending_bytes
-        # Before parsing: a parsed frame weighs several times its bytes.
-        lent = 0 if budget is None else await budget.acquire(len(frame))
+        lent = await self._lend(len(frame))  # before parsing: it weighs more parsed
         request = self.protocol.read_request(frame)
         if not isinstance(request, Request):
             self._give_back(lent, None)
@@ -310,7 +287,10 @@ class Connection:
         elif gated:
             self._shed_recently = False
         slot = object()  # a hashable borrower token per request
-        await slots.acquire_on_behalf_of(slot)
+        try:  # without a wait when free (see _lend)
+            slots.acquire_on_behalf_of_nowait(slot)
+        except trio.WouldBlock:
+            await slots.acquire_on_behalf_of(slot)
         large = request.op in self.handler.large_reply_ops
         if large:
             await self._large.acquire_on_behalf_of(slot)
@@ -333,6 +313,17 @@ class Connection:
             inflight.start_soon(self._v2, request, pending, arrival, produced, done)
         return True
 
+    async def _lend(self, size: int) -> int:
+        """Lend ``size`` bytes of the face's budget for a frame; at once when free, as a
+        wait is a pass of the loop and the dispatcher yields once per batch anyway."""
+        budget = self.ctx.pending_bytes
+        if budget is None:
+            return 0
+        try:
+            return budget.acquire_nowait(size)
+        except trio.WouldBlock:
+            return await budget.acquire(size)
+
     def _give_back(self, lent: int, large: object | None) -> None:
         """A request's reply exists (or it has none): its bytes go back to the face's
         budget and its large-reply place to the connection. Before the reply is sent, so
@@ -350,8 +341,7 @@ class Connection:
 
     async def _v1(self, frame: bytes, arrival: float) -> bool:
         self._asking(+1)
-        budget = self.ctx.pending_bytes
-        lent = 0 if budget is None else await budget.acquire(len(frame))
+        lent = await self._lend(len(frame))
         try:
             try:
                 try:
