@@ -227,6 +227,7 @@ class Connection:
                 while self._deferred:
                     self._deferred_settled = trio.Event()
                     await self._deferred_settled.wait()
+                self.outbox.write_pending(inflight)  # while inflight still takes a flush
             finally:
                 self._replies = None  # a reply settled later has nobody to go to
 

@@ -22,7 +22,8 @@ class Outbox:
     On a plain socket with nothing queued, a frame is first written at once, without a
     task or a timeout: on loopback or a LAN the kernel nearly always takes a reply
     whole, and a task and cancel scope per reply cost more than the write. What it does
-    not take is queued and written as above.
+    not take is queued and written as above. Replies settled by callbacks are gathered
+    first (:meth:`send_nowait`): one write per connection per group commit.
 
     Error handling: a write that fails, or that the peer does not read for
     ``write_timeout`` seconds, calls ``broken`` once; from then on the outbox is
@@ -39,6 +40,10 @@ class Outbox:
     peer_gone: bool = attrs.field(default=False, init=False)
     _frames: list[bytes] = attrs.field(factory=list, init=False)
     _flushing: bool = attrs.field(default=False, init=False)
+    _write_pending: bool = attrs.field(default=False, init=False)  # see send_nowait
+    _token: trio.lowlevel.TrioToken = attrs.field(
+        factory=trio.lowlevel.current_trio_token, init=False
+    )
     _unsent: int = attrs.field(default=0, init=False)  # bytes queued or being written
     # Set once unsent is back under the cap:
     _drained: trio.Event | None = attrs.field(default=None, init=False)
@@ -67,16 +72,33 @@ class Outbox:
 
     def send_nowait(self, data: bytes, flusher: trio.Nursery) -> None:
         """:meth:`send` for a caller that is not a task of the connection (a callback
-        that settles a reply): a task in ``flusher`` writes it, one per batch of ready
-        frames."""
+        that settles a reply). The frame is queued; once the callbacks running now are
+        done (a group commit settles all its replies in one go), everything queued is
+        written in one write (:meth:`write_pending`), and what the socket does not take
+        then by a task in ``flusher``."""
         if self.peer_gone:
             return
-        if not self._flushing:
-            data = self._write_now(data)
-            if not data:
-                return
         self._put(data)
-        if not self._flushing:
+        if not self._flushing and not self._write_pending:
+            self._write_pending = True
+            self._token.run_sync_soon(self.write_pending, flusher, idempotent=True)
+
+    def write_pending(self, flusher: trio.Nursery) -> None:
+        """Write what :meth:`send_nowait` queued, now if not done yet (the connection
+        calls it before it closes ``flusher``)."""
+        if not self._write_pending:
+            return
+        self._write_pending = False
+        if self._flushing or self.peer_gone or not self._frames:
+            return  # a flush under way writes them
+        chunk = b"".join(self._frames)
+        self._frames.clear()
+        rest = self._write_now(chunk)
+        if self.peer_gone:
+            return
+        self._sent(len(chunk) - len(rest))
+        if rest:
+            self._frames.append(rest)
             self._flushing = True
             flusher.start_soon(self._flush)
 
