@@ -6,16 +6,18 @@ import json
 import signal
 import sqlite3
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
 
+from cmdbus_trio.config import Config
+from cmdbus_trio.faces import _connection as connection_module
 from cmdbus_trio.protocol.subjects import shard_of
 
-from .helpers import frame_client, serving
+from .helpers import frame_client, running_writer, serving
 
 ONLY_INGEST = {"CMDBUS_TIER_BIND": ""}
 
@@ -225,3 +227,24 @@ async def test_sigkill_after_acknowledged_publishes_loses_nothing(tmp_path: Path
     missing = {key: eid for key, eid in acked.items() if rows.get(key) != eid}
     assert not missing, f"acknowledged but lost or changed: {list(missing.items())[:5]}"
     assert after["sort_key"] > max(acked)  # no sort key reused
+
+
+async def test_a_dispatcher_step_out_of_time_yields_and_loses_nothing(
+    make_config: Callable[..., Config], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No time for a second frame in a step of the dispatcher: it yields before each, and
+    every pipelined publish is still answered once, in the writer's order."""
+    monkeypatch.setattr(connection_module, "MAX_STEP", 0.0)
+    config = make_config(cmd_ingest_bind="127.0.0.1:0")
+    with trio.fail_after(20):
+        async with (
+            running_writer(config) as (_, ports),
+            frame_client(ports["cmd_ingest"]) as client,
+        ):
+            for request_id in range(1, 101):
+                body = {"id": request_id, "op": "publish", "record": record(request_id)}
+                await client.send(json.dumps(body).encode())
+            replies = [await client.receive_json() for _ in range(100)]
+    assert sorted(reply["id"] for reply in replies) == list(range(1, 101))
+    keys = [key for _, key in sorted((reply["id"], reply["sort_key"]) for reply in replies)]
+    assert keys == sorted(keys) and len(set(keys)) == 100

@@ -14,6 +14,7 @@ import pytest
 import trio
 
 from cmdbus_trio.batcher import ThreadBatcher
+from cmdbus_trio.bus import committer as committer_module
 from cmdbus_trio.bus.committer import Committed, GroupCommitter, Ticket
 from cmdbus_trio.protocol import FieldError
 from cmdbus_trio.protocol.bus import BusKind, PublishRecord, SubjectRule
@@ -62,6 +63,52 @@ async def test_batches_settle_in_order_and_a_bad_ticket_only_fails_itself(log: B
     assert isinstance(tickets[2].error, FieldError)
     keys = [t.published[0].sort_key for t in tickets if t.published is not None]
     assert keys == [1, 2, 3, 4, 5, 6]
+
+
+async def test_a_long_settle_is_spread_over_passes_of_the_loop_in_commit_order(
+    log: BusLog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No time for settling in one pass: each ticket waits for the next pass, other tasks
+    run in between, and every ticket still settles, in commit order, across batches."""
+    monkeypatch.setattr(committer_module, "MAX_SETTLE_STEP", 0.0)
+    committer = GroupCommitter(log, SubjectRule(BusKind.COMMANDS), max_batch=4)
+    order: list[int] = []
+    passes = 0
+
+    async def count_passes() -> None:
+        nonlocal passes
+        while True:
+            await trio.lowlevel.checkpoint()
+            passes += 1
+
+    tickets = [publish(on_settled=lambda _, n=n: order.append(n)) for n in range(20)]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(count_passes)
+        await settle_all(committer, tickets)
+        nursery.cancel_scope.cancel()
+    assert order == list(range(20))
+    assert passes >= 19  # a pass for each ticket after the first of a settle
+
+
+def test_tickets_left_to_settle_as_the_run_ends_are_settled_then(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A settle spread over passes when the run ends: there is no next pass to ask for
+    (trio says RunFinishedError), so the rest settle at once instead of being lost."""
+    monkeypatch.setattr(committer_module, "MAX_SETTLE_STEP", 0.0)
+    log = BusLog.open(tmp_path / "commands.sqlite3")
+    order: list[int] = []
+
+    async def main() -> None:
+        committer = GroupCommitter(log, SubjectRule(BusKind.COMMANDS))
+        tickets = [publish(on_settled=lambda _, n=n: order.append(n)) for n in range(50)]
+        trio.lowlevel.current_trio_token().run_sync_soon(committer._settle, tickets, None)
+
+    try:
+        trio.run(main)
+    finally:
+        log.close()
+    assert order == list(range(50))
 
 
 async def test_a_failing_listener_or_callback_stops_no_other_ticket(

@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 MAX_BATCHES_PER_HOP = 16
 """Batches one worker-thread call commits back to back before it returns to the loop."""
 
+MAX_SETTLE_STEP = 0.001
+"""Seconds of replies one pass of the loop settles before the other tasks run."""
+
 
 Committed: TypeAlias = StoredRecord
 """A record a batch appended (not a duplicate), as the listeners get it: as stored, so
@@ -102,6 +105,7 @@ class GroupCommitter:
             self._take, self._commit_in_thread, self._settle, max_batches=MAX_BATCHES_PER_HOP
         )
         self._commit_seconds = metrics.COMMIT_SECONDS.labels(store=bus.name)
+        self._unsettled: deque[Ticket] = deque()  # committed, their callbacks not yet run
         self.listeners: list[Callable[[list[Committed]], None]] = []
         """Called on the loop with the records each batch committed, when it committed
         any (the claim coordinators and the subscriptions learn of new records this way:
@@ -149,13 +153,31 @@ class GroupCommitter:
                 listener(committed)
             except Exception as exc:
                 event(log, logging.ERROR, "commit_listener_failed", exc_info=exc)
-        for ticket in batch:
+        self._unsettled.extend(batch)
+        if len(self._unsettled) == len(batch):  # else a later pass is settling already
+            self._settle_some()
+
+    def _settle_some(self) -> None:
+        """Settle tickets in commit order for at most :data:`MAX_SETTLE_STEP` seconds,
+        then leave the rest to the loop's next pass: a commit of thousands of pipelined
+        requests answered in one callback would hold every other task (a probe among
+        them) that long."""
+        unsettled = self._unsettled
+        until = time.perf_counter() + MAX_SETTLE_STEP
+        while unsettled:
+            ticket = unsettled.popleft()
             ticket.settled.set()
             if ticket.on_settled is not None:
                 try:
                     ticket.on_settled(ticket)
                 except Exception as exc:
                     event(log, logging.ERROR, "settle_callback_failed", exc_info=exc)
+            if unsettled and time.perf_counter() > until:  # at least one a pass
+                try:
+                    trio.lowlevel.current_trio_token().run_sync_soon(self._settle_some)
+                except trio.RunFinishedError:
+                    continue  # the run is ending: there is no next pass, settle them now
+                return
 
     def _commit_in_thread(self, batch: list[Ticket]) -> None:
         """Commit the batch in one transaction. A ticket whose records cannot be stored

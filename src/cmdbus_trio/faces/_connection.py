@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from functools import partial
 
@@ -46,6 +47,9 @@ log = logging.getLogger(__name__)
 
 MAX_INFLIGHT_PER_CONNECTION = 32
 RECEIVE_CHUNK = 65536
+MAX_STEP = 0.001
+"""Seconds of requests the dispatcher takes in before the loop's other tasks run: every
+task runs once per pass of the loop, so a long step makes every other task late."""
 
 
 @attrs.define
@@ -207,11 +211,10 @@ class Connection:
             protocol.receive_data(data)
 
     def _asking(self, change: int) -> None:
-        """Count the requests this connection is answering. The idle timeout runs only
-        while there are none: a worker whose ``next`` waits for work, or a subscriber, is
-        not idle however long it waits (the wait is the client's). It restarts from the
-        last answer or read. The reader's wait is not re-timed here (a cancel-scope
-        deadline moved twice per request): when it expires, the reader looks again."""
+        """Count the requests being answered. The idle timeout runs only while there are
+        none (a worker's ``next`` waiting for work is not idle), from the last answer or
+        read. The reader's wait is not re-timed here (a cancel-scope deadline moved twice
+        per request): when it expires, the reader looks again."""
         self._asked += change
         if not self._asked:
             self._quiet_since = trio.current_time()
@@ -236,7 +239,11 @@ class Connection:
     ) -> None:
         slots = trio.CapacityLimiter(MAX_INFLIGHT_PER_CONNECTION)
         async for batch in batches:
+            until = time.perf_counter() + MAX_STEP
             for taken, arrival in batch:
+                if time.perf_counter() > until:  # let the other tasks run
+                    await trio.lowlevel.checkpoint()
+                    until = time.perf_counter() + MAX_STEP
                 if isinstance(taken, Closed):
                     await self._close(taken)
                     return
@@ -252,6 +259,7 @@ class Connection:
         self._end(closed.outcome)
         if closed.final is not None:
             await self.outbox.send(closed.final)
+        await self.outbox.wait_flushed()
 
     async def _take_request(
         self,
@@ -375,6 +383,7 @@ class Connection:
             except CloseConnection as close:
                 if close.final is not None:
                     await self.outbox.send(encode_frame(close.final))
+                await self.outbox.wait_flushed()  # no frame is cut in two by the close
                 self._end(close.outcome)
                 self._scope.cancel()
                 return

@@ -41,6 +41,7 @@ class Outbox:
     _frames: list[bytes] = attrs.field(factory=list, init=False)
     _flushing: bool = attrs.field(default=False, init=False)
     _write_pending: bool = attrs.field(default=False, init=False)  # see send_nowait
+    _flush_ended: trio.Event | None = attrs.field(default=None, init=False)
     _token: trio.lowlevel.TrioToken = attrs.field(
         factory=trio.lowlevel.current_trio_token, init=False
     )
@@ -81,7 +82,10 @@ class Outbox:
         self._put(data)
         if not self._flushing and not self._write_pending:
             self._write_pending = True
-            self._token.run_sync_soon(self.write_pending, flusher, idempotent=True)
+            try:
+                self._token.run_sync_soon(self.write_pending, flusher, idempotent=True)
+            except trio.RunFinishedError:  # settled as the run ends: nobody to write to
+                self._write_pending = False
 
     def write_pending(self, flusher: trio.Nursery) -> None:
         """Write what :meth:`send_nowait` queued, now if not done yet (the connection
@@ -111,6 +115,20 @@ class Outbox:
             if self._drained is None:
                 self._drained = trio.Event()
             await self._drained.wait()
+
+    async def wait_flushed(self) -> None:
+        """Return once every queued frame is written, or the peer is gone (each write
+        has its timeout). A connection that closes itself waits for this first, so that
+        its close never cuts a frame in two (another task's reply being written).
+
+        Cancellation: only the wait stops; a flush under way goes on."""
+        while not self.peer_gone and (self._frames or self._flushing):
+            if not self._flushing:  # queued for a write_pending: write them now
+                await self._flush()
+                continue
+            if self._flush_ended is None:
+                self._flush_ended = trio.Event()
+            await self._flush_ended.wait()
 
     def _write_now(self, data: bytes) -> bytes:
         """Write what the socket takes of ``data`` now; return the rest. Only while no
@@ -167,4 +185,7 @@ class Outbox:
             return False
         finally:
             self._flushing = False
+            if self._flush_ended is not None:
+                self._flush_ended.set()
+                self._flush_ended = None
         return True
