@@ -332,9 +332,8 @@ def export_revision(revision: str, workdir: Path) -> Path:
     """This repository's tree at ``revision``, for a baseline writer in the same run."""
     tree = workdir / "baseline-tree"
     tree.mkdir()
-    archive = subprocess.run(
-        ["git", "-C", str(HERE.parent.parent), "archive", revision, "src"], check=True, capture_output=True
-    )
+    command = ["git", "-C", str(HERE.parent.parent), "archive", revision, "src"]
+    archive = subprocess.run(command, check=True, capture_output=True)
     subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
     return tree
 

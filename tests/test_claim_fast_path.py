@@ -16,17 +16,17 @@ import trio
 from cmdbus_trio.admission import Gate, GateClosed, Shed, ShedReason, Slot
 from cmdbus_trio.bus import Bus
 from cmdbus_trio.bus.bodies import BodyReader
-from cmdbus_trio.bus.claims import Claims
+from cmdbus_trio.bus.claims import Claims, Delivery
 from cmdbus_trio.bus.committer import GroupCommitter
 from cmdbus_trio.bus.groups import ConsumerGroups
 from cmdbus_trio.config import Bind, load
 from cmdbus_trio.faces import FaceContext
-from cmdbus_trio.faces._claim import ClaimHandler
+from cmdbus_trio.faces._claim import ClaimHandler, _delivery, _next_reply
 from cmdbus_trio.faces._handler import Deferred
 from cmdbus_trio.protocol import Request
 from cmdbus_trio.protocol.bus import BusKind, SubjectRule
 from cmdbus_trio.storage import StoreUnavailable
-from cmdbus_trio.storage.buslog import BusEntry, BusLog
+from cmdbus_trio.storage.buslog import BusEntry, BusLog, StoredRecord
 
 SUBJECT = "commands.shared.shard.0"
 
@@ -224,3 +224,29 @@ async def test_a_next_whose_record_was_evicted_while_it_waited_takes_the_next_on
 async def test_a_record_missing_without_an_eviction_is_still_an_error(setup: Setup) -> None:
     assert isinstance(await next_after_eviction(setup, forget=False), LookupError)
     assert setup.claims.leased == 0  # given back, as any failed read
+
+
+@pytest.mark.parametrize(
+    "stored", ['{"n":1}', '{"s":"é \\u2028 \\"q\\" \\ud800","deep":[[[{}]]]}', "[]", '"text"']
+)
+@pytest.mark.parametrize("body", [{}, {"deleted_through": 5}])
+def test_a_delivery_splices_the_stored_record_into_valid_json(
+    stored: str, body: dict[str, Any]
+) -> None:
+    """The stored text goes into the reply as it is: the reply parses to what encoding
+    the decoded record would have given."""
+    delivery = Delivery(sort_key=3, subject="commands.p.shard.0", redelivered=True, deliveries=2)
+    reply = _next_reply(7, body, _delivery(delivery, StoredRecord(3, delivery.subject, stored)))
+    assert json.loads(reply) == {
+        "id": 7,
+        "ok": True,
+        **body,
+        "delivery": {
+            "sort_key": 3,
+            "subject": "commands.p.shard.0",
+            "redelivered": True,
+            "deliveries": 2,
+            "record": json.loads(stored),
+        },
+    }
+    assert json.loads(_next_reply(7, body, None)) == {"id": 7, "ok": True, **body, "delivery": None}

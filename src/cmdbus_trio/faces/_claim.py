@@ -33,7 +33,6 @@ from cmdbus_trio.protocol import (
     dumps,
     encode_frame,
     encode_ok,
-    loads,
 )
 from cmdbus_trio.protocol import claim as codec
 from cmdbus_trio.protocol import tier as tier_codec
@@ -91,12 +90,8 @@ class ClaimHandler:
                 raise CloseConnection("closed") from None  # draining: v1 can only close
             except StoreUnavailable:
                 raise CloseConnection("unavailable") from None  # v1 has no error frame
-            reply = {
-                "sort_key": delivery.sort_key,
-                "redelivered": delivery.redelivered,
-                "record": _record(stored),
-            }
-            return V1Reply("next", encode_frame(dumps(reply)))
+            reply = {"sort_key": delivery.sort_key, "redelivered": delivery.redelivered}
+            return V1Reply("next", encode_frame(_with_record(reply, stored.record)))
         if isinstance(request, codec.V1Ack):
             try:
                 await self._ack(claims, request.sort_key)
@@ -136,15 +131,15 @@ class ClaimHandler:
             return encode_ok(request_id, {"deleted": await self.groups.delete(op.group)})
         claims = await self._claims(op.group, op.start if isinstance(op, codec.Next) else None)
         if isinstance(op, codec.Next):
-            result: Any = None
+            result: bytes | None = None
             timeout = float("inf") if op.timeout_ms is None else op.timeout_ms / 1000
             with trio.move_on_after(timeout):
                 delivery, stored = await self._next(claims, op.filter, budget)
                 result = _delivery(delivery, stored)
-            body: dict[str, Any] = {"delivery": result}
+            body: dict[str, Any] = {}
             if op.start == "beginning" and (deleted := self.bus.log.deleted_through):
                 body["deleted_through"] = deleted  # the group starts at the oldest kept
-            return encode_ok(request_id, body)
+            return _next_reply(request_id, body, result)
         if isinstance(op, codec.Lag):
             subjects = await claims.backlog(op.filter)
             return encode_ok(request_id, {"subjects": subjects, "total": sum(subjects.values())})
@@ -238,7 +233,7 @@ class ClaimHandler:
                 claims.give_back(delivery.sort_key, self)
                 reply.settle(outcome)
             else:
-                reply.settle(encode_ok(request_id, {"delivery": _delivery(delivery, outcome)}))
+                reply.settle(_next_reply(request_id, {}, _delivery(delivery, outcome)))
 
         self.bus.bodies.read_then(delivery.sort_key, read)
         return reply
@@ -362,30 +357,41 @@ class ClaimHandler:
         return moved
 
 
+def _with_record(head: dict[str, Any], record: str) -> bytes:
+    """``head`` as a JSON object with ``"record"`` last: the stored JSON text spliced in,
+    never decoded and encoded again (that took ~6 ms of the loop for a 0.9 MiB record)."""
+    return b"".join((dumps(head)[:-1], b',"record":', record.encode(), b"}"))
+
+
 def _dead_fragment(dead: DeadRecord) -> bytes:
-    head = dumps(
+    return _with_record(
         {
             "sort_key": dead.sort_key,
             "subject": dead.subject,
             "redelivered": dead.deliveries > 1,
             "deliveries": dead.deliveries,
-        }
+        },
+        dead.record,
     )
-    return b"".join((head[:-1], b',"record":', dead.record.encode(), b"}"))
 
 
-def _record(stored: StoredRecord) -> Any:
-    return loads(stored.record.encode())
+def _delivery(delivery: Delivery, stored: StoredRecord) -> bytes:
+    return _with_record(
+        {
+            "sort_key": delivery.sort_key,
+            "subject": delivery.subject,
+            "redelivered": delivery.redelivered,
+            "deliveries": delivery.deliveries,
+        },
+        stored.record,
+    )
 
 
-def _delivery(delivery: Delivery, stored: StoredRecord) -> dict[str, Any]:
-    return {
-        "sort_key": delivery.sort_key,
-        "subject": delivery.subject,
-        "redelivered": delivery.redelivered,
-        "deliveries": delivery.deliveries,
-        "record": _record(stored),
-    }
+def _next_reply(request_id: int, body: dict[str, Any], delivery: bytes | None) -> bytes:
+    """A ``next`` reply: ``body``'s fields and the delivery (JSON, or None for null)."""
+    if delivery is None:
+        return encode_ok(request_id, {**body, "delivery": None})
+    return b"".join((encode_ok(request_id, body)[:-1], b',"delivery":', delivery, b"}"))
 
 
 async def serve(
