@@ -69,7 +69,11 @@ class BodyReader:
         self.log = log
         self.max_batch = max_batch
         self.recent_bytes = recent_bytes
-        self._recent: OrderedDict[int, StoredRecord] = OrderedDict()  # oldest first
+        # (subject, record) by sort key, oldest first. Plain tuples of strings, not the
+        # committer's objects: the garbage collector stops tracking those, where tens of
+        # thousands of kept objects moving through its oldest generation made full
+        # collections frequent (batched publishes ran 15-20% slower).
+        self._recent: OrderedDict[int, tuple[str, str]] = OrderedDict()
         self._recent_size = 0
         self._from_memory = metrics.BODY_READS.labels(store=log.name, source="memory")
         self._from_store = metrics.BODY_READS.labels(store=log.name, source="store")
@@ -92,9 +96,8 @@ class BodyReader:
         no one needs it, or evicted after :meth:`caught_up`: a consumer group asking for
         it is told first, so this is a bug unless the record was evicted).
         """
-        recent = self._recent.get(sort_key)
+        recent = self._kept(sort_key)
         if recent is not None:
-            self._from_memory.inc()
             return recent
         ask = self._ask(sort_key)
         await ask.done.wait()
@@ -108,12 +111,18 @@ class BodyReader:
         the record or the error :meth:`read` would raise. It must not raise; if it does,
         that is logged and the other asks are answered all the same. A recent body is
         handed over at once, before this returns."""
-        recent = self._recent.get(sort_key)
+        recent = self._kept(sort_key)
         if recent is None:
             self._ask(sort_key, then)
             return
-        self._from_memory.inc()
         _call(then, recent)
+
+    def _kept(self, sort_key: int) -> StoredRecord | None:
+        kept = self._recent.get(sort_key)
+        if kept is None:
+            return None
+        self._from_memory.inc()
+        return StoredRecord(sort_key, *kept)
 
     def remember(self, committed: list[StoredRecord]) -> None:
         """A committer listener: keep the newest bodies, up to :attr:`recent_bytes` (the
@@ -122,18 +131,18 @@ class BodyReader:
             size = len(record.record) + _ENTRY_BYTES
             if size > self.recent_bytes:
                 continue
-            self._recent[record.sort_key] = record
+            self._recent[record.sort_key] = (record.subject, record.record)
             self._recent_size += size
         while self._recent_size > self.recent_bytes:
-            _, oldest = self._recent.popitem(last=False)
-            self._recent_size -= len(oldest.record) + _ENTRY_BYTES
+            _, (_, oldest) = self._recent.popitem(last=False)
+            self._recent_size -= len(oldest) + _ENTRY_BYTES
 
     def forget_through(self, sort_key: int) -> None:
         """Drop the kept bodies up to ``sort_key`` (evicted: a ``next`` that leased one
         before must learn it is gone, as from the store)."""
         while self._recent and next(iter(self._recent)) <= sort_key:
-            _, record = self._recent.popitem(last=False)
-            self._recent_size -= len(record.record) + _ENTRY_BYTES
+            _, (_, record) = self._recent.popitem(last=False)
+            self._recent_size -= len(record) + _ENTRY_BYTES
 
     def _ask(
         self, sort_key: int, then: Callable[[StoredRecord | Exception], None] | None = None
