@@ -22,6 +22,12 @@ async def claim(ports: dict[str, str], filter: str = "commands.>") -> dict[str, 
     return delivery
 
 
+def ended_claim_connections(ports: dict[str, str]) -> float:
+    text = metrics_text(ports)
+    every = metric_sum(text, 'cmdbus_connections_total{face="cmd_claim",')
+    return every - metric_sum(text, 'cmdbus_connections_total{face="cmd_claim",outcome="accepted"}')
+
+
 def test_max_deliver_holds_across_a_sigkill(tmp_path: Path) -> None:
     record = {"execution_id": 1, "payload": json.dumps({"step": "poison"})}
     with serving(tmp_path, **TIMERS) as (writer, ports):
@@ -31,6 +37,12 @@ def test_max_deliver_holds_across_a_sigkill(tmp_path: Path) -> None:
                 await client.request("publish", record=record)
             first = await claim(ports)  # the worker dies: its connection closes
             second = await claim(ports)
+            # The count goes to the committer once the writer has seen the second worker
+            # go, which races the client's next publish: wait for the writer to count
+            # both connections as ended first.
+            with trio.fail_after(5):
+                while await trio.to_thread.run_sync(ended_claim_connections, ports) < 2:
+                    await trio.sleep(0.02)
             async with frame_client(ports["cmd_ingest"]) as client:
                 # The count went to the committer before this publish: once the publish
                 # is durable, so is the count (one committer, in order).
