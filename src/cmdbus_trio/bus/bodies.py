@@ -134,15 +134,17 @@ class BodyReader:
             self._recent[record.sort_key] = (record.subject, record.record)
             self._recent_size += size
         while self._recent_size > self.recent_bytes:
-            _, (_, oldest) = self._recent.popitem(last=False)
-            self._recent_size -= len(oldest) + _ENTRY_BYTES
+            self._drop_oldest()
 
     def forget_through(self, sort_key: int) -> None:
         """Drop the kept bodies up to ``sort_key`` (evicted: a ``next`` that leased one
         before must learn it is gone, as from the store)."""
         while self._recent and next(iter(self._recent)) <= sort_key:
-            _, (_, record) = self._recent.popitem(last=False)
-            self._recent_size -= len(record) + _ENTRY_BYTES
+            self._drop_oldest()
+
+    def _drop_oldest(self) -> None:
+        _, (_, record) = self._recent.popitem(last=False)
+        self._recent_size -= len(record) + _ENTRY_BYTES
 
     def _ask(
         self, sort_key: int, then: Callable[[StoredRecord | Exception], None] | None = None

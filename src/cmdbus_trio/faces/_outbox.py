@@ -121,7 +121,9 @@ class Outbox:
         has its timeout). A connection that closes itself waits for this first, so that
         its close never cuts a frame in two (another task's reply being written).
 
-        Cancellation: only the wait stops; a flush under way goes on."""
+        Cancellation: a wait for another task's flush stops and that flush goes on; a
+        write this call makes itself (frames queued for a ``write_pending``) may stop
+        mid-frame, which only a connection that is ending anyway can afford."""
         while not self.peer_gone and (self._frames or self._flushing):
             if not self._flushing:  # queued for a write_pending: write them now
                 await self._flush()
