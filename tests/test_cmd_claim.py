@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import trio
 
-from .helpers import FrameClient, frame_client, get, serving
+from .helpers import FrameClient, frame_client, get, metric_sum, server_log, serving
 
 BUS_ONLY = {"CMDBUS_TIER_BIND": ""}
 
@@ -112,13 +112,22 @@ async def test_unacked_records_redeliver_after_the_lease(server: dict[str, str])
         assert (third["sort_key"], third["deliveries"]) == (key, 3)
 
 
-async def test_a_closed_connection_releases_its_leases_at_once(server: dict[str, str]) -> None:
+async def test_a_closed_connection_releases_its_leases_at_once(
+    server: dict[str, str], tmp_path: Path
+) -> None:
+    """And says so: counted by the connection's outcome, and logged."""
     (key,) = await publish(server, [record(1)])
     async with frame_client(server["cmd_claim"]) as leaving:
         assert (await next_delivery(leaving))["sort_key"] == key
     async with frame_client(server["cmd_claim"]) as staying:
         again = await next_delivery(staying, timeout_ms=300)  # well before the lease ends
         assert again is not None and again["redelivered"] is True
+        assert (await staying.request("ack", sort_key=key))["acked"] is True
+    text = (await get(server["control"], "/metrics")).body.decode()
+    released = 'cmdbus_leases_released_total{face="cmd_claim",outcome="closed"}'
+    assert metric_sum(text, released) == 1
+    (line,) = [x for x in server_log(tmp_path).splitlines() if "leases_released" in x]
+    assert json.loads(line)["outcome"] == "closed" and json.loads(line)["leases"] == 1
 
 
 async def test_max_deliver_parks_dead_letters(server: dict[str, str]) -> None:

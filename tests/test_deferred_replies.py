@@ -53,7 +53,7 @@ class Held:
         self.arrived.set()
         return reply
 
-    def closed(self) -> None:
+    def closed(self, outcome: str) -> None:
         pass
 
     async def wait_for(self, count: int) -> None:

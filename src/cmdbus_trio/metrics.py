@@ -211,6 +211,14 @@ REDELIVERIES = Counter(
     ["subject"],
     registry=REGISTRY,
 )
+LEASES_RELEASED = Counter(
+    "cmdbus_leases_released_total",
+    "Leases ended because the connection holding them ended, by claim face and by the "
+    "connection's outcome (as in cmdbus_connections_total): each record is redelivered "
+    "at once. A worker that lost its connection mid-command finds its ack refused.",
+    ["face", "outcome"],
+    registry=REGISTRY,
+)
 DEAD = Counter(
     "cmdbus_dead",
     "Records parked as dead letters after CMDBUS_MAX_DELIVER deliveries without an ack, "

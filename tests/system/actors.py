@@ -211,12 +211,14 @@ async def _worker_trio(args: argparse.Namespace, record: Recorder) -> None:
         plan = Plan(rng, delivery.redelivered, args.ack_wait, v2=True)
         try:
             if plan.nack:
+                record("nacking", sort_key=sort_key)  # before: the nack redelivers at once
                 record("nacked", sort_key=sort_key, ok=await claim.nack(sort_key))
                 continue
             started = trio.current_time()
             while (left := plan.seconds - (trio.current_time() - started)) > 0:
                 await trio.sleep(min(left, plan.extend_every))
                 if plan.long and trio.current_time() - started < plan.seconds:
+                    record("extending", sort_key=sort_key)
                     record("extended", sort_key=sort_key, ok=await claim.extend(sort_key))
             for kind in EVENT_KINDS:
                 payload = event_payload(execution_id, kind, sort_key)
@@ -255,12 +257,14 @@ def _worker_blocking(args: argparse.Namespace, record: Recorder) -> None:
         plan = Plan(rng, delivery.redelivered, args.ack_wait, v2=True)
         try:
             if plan.nack:
+                record("nacking", sort_key=sort_key)  # before: the nack redelivers at once
                 record("nacked", sort_key=sort_key, ok=claim.nack(sort_key))
                 continue
             started = time.monotonic()
             while (left := plan.seconds - (time.monotonic() - started)) > 0:
                 time.sleep(min(left, plan.extend_every))
                 if plan.long and time.monotonic() - started < plan.seconds:
+                    record("extending", sort_key=sort_key)
                     record("extended", sort_key=sort_key, ok=claim.extend(sort_key))
             for kind in EVENT_KINDS:
                 payload = event_payload(execution_id, kind, sort_key)

@@ -387,7 +387,11 @@ def _kill_a_worker_mid_command(
     names = [name for name in deployment.actors if name.startswith("worker-")]
     deadline = time.monotonic() + 5
     while True:
-        busy = [name for name in names if deployment.last_kind(name) in ("claimed", "extended")]
+        busy = [
+            name
+            for name in names
+            if deployment.last_kind(name) in ("claimed", "extending", "extended")
+        ]
         if busy or time.monotonic() > deadline:
             break
         time.sleep(0.005)
@@ -491,7 +495,9 @@ def violations(outcome: Outcome) -> list[str]:
     for x in lines:
         if x.get("sort_key") is not None and x["kind"] in (
             "claimed",
+            "nacking",
             "nacked",
+            "extending",
             "extended",
             "acking",
             "acked",
@@ -512,7 +518,8 @@ def violations(outcome: Outcome) -> list[str]:
                 out.append(
                     f"command {sort_key} was redelivered to {claim['actor']} at "
                     f"{claim['t'] - outcome.started:.2f} s without a cause (previous holder "
-                    f"{previous['actor']} neither died, nor nacked, nor let its lease lapse)"
+                    f"{previous['actor']} neither died, nor nacked, nor let its lease lapse); "
+                    + _story(outcome, sort_key)
                 )
         acks = [x for x in outcome.kind("acked") if x["sort_key"] == sort_key and x["ok"]]
         if (
@@ -598,21 +605,45 @@ def violations(outcome: Outcome) -> list[str]:
     return out
 
 
+def _story(outcome: Outcome, sort_key: int) -> str:
+    """What everyone saw of a command, and every lease the writer released, for a
+    failure's report: enough to tell a writer's fault from a client's."""
+    seen = [
+        f"{x['t'] - outcome.started:.3f} {x['actor']} {x['kind']}"
+        + "".join(f" {k}={x[k]}" for k in ("ok", "redelivered", "what", "error") if k in x)
+        for x in outcome.lines
+        if x.get("sort_key") == sort_key and not x["kind"].startswith(("event", "pushed"))
+    ]
+    released = [
+        line for line in outcome.writer_log.splitlines() if '"event": "leases_released"' in line
+    ]
+    return f"its story: {seen}; leases released by the writer: {released[:10]}"
+
+
 def _redelivery_explained(
     outcome: Outcome,
     previous: dict[str, Any],
     claim: dict[str, Any],
     events_of: dict[str, dict[int, list[dict[str, Any]]]],
 ) -> bool:
+    """Each process notes a fact when it sees it, so the holder's word can come later than
+    the redelivery it caused: a nack is noted as ``nacking`` before it is sent (the
+    writer redelivers at once, and the next worker may note its claim before the holder
+    notes the reply), an extension as ``extending``, the lower bound of its new lease."""
     holder, sort_key = previous["actor"], previous["sort_key"]
-    mine = [x for x in events_of[holder][sort_key] if previous["t"] <= x["t"] <= claim["t"]]
-    if holder in outcome.killed or any(x["kind"] in ("nacked", "transient") for x in mine):
+    history = events_of[holder][sort_key]
+    mine = [x for x in history if previous["t"] <= x["t"] <= claim["t"]]
+    if holder in outcome.killed or any(x["kind"] in ("nacking", "transient") for x in mine):
         return True
     if any(previous["t"] <= back and killed <= claim["t"] for killed, back in outcome.restarts):
         return True  # the writer restarted in between: leases are not kept over a restart
-    last_sign_of_life = max(
-        [previous["t"]] + [x["t"] for x in mine if x["kind"] == "extended" and x["ok"]]
-    )
+    extended = [
+        asked["t"]
+        for asked, answer in itertools.pairwise(history)
+        if asked in mine and asked["kind"] == "extending" and answer["kind"] == "extended"
+        if answer["ok"]
+    ]
+    last_sign_of_life = max([previous["t"], *extended])
     return claim["t"] - last_sign_of_life >= ACK_WAIT * 0.9  # the lease lapsed
 
 
@@ -648,6 +679,7 @@ def figures(outcome: Outcome) -> dict[str, Any]:
         "publish_to_claim_ms": _percentiles(to_claim),
         "claim_to_ack_ms": _percentiles(to_ack),
         "redeliveries": sum(metric(outcome.metrics, "cmdbus_redeliveries_total{")),
+        "leases_released": sum(metric(outcome.metrics, "cmdbus_leases_released_total{")),
         "shed": sum(metric(outcome.metrics, "cmdbus_shed_total{")),
         "probe_ms": _percentiles(probes),
         "probes_failed": sum(1 for p in outcome.probes if p.status != 200),

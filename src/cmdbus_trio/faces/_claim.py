@@ -17,16 +17,19 @@ task: the same steps, without waiting.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
 
 import trio
 
+from cmdbus_trio import metrics
 from cmdbus_trio.admission import GateClosed, Shed
 from cmdbus_trio.bus import Bus
 from cmdbus_trio.bus.claims import Claims, Delivery
 from cmdbus_trio.bus.committer import Ticket
+from cmdbus_trio.logs import event
 from cmdbus_trio.protocol import (
     FieldError,
     Request,
@@ -43,6 +46,8 @@ from . import FaceContext
 from ._handler import CloseConnection, Deferred, V1Reply, checked_pages
 from ._listen import serve as serve_connections
 
+log = logging.getLogger(__name__)
+
 
 class ClaimHandler:
     gated_ops = frozenset({"dead", "requeue", "purge"})
@@ -51,6 +56,7 @@ class ClaimHandler:
     large_reply_ops = frozenset({"dead"})
 
     def __init__(self, ctx: FaceContext, bus: Bus) -> None:
+        self.face = ctx.name
         self.gate = ctx.gate
         self.max_reply = ctx.config.max_reply_bytes
         self.bus = bus
@@ -68,9 +74,20 @@ class ClaimHandler:
     def holding(self) -> bool:
         return any(claims.holds(self) for claims in self._used.values())
 
-    def closed(self) -> None:
-        for claims in self._used.values():
-            claims.release(self)  # this connection's leases redeliver at once
+    def closed(self, outcome: str) -> None:
+        # This connection's leases redeliver at once. Said in the log and a metric: the
+        # worker, if it did not close the connection itself, finds its ack refused.
+        released = sum(claims.release(self) for claims in self._used.values())
+        if released:
+            metrics.LEASES_RELEASED.labels(face=self.face, outcome=outcome).inc(released)
+            event(
+                log,
+                logging.INFO,
+                "leases_released",
+                face=self.face,
+                outcome=outcome,
+                leases=released,
+            )
 
     # --- v1 --------------------------------------------------------------------------------
 

@@ -128,7 +128,7 @@ class Connection:
             count.open -= 1
             # Forcefully: a TLS close_notify to a peer that does not read could hang.
             await trio.aclose_forcefully(stream)
-            connection.handler.closed()
+            connection.handler.closed(connection.outcome)
             metrics.CONNECTIONS.labels(face=connection.face, outcome=connection.outcome).inc()
 
     def _end(self, outcome: str) -> None:

@@ -138,6 +138,7 @@ class FaceHandler(Protocol):
         not idle while it does, even when it asks nothing."""
         ...
 
-    def closed(self) -> None:
-        """The connection ended (whatever the reason): let go of what it held."""
+    def closed(self, outcome: str) -> None:
+        """The connection ended (``outcome``: why, as counted in
+        ``cmdbus_connections_total``): let go of what it held."""
         ...

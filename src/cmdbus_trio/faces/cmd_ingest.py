@@ -49,7 +49,7 @@ class IngestHandler:
     def holding(self) -> bool:
         return False
 
-    def closed(self) -> None:
+    def closed(self, outcome: str) -> None:
         pass  # stateless: one handler serves every connection
 
     async def _admit_v1(self, arrival: float) -> Slot:

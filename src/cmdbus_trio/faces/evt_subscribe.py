@@ -67,7 +67,7 @@ class SubscribeHandler:
     def holding(self) -> bool:
         return False
 
-    def closed(self) -> None:
+    def closed(self, outcome: str) -> None:
         pass  # a subscription holds nothing once its connection is gone
 
     async def v1(self, frame: bytes, arrival: float) -> V1Reply:

@@ -77,7 +77,7 @@ class TierHandler:
     def holding(self) -> bool:
         return False
 
-    def closed(self) -> None:
+    def closed(self, outcome: str) -> None:
         pass  # stateless: one handler serves every connection
 
     def _v1_text(self, text: bytes) -> bytes:

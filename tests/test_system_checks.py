@@ -1,0 +1,78 @@
+"""The system test's judge (tests/system/deployment.py) is itself held to the facts: a
+redelivery is excused only by what happened before it, whatever order the processes
+noted things in."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from .system.deployment import ACK_WAIT, Outcome, _redelivery_explained
+
+
+def outcome(lines: list[dict[str, Any]]) -> Outcome:
+    return Outcome(
+        root=Path("."),
+        faults=False,
+        lines=lines,
+        probes=[],
+        rss=[],
+        restarts=[],
+        killed=set(),
+        started=0.0,
+        quiet=60.0,
+        metrics="",
+        writer_exit=0,
+        writer_log="",
+        tier={},
+    )
+
+
+def judge(lines: list[dict[str, Any]]) -> bool:
+    events_of: dict[str, dict[int, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+    for x in lines:
+        events_of[x["actor"]][x["sort_key"]].append(x)
+    first, second = [x for x in lines if x["kind"] == "claimed"]
+    return _redelivery_explained(outcome(lines), first, second, events_of)
+
+
+def line(t: float, actor: str, kind: str, **fields: Any) -> dict[str, Any]:
+    return {"t": t, "actor": actor, "kind": kind, "sort_key": 2, **fields}
+
+
+def test_a_nack_noted_after_the_redelivery_it_caused_excuses_it() -> None:
+    """CI once saw the next worker note its claim before the nacking one noted the reply."""
+    lines = [
+        line(1.00, "trio", "claimed"),
+        line(1.20, "trio", "nacking"),
+        line(1.21, "blocking", "claimed"),
+        line(1.25, "trio", "nacked", ok=True),
+    ]
+    assert judge(lines)
+    assert not judge([x for x in lines if x["kind"] != "nacking"])
+
+
+def test_a_redelivery_without_a_cause_is_not_excused() -> None:
+    lines = [line(1.0, "trio", "claimed"), line(1.5, "trio", "acking")]
+    lines.append(line(1.6, "blocking", "claimed"))
+    assert not judge(lines)
+    lapsed = [line(1.0, "trio", "claimed"), line(1.0 + ACK_WAIT, "blocking", "claimed")]
+    assert judge(lapsed)
+
+
+def test_an_extension_counts_from_when_it_was_asked() -> None:
+    """The new lease starts no earlier than the request: a late-noted reply must not
+    make a lapse look early, and a refused extension renews nothing."""
+    asked = 1.0 + ACK_WAIT * 0.5
+    lines = [
+        line(1.0, "trio", "claimed"),
+        line(asked, "trio", "extending"),
+        line(asked + 0.5, "trio", "extended", ok=True),
+        line(asked + ACK_WAIT, "blocking", "claimed"),
+    ]
+    assert judge(lines)
+    lines[-1] = line(asked + ACK_WAIT * 0.5, "blocking", "claimed")
+    assert not judge(lines)
+    lines[2] = line(asked + 0.5, "trio", "extended", ok=False)
+    assert judge(lines)
