@@ -204,6 +204,23 @@ async def test_switch_interval_is_lowered_while_serving(
     assert sys.getswitchinterval() == before
 
 
+async def test_the_collector_is_tuned_while_serving(make_config: Callable[..., Config]) -> None:
+    """Young collections rarer and startup's objects frozen while serving; both given
+    back when it ends."""
+    import gc
+
+    from cmdbus_trio.app import YOUNG_COLLECTION_THRESHOLD
+
+    before = gc.get_threshold()
+    assert gc.get_freeze_count() == 0
+    with trio.fail_after(10):
+        async with running_writer(make_config()):
+            assert gc.get_threshold() == (YOUNG_COLLECTION_THRESHOLD, *before[1:])
+            assert gc.get_freeze_count() > 0
+    assert gc.get_threshold() == before
+    assert gc.get_freeze_count() == 0
+
+
 def test_a_crashed_face_fails_liveness_only_after_the_window() -> None:
     from cmdbus_trio.health import FaceState, Health
     from cmdbus_trio.heartbeat import Heartbeat

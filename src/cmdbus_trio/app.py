@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -134,6 +135,30 @@ def switch_interval(seconds: float) -> Iterator[None]:
         sys.setswitchinterval(previous)
 
 
+YOUNG_COLLECTION_THRESHOLD = 10_000
+"""Allocations (net, of objects the collector tracks) between two collections of the
+youngest generation; Python's default is 700."""
+
+
+@contextmanager
+def collector_tuned() -> Iterator[None]:
+    """Collect garbage cycles less often while serving (docs/architecture.md, "The
+    collector"). A request makes short-lived objects that reference counting frees:
+    with the default threshold a flood of them started a young collection every few
+    hundred requests, promoted the requests in flight to older generations, and so
+    brought full collections (25-45 ms, each a loop pass that long) about twice a
+    second. The objects of startup are frozen out of full collections by
+    :meth:`Writer._started`. The previous thresholds are restored, and the frozen
+    objects given back to the collector, when serving ends."""
+    previous = gc.get_threshold()
+    gc.set_threshold(YOUNG_COLLECTION_THRESHOLD, *previous[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*previous)
+        gc.unfreeze()
+
+
 class Writer:
     """One writer: its faces, gates and health. :meth:`run` serves until
     :meth:`request_drain`, then drains."""
@@ -176,7 +201,7 @@ class Writer:
         wanted = [face for face in DATA_FACE_NAMES if config.bind(face) is not None]
         if missing := [face for face in wanted if face not in self._faces]:
             event(log, logging.WARNING, "faces_not_built", faces=missing)
-        with switch_interval(config.switch_interval_ms / 1000):
+        with switch_interval(config.switch_interval_ms / 1000), collector_tuned():
             async with trio.open_nursery() as control_nursery:
                 await control_nursery.start(self.heartbeat.run)
                 if config.control_bind is not None:
@@ -348,6 +373,9 @@ class Writer:
         )
 
     def _started(self) -> None:
+        # What exists now (modules, stores, faces, metric families) lives as long as the
+        # writer: a full collection need not walk it again and again.
+        gc.freeze()
         if self.config.ports_file is not None:
             write_ports_file(self.config.ports_file, self.health.addresses)
         self.health.serving = True
