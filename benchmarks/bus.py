@@ -4,6 +4,7 @@
     python benchmarks/bus.py --peer redis --quick          # about 1 minute
     python benchmarks/bus.py --only "publish x16"          # the workloads named so
     python benchmarks/bus.py --memory                      # writer RSS with a 1M backlog
+    python benchmarks/bus.py --baseline REV --rounds 3     # A/B against REV, medians of 3
 
 Workloads (each --duration seconds): durable publish with 1 and 16 producers, one at a time
 (ack-each), 32 in flight (pipelined: 32 single-record requests) and 32 records per round
@@ -45,6 +46,7 @@ import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -359,10 +361,31 @@ def workloads(rate: float | None) -> list[tuple[str, list[tuple[str, int, float]
     return runs
 
 
-def report(names: list[str], results: dict[str, dict[str, Any]], duration: float) -> None:
+def median_result(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each figure of a workload's result, the median over the rounds."""
+
+    def median_of(values: list[Any]) -> Any:
+        if values[0] is None or not isinstance(values[0], dict | int | float):
+            return values[0]
+        if isinstance(values[0], dict):
+            return {k: median_of([v[k] for v in values]) for k in values[0]}
+        return statistics.median(values)
+
+    return {key: median_of([run[key] for run in runs]) for key in runs[0]}
+
+
+def report(names: list[str], rounds: list[dict[str, dict[str, Any]]], duration: float) -> None:
+    """The table (with several rounds: each figure's median), then our ops/s against
+    every other server's (with several rounds: the median of the rounds' ratios, and
+    each round's)."""
+    results = {
+        name: {key: median_result([r[name][key] for r in rounds]) for key in rounds[0][name]}
+        for name in names
+    }
+    medians = f", medians of {len(rounds)} rounds" if len(rounds) > 1 else ""
     print(
-        f"\n{duration:.0f} s per workload. ops/s; latency p50/p99 ms (claim+ack: next and ack; "
-        "steady: publish to delivery); server CPU in cores and us per op; the load "
+        f"\n{duration:.0f} s per workload{medians}. ops/s; latency p50/p99 ms (claim+ack: "
+        "next and ack; steady: publish to delivery); server CPU in cores and us per op; the load "
         "generators' CPU in cores; /healthz p50/p99/max ms during the workload."
     )
     print(
@@ -385,9 +408,13 @@ def report(names: list[str], results: dict[str, dict[str, Any]], duration: float
         return
     print(f"\n{'ratios (ops/s)':<24}" + "".join(f"{'ours / ' + n:>16}" for n in others))
     for key in results[names[0]]:
-        ours = results[names[0]][key]["rate"]
-        cells = "".join(f"{ours / max(results[n][key]['rate'], 1e-9):>15.2f}x" for n in others)
-        print(f"{key:<24}" + cells)
+        cells = []
+        for other in others:
+            ratios = [r[names[0]][key]["rate"] / max(r[other][key]["rate"], 1e-9) for r in rounds]
+            cells.append(f"{statistics.median(ratios):>15.2f}x")
+            if len(rounds) > 1:
+                cells.append(" (" + " ".join(f"{x:.2f}" for x in ratios) + ")")
+        print(f"{key:<24}" + "".join(cells))
 
 
 def main() -> None:
@@ -405,7 +432,16 @@ def main() -> None:
     parser.add_argument(
         "--baseline", metavar="REV", help="also run the writer as git revision REV (A/B)"
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run everything this many times, the servers' order reversed each round; "
+        "report medians (the machine drifts over the minutes one round takes)",
+    )
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, not {args.rounds}")
     if args.quick:
         args.duration, args.backlog = 3.0, 10_000
     workdir = Path(tempfile.mkdtemp(prefix="cmdbus-bus-"))
@@ -421,18 +457,24 @@ def main() -> None:
         *dict.fromkeys(args.peer),
     ]
     runs = [(k, loads) for k, loads in workloads(args.rate) if k.startswith(args.only or "")]
-    results: dict[str, dict[str, Any]] = {name: {} for name in names}
-    for name in names:  # one server at a time: they share the machine's 2 cores and disk
-        (workdir / name).mkdir()
-        server = start(name, workdir / name, baseline)
-        try:
-            for key, loads in runs:
-                if key.startswith("claim+ack x1"):
-                    preload(server, args.backlog)
-                results[name][key] = run_workload(server, loads, args.duration)
-        finally:
-            stop(server.process)
-    report(names, results, args.duration)
+    rounds: list[dict[str, dict[str, Any]]] = []
+    for round_number in range(args.rounds):
+        results: dict[str, dict[str, Any]] = {name: {} for name in names}
+        # One server at a time: they share the machine's 2 cores and disk. The order is
+        # reversed each round, so that a drift of the machine favours nobody.
+        for name in names if round_number % 2 == 0 else names[::-1]:
+            where = workdir / f"{name}-{round_number}"
+            where.mkdir()
+            server = start(name, where, baseline)
+            try:
+                for key, loads in runs:
+                    if key.startswith("claim+ack x1"):
+                        preload(server, args.backlog)
+                    results[name][key] = run_workload(server, loads, args.duration)
+            finally:
+                stop(server.process)
+        rounds.append(results)
+    report(names, rounds, args.duration)
 
 
 if __name__ == "__main__":

@@ -37,3 +37,39 @@ def test_the_steady_workload_reports_rates_latency_and_cpu(tmp_path: Path) -> No
     healthz = rows["cmdbus-trio"][9]
     assert all(float(ms) > 0 for ms in healthz.split("/"))
     assert len(rows["floor"]) == 9  # no control face: nothing probed
+
+
+def test_rounds_report_medians_and_each_rounds_ratio(tmp_path: Path) -> None:
+    """--rounds N runs everything N times (the servers' order reversed each round) and
+    reports the median of each figure, and of the rounds' ratios beside each of them."""
+    command = [sys.executable, str(BUS), "--floor", "--duration", "1", "--rounds", "2"]
+    done = subprocess.run(
+        [*command, "--only", "publish x16 batched"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "medians of 2 rounds" in done.stdout
+    (ratio,) = [
+        line
+        for line in done.stdout.splitlines()
+        if line.startswith("publish x16 batched") and "(" in line
+    ]
+    median, rounds = ratio.split("batched", 1)[1].split("(")
+    each = [float(x) for x in rounds.rstrip(")").split()]
+    assert len(each) == 2 and all(x > 0 for x in each)
+    assert float(median.strip().rstrip("x")) == pytest.approx(sum(each) / 2, abs=0.011)
+
+
+def test_rounds_below_one_are_refused(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(BUS), "--rounds", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 2
+    assert "--rounds must be at least 1, not 0" in done.stderr
