@@ -365,11 +365,11 @@ def median_result(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Each figure of a workload's result, the median over the rounds."""
 
     def median_of(values: list[Any]) -> Any:
-        if values[0] is None or not isinstance(values[0], dict | int | float):
-            return values[0]
         if isinstance(values[0], dict):
             return {k: median_of([v[k] for v in values]) for k in values[0]}
-        return statistics.median(values)
+        if isinstance(values[0], int | float):
+            return statistics.median(values)
+        return values[0]  # None: not probed
 
     return {key: median_of([run[key] for run in runs]) for key in runs[0]}
 

@@ -640,8 +640,8 @@ def _redelivery_explained(
     extended = [
         asked["t"]
         for asked, answer in itertools.pairwise(history)
-        if asked in mine and asked["kind"] == "extending" and answer["kind"] == "extended"
-        if answer["ok"]
+        if (asked["kind"], answer["kind"]) == ("extending", "extended") and answer["ok"]
+        if previous["t"] <= asked["t"] <= claim["t"]
     ]
     last_sign_of_life = max([previous["t"], *extended])
     return claim["t"] - last_sign_of_life >= ACK_WAIT * 0.9  # the lease lapsed
