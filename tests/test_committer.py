@@ -68,11 +68,12 @@ async def test_batches_settle_in_order_and_a_bad_ticket_only_fails_itself(log: B
 async def test_a_long_settle_is_spread_over_passes_of_the_loop_in_commit_order(
     log: BusLog, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """No time for settling in one pass: each ticket waits for the next pass, other tasks
-    run in between, and every ticket still settles, in commit order, across batches."""
+    """A ticket a step and no time for a second: a task that checkpoints runs between any
+    two tickets, and every ticket still settles, in commit order, across batches."""
     monkeypatch.setattr(committer_module, "MAX_SETTLE_STEP", 0.0)
-    committer = GroupCommitter(log, SubjectRule(BusKind.COMMANDS), max_batch=4)
-    order: list[int] = []
+    monkeypatch.setattr(committer_module, "SETTLE_STEP_COST", 1)
+    committer = GroupCommitter(log, SubjectRule(BusKind.COMMANDS))
+    settled: list[tuple[int, int]] = []  # (ticket, passes of another task by then)
     passes = 0
 
     async def count_passes() -> None:
@@ -81,21 +82,50 @@ async def test_a_long_settle_is_spread_over_passes_of_the_loop_in_commit_order(
             await trio.lowlevel.checkpoint()
             passes += 1
 
-    tickets = [publish(on_settled=lambda _, n=n: order.append(n)) for n in range(20)]
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(count_passes)
-        await settle_all(committer, tickets)
-        nursery.cancel_scope.cancel()
-    assert order == list(range(20))
-    assert passes >= 19  # a pass for each ticket after the first of a settle
+    tickets = [publish(on_settled=lambda _, n=n: settled.append((n, passes))) for n in range(20)]
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(count_passes)
+            committer._settle(tickets[:10], None)  # two batches, as the thread settles them
+            committer._settle(tickets[10:], None)
+            for ticket in tickets:
+                await ticket.settled.wait()
+            nursery.cancel_scope.cancel()
+    assert [n for n, _ in settled] == list(range(20))
+    # The counter runs once a pass (first or last: trio may reverse a pass's order), so
+    # 20 tickets in 20 passes see it run at least 18 times: in one pass, not at all.
+    assert settled[-1][1] - settled[0][1] >= 18
+
+
+async def test_a_step_settles_a_few_tickets_a_large_one_alone(
+    log: BusLog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steps of SETTLE_STEP_COST: single publishes share one, a ticket of many records
+    (a reply, and records to tell of) is a step of its own, and the listeners are told
+    a step's records at once."""
+    monkeypatch.setattr(committer_module, "MAX_SETTLE_STEP", 0.0)
+    monkeypatch.setattr(committer_module, "SETTLE_STEP_COST", 3)
+    committer = GroupCommitter(log, SubjectRule(BusKind.COMMANDS))
+    told: list[list[int]] = []
+    committer.listeners.append(lambda records: told.append([r.sort_key for r in records]))
+    many = Ticket([(GOOD, None, f"records[{n}]") for n in range(16)])  # costs 1 + 16 // 8
+    tickets = [publish(), publish(), publish(), publish(), many, publish()]
+    steps: list[list[Ticket]] = []
+    with monkeypatch.context() as patched:
+        patched.setattr(committer._unsettled, "push", steps.append)
+        committer._settle(tickets, None)
+    assert steps == [tickets[:3], [tickets[3]], [many], [tickets[5]]]
+    await settle_all(committer, tickets)
+    assert told == [[1, 2, 3], [4], list(range(5, 21)), [21]]
 
 
 def test_tickets_left_to_settle_as_the_run_ends_are_settled_then(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A settle spread over passes when the run ends: there is no next pass to ask for
-    (trio says RunFinishedError), so the rest settle at once instead of being lost."""
+    """A settle spread over passes when the run ends: the settling task is a system
+    task, which the run's end cancels; what it had left is settled then, not lost."""
     monkeypatch.setattr(committer_module, "MAX_SETTLE_STEP", 0.0)
+    monkeypatch.setattr(committer_module, "SETTLE_STEP_COST", 1)
     log = BusLog.open(tmp_path / "commands.sqlite3")
     order: list[int] = []
 

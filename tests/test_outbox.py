@@ -9,6 +9,7 @@ import pytest
 import trio
 import trio.testing
 
+from cmdbus_trio.faces import _outbox as outbox_module
 from cmdbus_trio.faces._outbox import Outbox
 
 
@@ -65,6 +66,32 @@ async def test_replies_settled_by_callbacks_are_written_together_after_them(
             theirs.recv(16)  # nothing yet: the callbacks running now may add more
         await trio.testing.wait_all_tasks_blocked()
         assert theirs.recv(16) == b"abc"
+
+
+async def test_many_connections_replies_are_written_in_turn_over_passes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No time for a second write in a step (a write a pass): every connection's
+    replies, settled by callbacks, are still written whole and in order."""
+    monkeypatch.setattr(outbox_module, "MAX_WRITE_STEP", 0.0)
+    pairs = [socket.socketpair() for _ in range(5)]
+    try:
+        for _, theirs in pairs:
+            theirs.setblocking(False)
+        boxes = [
+            outbox(trio.SocketStream(trio.socket.from_stdlib_socket(ours)), []) for ours, _ in pairs
+        ]
+        async with trio.open_nursery() as flusher:
+            for n, box in enumerate(boxes):
+                box.send_nowait(b"%d:a " % n, flusher)
+            for n, box in enumerate(boxes):
+                box.send_nowait(b"%d:b" % n, flusher)
+            await trio.testing.wait_all_tasks_blocked()
+        assert [theirs.recv(64) for _, theirs in pairs] == [b"%d:a %d:b" % (n, n) for n in range(5)]
+    finally:
+        for ours, theirs in pairs:
+            ours.close()
+            theirs.close()
 
 
 async def test_what_the_socket_does_not_take_is_written_by_a_task_in_order(

@@ -26,6 +26,7 @@ from cmdbus_trio import metrics
 from cmdbus_trio.batcher import ThreadBatcher
 from cmdbus_trio.logs import event
 from cmdbus_trio.protocol.bus import PublishRecord, SubjectRule
+from cmdbus_trio.steps import Steps
 from cmdbus_trio.storage import StoreUnavailable
 from cmdbus_trio.storage.buslog import BusEntry, BusLog, Published, StoredRecord
 
@@ -34,8 +35,15 @@ log = logging.getLogger(__name__)
 MAX_BATCHES_PER_HOP = 16
 """Batches one worker-thread call commits back to back before it returns to the loop."""
 
-MAX_SETTLE_STEP = 0.001
-"""Seconds of replies one pass of the loop settles before the other tasks run."""
+MAX_SETTLE_STEP = 0.0003
+"""Seconds of settling (listeners told, replies queued) before the loop's other tasks run
+(see :class:`~cmdbus_trio.steps.Steps`)."""
+
+SETTLE_STEP_COST = 16
+"""What one step of settling takes on (see :func:`_settle_cost`); a costlier ticket is a
+step alone. The time bound is checked between steps. Finer steps shorten the loop's
+passes further but cost closed-loop clients throughput (docs/benchmarks.md, "Settling
+in steps")."""
 
 
 Committed: TypeAlias = StoredRecord
@@ -105,7 +113,9 @@ class GroupCommitter:
             self._take, self._commit_in_thread, self._settle, max_batches=MAX_BATCHES_PER_HOP
         )
         self._commit_seconds = metrics.COMMIT_SECONDS.labels(store=bus.name)
-        self._unsettled: deque[Ticket] = deque()  # committed, their callbacks not yet run
+        # Committed, their listeners not told and callbacks not run yet: in commit
+        # order, a few tickets a step (see _settle).
+        self._unsettled = Steps(self._settle_step, max_step=MAX_SETTLE_STEP, name="settle")
         self.listeners: list[Callable[[list[Committed]], None]] = []
         """Called on the loop with the records each batch committed, when it committed
         any (the claim coordinators and the subscriptions learn of new records this way:
@@ -141,9 +151,21 @@ class GroupCommitter:
             event(log, logging.ERROR, "commit_failed", store=self.bus.name, exc_info=outcome)
             for ticket in batch:
                 ticket.error = ticket.error or outcome
+        step: list[Ticket] = []
+        cost = 0
+        for ticket in batch:
+            if step and cost + _settle_cost(ticket) > SETTLE_STEP_COST:
+                self._unsettled.push(step)
+                step, cost = [], 0
+            step.append(ticket)
+            cost += _settle_cost(ticket)
+        self._unsettled.push(step)
+
+    def _settle_step(self, step: list[Ticket]) -> None:
+        """Tell the listeners of a step's committed records, then settle its tickets."""
         committed = [
             Committed(published.sort_key, published.subject, record)
-            for ticket in batch
+            for ticket in step
             if ticket.published
             for published, record in zip(ticket.published, ticket.stored, strict=True)
             if not published.duplicate
@@ -153,31 +175,13 @@ class GroupCommitter:
                 listener(committed)
             except Exception as exc:
                 event(log, logging.ERROR, "commit_listener_failed", exc_info=exc)
-        self._unsettled.extend(batch)
-        if len(self._unsettled) == len(batch):  # else a later pass is settling already
-            self._settle_some()
-
-    def _settle_some(self) -> None:
-        """Settle tickets in commit order for at most :data:`MAX_SETTLE_STEP` seconds,
-        then leave the rest to the loop's next pass: a commit of thousands of pipelined
-        requests answered in one callback would hold every other task (a probe among
-        them) that long."""
-        unsettled = self._unsettled
-        until = time.perf_counter() + MAX_SETTLE_STEP
-        while unsettled:
-            ticket = unsettled.popleft()
+        for ticket in step:
             ticket.settled.set()
             if ticket.on_settled is not None:
                 try:
                     ticket.on_settled(ticket)
                 except Exception as exc:
                     event(log, logging.ERROR, "settle_callback_failed", exc_info=exc)
-            if unsettled and time.perf_counter() > until:  # at least one a pass
-                try:
-                    trio.lowlevel.current_trio_token().run_sync_soon(self._settle_some)
-                except trio.RunFinishedError:
-                    continue  # the run is ending: there is no next pass, settle them now
-                return
 
     def _commit_in_thread(self, batch: list[Ticket]) -> None:
         """Commit the batch in one transaction. A ticket whose records cannot be stored
@@ -254,3 +258,9 @@ def _size(ticket: Ticket) -> int:
         ticket.dead_moves,
     )
     return max(1, sum(map(len, parts)))
+
+
+def _settle_cost(ticket: Ticket) -> int:
+    """A ticket's share of a settling step: its reply, and a little per record the
+    listeners are told of (a batch of 32 records costs about four single publishes)."""
+    return 1 + _size(ticket) // 8

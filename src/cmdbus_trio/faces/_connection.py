@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 
 MAX_INFLIGHT_PER_CONNECTION = 32
 RECEIVE_CHUNK = 65536
-MAX_STEP = 0.001
+MAX_STEP = 0.0005
 """Seconds of requests the dispatcher takes in before the loop's other tasks run: every
 task runs once per pass of the loop, so a long step makes every other task late."""
 

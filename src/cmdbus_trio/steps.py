@@ -1,0 +1,92 @@
+"""Work handed over by callbacks, done on the loop in short steps by one task.
+
+A group commit settles hundreds of pipelined requests at once, and each settled request
+queues a reply to write. Done in the callback that learns of the commit, that held the
+loop for up to ~10-20 ms (measured under the pipelined flood of ``bus.py``), and every
+other task, a probe among them, waited that long: a task runs once per pass of the loop,
+and a control-face request takes ~18 passes. Rescheduling the callback with
+``run_sync_soon`` bounded it, but each call writes to trio's wakeup socket, a tenth of
+settling's time; a task yields for the price of a checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+import trio
+
+from .logs import event
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+__all__ = ["Steps"]
+
+
+class Steps(Generic[T]):
+    """Items done in order by ``do``, in steps of at most ``max_step`` seconds (and at
+    least one item): between steps, every other runnable task runs.
+
+    :meth:`push` never blocks and may be called from plain callbacks on the loop
+    (``run_sync_soon``) and from ``do`` itself, not from other threads.
+
+    Cancellation: the items are done by a system task, which only the end of the run
+    cancels: a nursery that drains (the writer stopping) never leaves an item undone.
+    Items pushed once that task has ended (the run is ending) are done at once.
+
+    Error handling: ``do`` should not raise; an item that does is logged as
+    ``step_failed`` with ``name``, and the next goes on.
+    """
+
+    def __init__(self, do: Callable[[T], None], *, max_step: float, name: str) -> None:
+        self._do = do
+        self.max_step = max_step
+        self.name = name
+        self._items: deque[T] = deque()
+        self._idle: trio.lowlevel.ParkingLot | None = None  # None: no task yet
+        self._ended = False
+
+    def push(self, item: T) -> None:
+        self._items.append(item)
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._ended:
+            self._do_all()
+        elif self._idle is None:
+            self._idle = trio.lowlevel.ParkingLot()
+            trio.lowlevel.spawn_system_task(self._run, name=f"steps:{self.name}")
+        else:
+            self._idle.unpark()
+
+    async def _run(self) -> None:
+        assert self._idle is not None
+        items = self._items
+        try:
+            while True:
+                while not items:
+                    await self._idle.park()
+                until = time.perf_counter() + self.max_step
+                while items:
+                    self._do_one(items.popleft())
+                    if time.perf_counter() >= until:  # (>=: max_step 0 is an item a step)
+                        break
+                await trio.lowlevel.checkpoint()
+        finally:
+            self._ended = True
+            self._do_all()  # only the run's end stops the task: nothing is left undone
+
+    def _do_all(self) -> None:
+        while self._items:
+            self._do_one(self._items.popleft())
+
+    def _do_one(self, item: T) -> None:
+        try:
+            self._do(item)
+        except Exception as exc:
+            event(log, logging.ERROR, "step_failed", steps=self.name, exc_info=exc)

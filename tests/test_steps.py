@@ -1,0 +1,145 @@
+"""Steps: work handed over by callbacks, done in order in short steps by one task."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from cmdbus_trio.steps import Steps
+
+
+class PassCounter:
+    """A task that counts the passes of the loop it has run in."""
+
+    def __init__(self) -> None:
+        self.passes = 0
+
+    async def run(self) -> None:
+        while True:
+            await trio.lowlevel.checkpoint()
+            self.passes += 1
+
+
+async def wait_for(done: list[int], count: int) -> None:
+    with trio.fail_after(10):
+        while len(done) < count:
+            await trio.sleep(0.001)
+
+
+async def passes_seen(max_step: float, items: int) -> list[int]:
+    """Push ``items`` items to a Steps with ``max_step``; the passes a task counting the
+    loop's passes had run when each was done (the items are done in order)."""
+    counter = PassCounter()
+    seen: list[int] = []
+    steps = Steps(lambda _: seen.append(counter.passes), max_step=max_step, name="test")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(counter.run)
+        for n in range(items):
+            steps.push(n)
+        await wait_for(seen, items)
+        nursery.cancel_scope.cancel()
+    return seen
+
+
+async def test_no_time_for_a_second_item_is_an_item_a_pass() -> None:
+    seen = await passes_seen(max_step=0.0, items=20)
+    # The counter runs once a pass, first or last (trio may reverse a pass's order): 20
+    # items in 20 passes see it run at least 18 times; 20 in one pass, at most once.
+    assert seen[-1] - seen[0] >= 18
+
+
+async def test_items_within_the_step_time_are_done_in_one_pass() -> None:
+    seen = await passes_seen(max_step=60.0, items=50)
+    assert seen[-1] == seen[0]
+
+
+async def test_items_are_done_in_the_order_pushed() -> None:
+    done: list[int] = []
+    steps = Steps(done.append, max_step=0.0, name="test")
+    for n in range(20):
+        steps.push(n)
+    await wait_for(done, 20)
+    assert done == list(range(20))
+
+
+async def test_what_an_item_pushes_is_done_after_what_was_queued_before_it() -> None:
+    done: list[int] = []
+
+    def do(n: int) -> None:
+        done.append(n)
+        if n < 10:
+            steps.push(n + 10)
+
+    steps = Steps(do, max_step=60.0, name="test")
+    steps.push(1)
+    steps.push(2)
+    await wait_for(done, 4)
+    assert done == [1, 2, 11, 12]
+
+
+async def test_a_failing_item_is_logged_and_the_next_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    done: list[int] = []
+
+    def do(n: int) -> None:
+        if n == 1:
+            raise RuntimeError("a bug")
+        done.append(n)
+
+    steps = Steps(do, max_step=0.0, name="flaky")
+    for n in range(3):
+        steps.push(n)
+    await wait_for(done, 2)
+    assert done == [0, 2]
+    failed = [r for r in caplog.records if r.getMessage() == "step_failed"]
+    assert len(failed) == 1
+    assert failed[0].cmdbus_fields == {"steps": "flaky"}  # type: ignore[attr-defined]
+
+
+async def test_a_cancelled_caller_leaves_no_item_undone() -> None:
+    """The task is a system task: the nursery that pushed the items draining (as the
+    writer's nurseries do when it stops) does not stop it."""
+    done: list[int] = []
+    steps = Steps(done.append, max_step=0.0, name="test")
+    with trio.CancelScope() as scope:
+        for n in range(10):
+            steps.push(n)
+        scope.cancel()
+        await trio.lowlevel.checkpoint()
+    await wait_for(done, 10)
+    assert done == list(range(10))
+
+
+async def test_items_pushed_by_a_callback_are_done() -> None:
+    """What the committer does: a run_sync_soon callback (from a worker thread) pushes."""
+    done: list[int] = []
+    steps = Steps(done.append, max_step=0.0, name="test")
+    token = trio.lowlevel.current_trio_token()
+    await trio.to_thread.run_sync(token.run_sync_soon, steps.push, 1)
+    await wait_for(done, 1)
+    assert done == [1]
+
+
+async def test_an_idle_task_wakes_for_the_next_item() -> None:
+    done: list[int] = []
+    steps = Steps(done.append, max_step=0.0, name="test")
+    for n in range(3):
+        steps.push(n)
+        await wait_for(done, n + 1)
+        await trio.sleep(0.01)  # long enough for the task to wait for work
+    assert done == [0, 1, 2]
+
+
+def test_items_left_as_the_run_ends_are_done_then_and_later_ones_at_once() -> None:
+    done: list[int] = []
+    steps = Steps(done.append, max_step=0.0, name="test")
+
+    async def main() -> None:
+        for n in range(50):  # an item a pass: most are left when main returns
+            steps.push(n)
+
+    trio.run(main)
+    assert done == list(range(50))
+    steps.push(50)  # no run, no task: done at once
+    assert done == list(range(51))
