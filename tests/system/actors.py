@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import json
 import random
+import signal
 import socket
 import struct
 import sys
@@ -576,6 +578,12 @@ def main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     args.ports = json.loads(args.ports.read_text())
     record = Recorder(args.out, args.name)
+    # The deployment stops actors with SIGINT, which a process started from a shell's
+    # background job inherits as ignored (and Python then leaves it so): take it back.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    # An actor that does not stop on SIGINT is sent SIGUSR1 first: its stacks, in
+    # actors.log, say where it was.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     with contextlib.suppress(KeyboardInterrupt):
         ROLES[args.role](args, record)
 

@@ -200,9 +200,13 @@ class Deployment:
             try:
                 process.wait(timeout=10)
             except subprocess.TimeoutExpired:
+                process.send_signal(signal.SIGUSR1)  # its stacks, into actors.log
+                time.sleep(1)
                 process.kill()
                 process.wait()
-                raise AssertionError(f"actor {name} did not stop on SIGINT") from None
+                raise AssertionError(
+                    f"actor {name} did not stop on SIGINT (its stacks: {self.root}/actors.log)"
+                ) from None
 
     def lines(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
