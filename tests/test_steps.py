@@ -143,3 +143,26 @@ def test_items_left_as_the_run_ends_are_done_then_and_later_ones_at_once() -> No
     assert done == list(range(50))
     steps.push(50)  # no run, no task: done at once
     assert done == list(range(51))
+
+
+def test_a_first_item_pushed_as_the_run_ends_is_done_at_once() -> None:
+    """The run's system nursery takes no new task once the run is ending: a Steps whose
+    first item comes then (a commit settled as the writer's run ends) does it at once."""
+    done: list[int] = []
+    late = Steps(done.append, max_step=0.0, name="late")
+    token: trio.lowlevel.TrioToken
+
+    def do(n: int) -> None:
+        if n == 49:  # left to the end of the run (an item a pass; main returns at once)
+            token.run_sync_soon(late.push, n)  # run once the system nursery has closed
+
+    early = Steps(do, max_step=0.0, name="early")
+
+    async def main() -> None:
+        nonlocal token
+        token = trio.lowlevel.current_trio_token()
+        for n in range(50):
+            early.push(n)
+
+    trio.run(main)
+    assert done == [49]

@@ -37,7 +37,8 @@ class Steps(Generic[T]):
 
     Cancellation: the items are done by a system task, which only the end of the run
     cancels: a nursery that drains (the writer stopping) never leaves an item undone.
-    Items pushed once that task has ended (the run is ending) are done at once.
+    Items pushed once that task has ended, or once the run is ending (no task can be
+    started: a commit settled as the writer's run ends), are done at once.
 
     Error handling: ``do`` should not raise; an item that does is logged as
     ``step_failed`` with ``name``, and the next goes on.
@@ -60,7 +61,11 @@ class Steps(Generic[T]):
             self._do_all()
         elif self._idle is None:
             self._idle = trio.lowlevel.ParkingLot()
-            trio.lowlevel.spawn_system_task(self._run, name=f"steps:{self.name}")
+            try:
+                trio.lowlevel.spawn_system_task(self._run, name=f"steps:{self.name}")
+            except RuntimeError:  # the run is ending: its system nursery takes no task
+                self._ended = True
+                self._do_all()
         else:
             self._idle.unpark()
 
