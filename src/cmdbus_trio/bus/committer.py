@@ -154,11 +154,12 @@ class GroupCommitter:
         step: list[Ticket] = []
         cost = 0
         for ticket in batch:
-            if step and cost + _settle_cost(ticket) > SETTLE_STEP_COST:
+            ticket_cost = _settle_cost(ticket)
+            if step and cost + ticket_cost > SETTLE_STEP_COST:
                 self._unsettled.push(step)
                 step, cost = [], 0
             step.append(ticket)
-            cost += _settle_cost(ticket)
+            cost += ticket_cost
         self._unsettled.push(step)
 
     def _settle_step(self, step: list[Ticket]) -> None:

@@ -50,7 +50,8 @@ class Outbox:
     task or a timeout: on loopback or a LAN the kernel nearly always takes a reply
     whole, and a task and cancel scope per reply cost more than the write. What it does
     not take is queued and written as above. Replies settled by callbacks are gathered
-    first (:meth:`send_nowait`): one write per connection per group commit.
+    first (:meth:`send_nowait`): one write per connection for all the replies settled
+    before its turn among the run's deferred writes.
 
     Error handling: a write that fails, or that the peer does not read for
     ``write_timeout`` seconds, calls ``broken`` once; from then on the outbox is
