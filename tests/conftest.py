@@ -5,9 +5,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import settings
 
 from cmdbus_trio import metrics
 from cmdbus_trio.config import DATA_FACE_NAMES, Config, load
+
+# Hypothesis's default deadline (200 ms an example) is a wall-clock assertion: on a loaded
+# CI machine a decoder test failed it once. Tests assert behaviour, never speed.
+settings.register_profile("cmdbus", deadline=None)
+settings.load_profile("cmdbus")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -132,7 +132,7 @@ class FrameStream(RuleBasedStateMachine):
 
 
 TestFrameStream = FrameStream.TestCase
-TestFrameStream.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
+TestFrameStream.settings = settings(max_examples=150, stateful_step_count=30)
 
 
 @given(st.binary(max_size=300))
@@ -240,9 +240,7 @@ frames = st.one_of(
 )
 
 
-@settings(
-    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
+@settings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     face=st.sampled_from(
         ["tier", "cmd_ingest", "cmd_claim", "evt_ingest", "evt_claim", "evt_subscribe"]

@@ -237,7 +237,7 @@ def test_an_error_answer_carries_its_retry_hint() -> None:
     }
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300)
 @given(
     st.lists(st.binary(max_size=40), max_size=6),
     st.lists(st.integers(1, 30), min_size=1, max_size=8),

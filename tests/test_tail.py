@@ -54,7 +54,7 @@ operations = st.lists(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300)
 @given(operations)
 def test_a_group_on_the_tail_answers_as_per_subject_queues_do(ops: list[Any]) -> None:
     trio.run(_same_answers, ops, clock=trio.testing.MockClock(autojump_threshold=0))

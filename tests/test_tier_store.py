@@ -290,9 +290,7 @@ _EXECUTIONS = itertools.count()
 
 
 @pytest.mark.parametrize("in_sqlite", [True, False])
-@settings(
-    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
+@settings(max_examples=200, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(records=st.lists(st.tuples(_TEXT, _TEXT), min_size=1, max_size=4), name=_TEXT)
 def test_encoded_pages_are_the_records_reply_fragments(
     store: TierStore, in_sqlite: bool, records: list[tuple[str, str]], name: str
