@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import socket
-import ssl
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -17,9 +16,9 @@ from cmdbus_trio.protocol import NEED_DATA
 from ._calls import (
     Call,
 )
-from ._core import LOCAL_GRACE, ClientProtocol, Reply, ServerHello, split_address
+from ._core import LOCAL_GRACE, BaseConnection, Reply, ServerHello, split_address
 from ._errors import ClientError, ConnectionLost, DeadlineExceeded, ServerError
-from ._retry import RetryPolicy
+from ._retry import Attempts
 from ._sockets import closed_by_peer
 
 T = TypeVar("T")
@@ -45,7 +44,7 @@ def _send_windows(frames: Sequence[bytes], ids: Sequence[int]) -> Iterator[list[
         yield window
 
 
-class Connection:
+class Connection(BaseConnection):
     """A v2 connection to one data face, reconnected on the next call after it broke.
 
     Error handling: the server's error answers raise the :mod:`~cmdbus_trio.client`
@@ -54,37 +53,15 @@ class Connection:
     dropped).
     """
 
-    def __init__(
-        self,
-        address: str,
-        *,
-        retry: RetryPolicy | None = None,
-        client: str | None = None,
-        token: str | None = None,
-        ssl_context: ssl.SSLContext | None = None,
-        connect_timeout: float = 10.0,
-    ) -> None:
-        split_address(address)
-        self.address = address
-        self.retry = retry
-        self._client_name = client
-        self._token = token
-        self._ssl_context = ssl_context
-        self._connect_timeout = connect_timeout
+    def _init_transport(self) -> None:
         self._sock: socket.socket | None = None
-        self._protocol = ClientProtocol()
         self._lock = threading.RLock()
-        self._closed = False
 
     @classmethod
     def connect(cls, address: str, **options: Any) -> Self:
         connection = cls(address, **options)
         connection._connected()
         return connection
-
-    @property
-    def server(self) -> ServerHello | None:
-        return self._protocol.hello
 
     def __enter__(self) -> Self:
         return self
@@ -100,21 +77,18 @@ class Connection:
         """Run ``call``; ``timeout`` (seconds) is sent as its ``deadline_ms`` and bounds
         the wait for the reply and any retries."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        if self.retry is not None:
-            self.retry.budget.record_request()
-        attempt = 0
+        attempts = Attempts(
+            self.retry, call, math.inf if deadline is None else deadline, time.monotonic
+        )
         while True:
-            attempt += 1
             try:
                 outcome = self._exchange([call], deadline)[0]
                 if isinstance(outcome, ClientError):
                     raise outcome
                 return call.parse(outcome)
             except ClientError as error:
-                if self.retry is None or not self.retry.should_retry(call, error, attempt):
-                    raise
-                pause = self.retry.delay(error, attempt)
-                if deadline is not None and time.monotonic() + pause >= deadline:
+                pause = attempts.pause_after(error)
+                if pause is None:
                     raise
                 time.sleep(pause)
 
@@ -210,7 +184,7 @@ class Connection:
                 return self._sock
             self._drop()  # idled out by the server: nothing was sent on it, reconnect
         host, port = split_address(self.address)
-        protocol = ClientProtocol(client=self._client_name, token=self._token)
+        protocol = self._new_protocol()
         try:
             sock = socket.create_connection((host, port), timeout=self._connect_timeout)
         except OSError as exc:

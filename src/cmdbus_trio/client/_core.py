@@ -6,6 +6,7 @@ No I/O and no trio here, so the blocking client shares it."""
 from __future__ import annotations
 
 import math
+import ssl
 from typing import Any, Final
 
 import attrs
@@ -23,6 +24,7 @@ from cmdbus_trio.protocol import (
 )
 
 from ._errors import ConnectionLost, ServerError, TooLarge, error_from_reply
+from ._retry import RetryPolicy
 
 DEFAULT_MAX_REPLY_BYTES: Final = 64 << 20
 LOCAL_GRACE: Final = 0.1
@@ -141,3 +143,42 @@ def split_address(address: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"address {address!r}: expected HOST:PORT")
     return host.strip("[]"), int(port)
+
+
+class BaseConnection:
+    """What both clients' connections keep: the address and options they connect with,
+    and the protocol state of the current connection (its hello). A bad ``address``
+    raises :class:`ValueError` here, not at the first call."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        retry: RetryPolicy | None = None,
+        client: str | None = None,
+        token: str | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+        connect_timeout: float = 10.0,
+    ) -> None:
+        split_address(address)
+        self.address = address
+        self.retry = retry
+        self._client_name = client
+        self._token = token
+        self._ssl_context = ssl_context
+        self._connect_timeout = connect_timeout
+        self._protocol = ClientProtocol()
+        self._closed = False
+        self._init_transport()
+
+    def _init_transport(self) -> None:
+        """The connection's I/O state: the subclass's."""
+
+    @property
+    def server(self) -> ServerHello | None:
+        """The hello of the current connection (None before the first)."""
+        return self._protocol.hello
+
+    def _new_protocol(self) -> ClientProtocol:
+        """The protocol state for a new connection, to send its hello."""
+        return ClientProtocol(client=self._client_name, token=self._token)

@@ -4,8 +4,10 @@ throttling: a client whose calls keep failing must not multiply the overload).""
 
 from __future__ import annotations
 
+import math
 import random
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -89,3 +91,36 @@ class RetryPolicy:
         jittered = self.rng.uniform(0, step)
         retry_after = getattr(error, "retry_after_ms", None) or 0
         return max(jittered, retry_after / 1000 * self.rng.uniform(1.0, 1.2))
+
+
+class Attempts:
+    """One call's attempts under ``policy`` (None: one attempt), for both clients: it
+    records the request in the budget, counts the attempts and says how long to pause
+    before the next one, if there is one before ``deadline`` (on ``clock``; None:
+    none)."""
+
+    def __init__(
+        self,
+        policy: RetryPolicy | None,
+        call: Call[Any],
+        deadline: float | None,
+        clock: Callable[[], float],
+    ) -> None:
+        self._policy = policy
+        self._call = call
+        self._deadline = math.inf if deadline is None else deadline
+        self._clock = clock
+        self._attempt = 1
+        if policy is not None:
+            policy.budget.record_request()
+
+    def pause_after(self, error: ClientError) -> float | None:
+        """Seconds to wait before retrying after ``error``; None: raise it."""
+        policy = self._policy
+        if policy is None or not policy.should_retry(self._call, error, self._attempt):
+            return None
+        pause = policy.delay(error, self._attempt)
+        if self._clock() + pause >= self._deadline:
+            return None
+        self._attempt += 1
+        return pause

@@ -4,7 +4,6 @@ methods are in :mod:`._trio_faces`; the public names in :mod:`cmdbus_trio.client
 from __future__ import annotations
 
 import math
-import ssl
 from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any, Self, TypeVar
@@ -17,9 +16,9 @@ from cmdbus_trio.protocol import NEED_DATA
 from ._calls import (
     Call,
 )
-from ._core import LOCAL_GRACE, ClientProtocol, Reply, ServerHello, split_address
+from ._core import LOCAL_GRACE, BaseConnection, Reply, ServerHello, split_address
 from ._errors import ClientError, ConnectionLost, DeadlineExceeded
-from ._retry import RetryPolicy
+from ._retry import Attempts
 from ._sockets import closed_by_peer
 
 T = TypeVar("T")
@@ -40,7 +39,7 @@ class _Slot:
         return bool(self.replies) or self.error is not None
 
 
-class Connection:
+class Connection(BaseConnection):
     """A v2 connection to one data face, reconnected on the next call after it broke.
 
     Cancellation: a call cancelled while waiting forgets its request; a reply that comes
@@ -52,31 +51,13 @@ class Connection:
     call waiting on it; no reply within ``timeout`` raises :class:`DeadlineExceeded`.
     """
 
-    def __init__(
-        self,
-        address: str,
-        *,
-        retry: RetryPolicy | None = None,
-        client: str | None = None,
-        token: str | None = None,
-        ssl_context: ssl.SSLContext | None = None,
-        connect_timeout: float = 10.0,
-    ) -> None:
-        split_address(address)
-        self.address = address
-        self.retry = retry
-        self._client_name = client
-        self._token = token
-        self._ssl_context = ssl_context
-        self._connect_timeout = connect_timeout
+    def _init_transport(self) -> None:
         self._stream: trio.abc.Stream | None = None
         self._transport: trio.SocketStream | None = None
-        self._protocol = ClientProtocol()
         self._pending: dict[int, _Slot] = {}
         self._reading = False
         self._send_lock = trio.StrictFIFOLock()
         self._connect_lock = trio.Lock()
-        self._closed = False
 
     @classmethod
     async def connect(cls, address: str, **options: Any) -> Self:
@@ -84,10 +65,6 @@ class Connection:
         connection = cls(address, **options)
         await connection._connected()
         return connection
-
-    @property
-    def server(self) -> ServerHello | None:
-        return self._protocol.hello
 
     async def __aenter__(self) -> Self:
         return self
@@ -103,18 +80,13 @@ class Connection:
         """Run ``call``; ``timeout`` (seconds) is sent as its ``deadline_ms`` and bounds
         the wait for the reply and any retries."""
         deadline = math.inf if timeout is None else trio.current_time() + timeout
-        if self.retry is not None:
-            self.retry.budget.record_request()
-        attempt = 0
+        attempts = Attempts(self.retry, call, deadline, trio.current_time)
         while True:
-            attempt += 1
             try:
                 return call.parse(await self._attempt(call, deadline))
             except ClientError as error:
-                if self.retry is None or not self.retry.should_retry(call, error, attempt):
-                    raise
-                pause = self.retry.delay(error, attempt)
-                if trio.current_time() + pause >= deadline:
+                pause = attempts.pause_after(error)
+                if pause is None:
                     raise
                 await trio.sleep(pause)
 
@@ -149,7 +121,7 @@ class Connection:
                 # Idled out by the server: nothing was sent on it, reconnect.
                 self._break(ConnectionLost(f"{self.address} closed the idle connection"))
             host, port = split_address(self.address)
-            protocol = ClientProtocol(client=self._client_name, token=self._token)
+            protocol = self._new_protocol()
             try:
                 with trio.fail_after(self._connect_timeout):
                     transport = await trio.open_tcp_stream(host, port)
