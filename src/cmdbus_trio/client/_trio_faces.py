@@ -31,6 +31,15 @@ from ._errors import ClientError
 from ._shards import ClaimRounds, Rotation, ShardDelivery, ShardMap
 from ._trio_connection import Connection
 
+__all__ = [
+    "ClaimClient",
+    "IngestClient",
+    "Router",
+    "ShardedClaimClient",
+    "SubscribeClient",
+    "TierClient",
+]
+
 
 class IngestClient(Connection):
     """The command (:9100) or event (:9103) ingest face."""

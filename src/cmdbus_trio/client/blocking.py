@@ -10,24 +10,9 @@ pipelines several requests in one round trip.
 
 from __future__ import annotations
 
+from . import _blocking_faces
 from ._blocking_connection import Connection
-from ._blocking_faces import (
-    ClaimClient,
-    IngestClient,
-    Router,
-    ShardedClaimClient,
-    SubscribeClient,
-    TierClient,
-)
+from ._blocking_faces import *  # noqa: F403  # the faces: _blocking_faces.__all__
 from ._errors import ServerError
 
-__all__ = [
-    "ClaimClient",
-    "Connection",
-    "IngestClient",
-    "Router",
-    "ServerError",
-    "ShardedClaimClient",
-    "SubscribeClient",
-    "TierClient",
-]
+__all__ = ["Connection", "ServerError", *_blocking_faces.__all__]

@@ -10,24 +10,9 @@ reads the socket for everyone, so a client needs no background task and no nurse
 
 from __future__ import annotations
 
+from . import _trio_faces
 from ._errors import ServerError
 from ._trio_connection import Connection
-from ._trio_faces import (
-    ClaimClient,
-    IngestClient,
-    Router,
-    ShardedClaimClient,
-    SubscribeClient,
-    TierClient,
-)
+from ._trio_faces import *  # noqa: F403  # the faces: _trio_faces.__all__
 
-__all__ = [
-    "ClaimClient",
-    "Connection",
-    "IngestClient",
-    "Router",
-    "ServerError",
-    "ShardedClaimClient",
-    "SubscribeClient",
-    "TierClient",
-]
+__all__ = ["Connection", "ServerError", *_trio_faces.__all__]
