@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from cmdbus_trio.storage import StoreState, StoreUnavailable
-from cmdbus_trio.storage.buslog import MAX_READ_MANY, BusEntry, BusLog, Published
+from cmdbus_trio.storage.buslog import MAX_READ_MANY, BusEntry, BusLog, Published, Settlements
 
 
 @pytest.fixture
@@ -136,15 +136,16 @@ def test_publishes_from_many_threads(log: BusLog) -> None:
 
 def test_positions_prune_acks_and_start_the_reload(log: BusLog) -> None:
     log.publish([entry(i) for i in range(10)])
-    log.commit(acks=[("commands", key) for key in (1, 2, 3, 5)])
+    log.commit(done=Settlements(acks=[("commands", key) for key in (1, 2, 3, 5)]))
     assert [key for key, *_ in log.unsettled("commands", 0, 100)] == [4, 6, 7, 8, 9, 10]
-    log.commit(positions=[("commands", 4)])  # 1-3 settled: their acks are not needed
+    # 1-3 settled: their acks are not needed
+    log.commit(done=Settlements(positions=[("commands", 4)]))
     assert log.settled_below("commands") == 4
     with log._connection() as connection:
         acks = connection.execute("SELECT sort_key FROM acks ORDER BY sort_key").fetchall()
     assert acks == [(5,)]
     assert [key for key, *_ in log.unsettled("commands", 0, 100)] == [4, 6, 7, 8, 9, 10]
-    log.commit(positions=[("commands", 2)])  # a position never goes back
+    log.commit(done=Settlements(positions=[("commands", 2)]))  # a position never goes back
     assert log.settled_below("commands") == 4
     assert log.settled_below("someone-else") == 0
 
@@ -165,13 +166,14 @@ def test_read_many_refuses_more_than_its_bound(log: BusLog) -> None:
 
 def test_delivery_counts_are_kept_until_the_record_settles(log: BusLog) -> None:
     log.publish([entry(i) for i in range(6)])
-    log.commit(counts=[("commands", key, key) for key in range(1, 7)])
-    log.commit(counts=[("commands", 1, 4), ("other", 1, 9)])  # the latest count wins
+    log.commit(done=Settlements(counts=[("commands", key, key) for key in range(1, 7)]))
+    # the latest count wins
+    log.commit(done=Settlements(counts=[("commands", 1, 4), ("other", 1, 9)]))
     counts = {key: count for key, _, count in log.unsettled("commands", 0, 100)}
     assert counts == {1: 4, 2: 2, 3: 3, 4: 4, 5: 5, 6: 6}
     assert [c for k, _, c in log.unsettled("other", 0, 100) if k == 1] == [9]
-    log.commit(acks=[("commands", 2)], dead=[("commands", 3, 3)])
-    log.commit(positions=[("commands", 5)])  # 1-4 settled for "commands"
+    log.commit(done=Settlements(acks=[("commands", 2)], dead=[("commands", 3, 3)]))
+    log.commit(done=Settlements(positions=[("commands", 5)]))  # 1-4 settled for "commands"
     with log._connection() as connection:
         rows = connection.execute(
             "SELECT consumer, sort_key FROM deliveries ORDER BY consumer, sort_key"

@@ -21,7 +21,7 @@ from cmdbus_trio.bus.groups import ConsumerGroups
 from cmdbus_trio.faces.evt_subscribe import _Gaps
 from cmdbus_trio.protocol.bus import BusKind, PublishRecord, SubjectRule
 from cmdbus_trio.retention import Eviction
-from cmdbus_trio.storage.buslog import RETENTION_BATCH, BusEntry, BusLog
+from cmdbus_trio.storage.buslog import RETENTION_BATCH, BusEntry, BusLog, Settlements
 
 from .helpers import frame_client, metric_sum, metrics_text, server_log, serving
 
@@ -42,9 +42,9 @@ def test_the_oldest_events_go_until_the_log_is_within_its_cap(tmp_path: Path) ->
     log = BusLog.open(tmp_path / "events.sqlite3", name="events")
     log.create_group("g", 0)
     published = publish(log, 400, 8000)  # about 3.3 MiB
-    log.commit(dead=[("g", 1, 3)], counts=[("g", 3, 2)], acks=[("g", 4)])
-    log.commit(dead=[("g", 2, 3)])
-    log.commit(dead_moves=[("g", 2, True)])  # requeued: owed
+    log.commit(done=Settlements(dead=[("g", 1, 3)], counts=[("g", 3, 2)], acks=[("g", 4)]))
+    log.commit(done=Settlements(dead=[("g", 2, 3)]))
+    log.commit(done=Settlements(dead_moves=[("g", 2, True)]))  # requeued: owed
     assert log.used_bytes() > 3 * CAP
     steps = []
     while through := log.eviction_floor(CAP):

@@ -16,7 +16,14 @@ import trio
 from cmdbus_trio.client.trio import SubscribeClient
 from cmdbus_trio.config import Config
 from cmdbus_trio.retention import RetentionPolicy
-from cmdbus_trio.storage.buslog import RETENTION_BATCH, BusEntry, BusLog, Retained
+from cmdbus_trio.storage.buslog import (
+    RETENTION_BATCH,
+    BusEntry,
+    BusLog,
+    Retained,
+    Settlements,
+    Windows,
+)
 
 from .helpers import frame_client, metric_sum, metrics_text, serving
 
@@ -55,7 +62,7 @@ def retain(log: BusLog, **policy: Any) -> Retained:
         "keep_dead": 100.0,
         "mark_every": 1.0,
     }
-    return log.retain(**(options | policy))
+    return log.retain(Windows(**(options | policy)))
 
 
 def test_an_acked_command_goes_after_its_window_a_dead_letter_after_its_own(
@@ -63,10 +70,12 @@ def test_an_acked_command_goes_after_its_window_a_dead_letter_after_its_own(
 ) -> None:
     log = open_log(tmp_path / "commands.sqlite3", clock)
     publish(log, 10)
-    log.commit(acks=[("commands", k) for k in range(1, 6)], dead=[("commands", 6, 3)])
-    log.commit(dead=[("commands", 7, 3)])
-    log.commit(dead_moves=[("commands", 7, True)])  # requeued: owed, not settled
-    log.commit(positions=[("commands", 8)])  # 8, 9, 10 are still queued
+    log.commit(
+        done=Settlements(acks=[("commands", k) for k in range(1, 6)], dead=[("commands", 6, 3)])
+    )
+    log.commit(done=Settlements(dead=[("commands", 7, 3)]))
+    log.commit(done=Settlements(dead_moves=[("commands", 7, True)]))  # requeued: owed, not settled
+    log.commit(done=Settlements(positions=[("commands", 8)]))  # 8, 9, 10 are still queued
     assert retain(log) == Retained(records=0, dead_letters=0, more=False)
     clock.now += 9.9  # within the window: kept
     assert retain(log).records == 0
@@ -89,16 +98,16 @@ def test_an_event_goes_once_every_group_settled_it_and_its_window_passed(
     for group in ("fast", "slow"):
         log.create_group(group, 0)
     publish(log, 10)
-    log.commit(positions=[("fast", 11), ("slow", 4)])
+    log.commit(done=Settlements(positions=[("fast", 11), ("slow", 4)]))
     events = {"consumers": None, "keep_settled": None, "keep_published": 10.0}
     assert retain(log, **events).records == 0  # younger than the window
     clock.now += 11
     assert retain(log, **events).records == 3  # the slow group settled 1..3 only
-    log.commit(positions=[("slow", 11)])
+    log.commit(done=Settlements(positions=[("slow", 11)]))
     assert retain(log, **events).records == 7
     publish(log, 2)
     for group in ("fast", "slow"):
-        log.commit(dropped=[group])
+        log.commit(done=Settlements(dropped=[group]))
     clock.now += 5
     assert retain(log, **events).records == 0  # no group: kept for the window
     clock.now += 11
@@ -114,7 +123,7 @@ def test_a_group_created_after_retention_starts_after_what_it_deleted(
     log = BusLog.open(tmp_path / "events.sqlite3", name="events", wall_clock=clock)
     log.create_group("old", 0)
     publish(log, 5)
-    log.commit(positions=[("old", 6)])
+    log.commit(done=Settlements(positions=[("old", 6)]))
     events = {"consumers": None, "keep_settled": None, "keep_published": 0.0}
     assert retain(log, **events) == Retained(records=5, dead_letters=0, more=False, through=5)
     assert log.create_group("new", 0) == 5
@@ -131,7 +140,9 @@ def test_sort_keys_are_never_reused_after_the_log_was_emptied_and_reopened(
     path = tmp_path / "commands.sqlite3"
     log = open_log(path, clock)
     publish(log, 5)
-    log.commit(acks=[("commands", k) for k in range(1, 6)], positions=[("commands", 6)])
+    log.commit(
+        done=Settlements(acks=[("commands", k) for k in range(1, 6)], positions=[("commands", 6)])
+    )
     assert retain(log, keep_settled=0.0).records == 5
     assert keys(log) == [] and log.records == 0
     log.close()
@@ -147,7 +158,7 @@ def test_a_step_deletes_a_bounded_batch_and_says_when_there_is_more(
     log = open_log(tmp_path / "commands.sqlite3", clock)
     total = 2 * RETENTION_BATCH + 7
     publish(log, total)
-    log.commit(positions=[("commands", total + 1)])
+    log.commit(done=Settlements(positions=[("commands", total + 1)]))
     steps = [retain(log, keep_settled=0.0) for _ in range(3)]
     assert [(s.records, s.more) for s in steps] == [
         (RETENTION_BATCH, True),
@@ -161,7 +172,9 @@ def test_marks_stay_bounded_and_survive_a_restart(tmp_path: Path, clock: Clock) 
     path = tmp_path / "commands.sqlite3"
     log = open_log(path, clock)
     publish(log, 3)
-    log.commit(acks=[("commands", k) for k in (1, 2, 3)], positions=[("commands", 4)])
+    log.commit(
+        done=Settlements(acks=[("commands", k) for k in (1, 2, 3)], positions=[("commands", 4)])
+    )
     retain(log)  # marks: settled below 4, now
     log.close()
     clock.now += 10.5  # the writer was down meanwhile: the mark in the log still counts
@@ -183,7 +196,7 @@ def test_deleted_records_give_their_space_back(tmp_path: Path, clock: Clock) -> 
     total = 4000
     for _ in range(4):
         publish(log, total // 4, size=1000)
-    log.commit(positions=[("commands", total + 1)])
+    log.commit(done=Settlements(positions=[("commands", total + 1)]))
     checkpoint(path)
     full = log.disk_bytes()
     while retain(log, keep_settled=0.0).more:

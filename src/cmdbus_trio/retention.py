@@ -37,7 +37,7 @@ from cmdbus_trio.bus.groups import ConsumerGroups
 from cmdbus_trio.config import Config
 from cmdbus_trio.logs import event
 from cmdbus_trio.storage import StoreUnavailable
-from cmdbus_trio.storage.buslog import BusLog
+from cmdbus_trio.storage.buslog import BusLog, Windows
 from cmdbus_trio.storage.tier import TierStore
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,16 @@ class RetentionPolicy:
     def mark_every(self) -> float:
         windows = [w for w in (self.keep_settled, self.keep_published) if w is not None]
         return max(self.interval, max(windows, default=0.0) / MARKS_PER_WINDOW)
+
+    def windows(self, consumers: Mapping[str, int] | None) -> Windows:
+        """What one retention step of a bus log with ``consumers`` keeps."""
+        return Windows(
+            consumers=consumers,
+            keep_settled=self.keep_settled,
+            keep_published=self.keep_published,
+            keep_dead=self.keep_dead,
+            mark_every=self.mark_every,
+        )
 
 
 class Eviction:
@@ -162,13 +172,7 @@ async def run_retention(
 
     async def step() -> bool:
         retained = await run_in_thread(
-            lambda: log.retain(
-                consumers=consumers,
-                keep_settled=policy.keep_settled,
-                keep_published=policy.keep_published,
-                keep_dead=policy.keep_dead,
-                mark_every=policy.mark_every,
-            ),
+            lambda: log.retain(policy.windows(consumers)),
             limiter=limiter,
         )
         metrics.RETAINED.labels(store=store, kind="records").inc(retained.records)

@@ -28,7 +28,7 @@ from cmdbus_trio.logs import event
 from cmdbus_trio.protocol.bus import PublishRecord, SubjectRule
 from cmdbus_trio.steps import Steps
 from cmdbus_trio.storage import StoreUnavailable
-from cmdbus_trio.storage.buslog import BusEntry, BusLog, Published, StoredRecord
+from cmdbus_trio.storage.buslog import BusEntry, BusLog, Published, Settlements, StoredRecord
 
 log = logging.getLogger(__name__)
 
@@ -222,24 +222,24 @@ class GroupCommitter:
 
     def _commit(self, tickets: list[Ticket]) -> None:
         entries = [entry for ticket in tickets for entry in ticket.entries]
-        acks = [ack for ticket in tickets for ack in ticket.acks]
-        dead = [parked for ticket in tickets for parked in ticket.dead]
-        positions = [mark for ticket in tickets for mark in ticket.positions]
-        counts = [count for ticket in tickets for count in ticket.counts]
-        dropped = [group for ticket in tickets for group in ticket.dropped]
-        dead_moves = [move for ticket in tickets for move in ticket.dead_moves]
-        owe = [owed for ticket in tickets for owed in ticket.owe]
-        if not (entries or acks or dead or positions or counts or dropped or dead_moves):
+        done = Settlements(
+            acks=[ack for ticket in tickets for ack in ticket.acks],
+            dead=[parked for ticket in tickets for parked in ticket.dead],
+            positions=[mark for ticket in tickets for mark in ticket.positions],
+            counts=[count for ticket in tickets for count in ticket.counts],
+            dropped=[group for ticket in tickets for group in ticket.dropped],
+            dead_moves=[move for ticket in tickets for move in ticket.dead_moves],
+            owe=[owed for ticket in tickets for owed in ticket.owe],
+        )
+        if not (entries or done):
             return
         started = time.monotonic()
         moved: list[tuple[str, int]] = []
-        published = self.bus.commit(
-            entries, acks, dead, positions, counts, dropped, dead_moves, moved, owe
-        )
+        published = self.bus.commit(entries, done, moved)
         if moved:
-            done = set(moved)
+            still_dead = set(moved)
             for ticket in tickets:
-                ticket.moved = [m[:2] for m in ticket.dead_moves if m[:2] in done]
+                ticket.moved = [m[:2] for m in ticket.dead_moves if m[:2] in still_dead]
         self._commit_seconds.observe(time.monotonic() - started)
         start = 0
         for ticket in tickets:

@@ -27,15 +27,45 @@ class BusEntry:
 
 @attrs.frozen(kw_only=True)
 class Settlements:
-    """What consumers settled and recorded, as :meth:`BusLog.commit` documents it."""
+    """What consumers settled and recorded, for :meth:`BusLog.commit
+    <cmdbus_trio.storage.buslog.BusLog.commit>`. A consumer is a claim group
+    ("commands" for the command bus)."""
 
     acks: Sequence[tuple[str, int]] = ()
+    """``(consumer, sort_key)``."""
     dead: Sequence[tuple[str, int, int]] = ()
+    """Dead letters, ``(consumer, sort_key, deliveries)``."""
     positions: Sequence[tuple[str, int]] = ()
+    """``(consumer, settled_below)``: every record below it is acked or dead for that
+    consumer, so its acks and counts there are no longer needed and are pruned."""
     counts: Sequence[tuple[str, int, int]] = ()
+    """Delivery counts of unsettled records, ``(consumer, sort_key, deliveries)``."""
     dropped: Sequence[str] = ()
+    """Groups deleted, with all they recorded (after the rest of the transaction, so an
+    ack of theirs committed with it leaves nothing behind)."""
     dead_moves: Sequence[tuple[str, int, bool]] = ()
+    """``(consumer, sort_key, requeue)``: a dead letter requeued (it is the consumer's
+    again, with a fresh delivery count, and stays so across a restart even below the
+    consumer's settled position: it is *owed*) or purged (settled for good)."""
     owe: Sequence[tuple[str, int, int]] = ()
+    """``(consumer, after, through)``: the consumer's position passes records in that
+    range that it has not settled (they stayed unsettled too long): each is recorded as
+    owed, so that a restart still loads it, before the position moves. It goes with a
+    position, never alone."""
+
+    def __bool__(self) -> bool:
+        """Whether there is anything to write (``owe`` goes with a position)."""
+        return bool(
+            self.acks
+            or self.dead
+            or self.positions
+            or self.counts
+            or self.dropped
+            or self.dead_moves
+        )
+
+
+NOTHING_SETTLED = Settlements()
 
 
 def settle(

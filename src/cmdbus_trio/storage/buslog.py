@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import sqlite3
 import time
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Sequence
 from functools import partial
 from pathlib import Path
 
@@ -24,7 +24,7 @@ from cmdbus_trio.protocol.subjects import matches
 
 from . import _bus_retention, _bus_schema, _bus_writes
 from ._bus_retention import RETENTION_BATCH, Evicted, Retained, Windows
-from ._bus_writes import BusEntry, Settlements
+from ._bus_writes import NOTHING_SETTLED, BusEntry, Settlements
 from ._guard import refuses_loop_thread
 from ._sqlite import SqliteStore
 
@@ -38,7 +38,9 @@ __all__ = [
     "Evicted",
     "Published",
     "Retained",
+    "Settlements",
     "StoredRecord",
+    "Windows",
 ]
 
 MAX_READ_MANY = 256
@@ -102,40 +104,12 @@ class BusLog(SqliteStore):
     def commit(
         self,
         entries: Sequence[BusEntry] = (),
-        acks: Sequence[tuple[str, int]] = (),
-        dead: Sequence[tuple[str, int, int]] = (),
-        positions: Sequence[tuple[str, int]] = (),
-        counts: Sequence[tuple[str, int, int]] = (),
-        dropped: Sequence[str] = (),
-        dead_moves: Sequence[tuple[str, int, bool]] = (),
+        done: Settlements = NOTHING_SETTLED,
         moved: list[tuple[str, int]] | None = None,
-        owe: Sequence[tuple[str, int, int]] = (),
     ) -> list[Published]:
-        """One transaction (one fsync): append ``entries``, record ``acks`` as
-        ``(consumer, sort_key)``, dead letters as ``(consumer, sort_key, deliveries)``,
-        delivery ``counts`` of unsettled records as ``(consumer, sort_key, deliveries)``,
-        and ``positions`` as ``(consumer, settled_below)``: every record below it is acked
-        or dead for that consumer, so its acks and counts there are no longer needed and
-        are pruned. A consumer is a claim group ("commands" for the command bus).
-        ``dropped``: groups deleted, with all they recorded (after the rest of the
-        transaction, so an ack of theirs committed with it leaves nothing behind).
-        ``dead_moves``: ``(consumer, sort_key, requeue)``: a dead letter requeued (it is
-        the consumer's again, with a fresh delivery count, and stays so across a restart
-        even below the consumer's settled position: it is *owed*) or purged (settled for good); each
-        one that was still dead is appended to ``moved``. ``owe``: ``(consumer, after,
-        through)``: the consumer's position passes records in that range that it has not
-        settled (they stayed unsettled too long): each is recorded as owed, so that a
-        restart still loads it, before the position moves."""
-
-        done = Settlements(
-            acks=acks,
-            dead=dead,
-            positions=positions,
-            counts=counts,
-            dropped=dropped,
-            dead_moves=dead_moves,
-            owe=owe,
-        )
+        """One transaction (one fsync): append ``entries`` and record what consumers
+        settled (:class:`Settlements` says what each field means). Each dead letter of
+        ``done.dead_moves`` that was still dead is appended to ``moved``."""
 
         def write(connection: sqlite3.Connection) -> list[Published]:
             now = self._wall_clock()
@@ -164,18 +138,11 @@ class BusLog(SqliteStore):
         return self._deleted_through
 
     @refuses_loop_thread
-    def retain(
-        self,
-        *,
-        consumers: Mapping[str, int] | None,
-        keep_settled: float | None,
-        keep_published: float | None,
-        keep_dead: float,
-        mark_every: float,
-    ) -> Retained:
+    def retain(self, windows: Windows) -> Retained:
         """One bounded step of retention, in one write transaction: delete up to
         :data:`RETENTION_BATCH` records settled by every consumer and out of their keep
-        windows, and up to as many dead letters older than ``keep_dead``.
+        windows, and up to as many dead letters older than ``keep_dead``. The fields of
+        ``windows``:
 
         ``consumers``: name -> the sort key it starts after (records up to it are not
         its); None: the log's groups. A record is *settled* when it is below every
@@ -189,14 +156,6 @@ class BusLog(SqliteStore):
         settled (or published) ``keep`` seconds ago when a mark at least that old says so:
         never sooner, and at most ``mark_every`` later. Marks are in the log, so a restart
         keeps the ages."""
-
-        windows = Windows(
-            consumers=consumers,
-            keep_settled=keep_settled,
-            keep_published=keep_published,
-            keep_dead=keep_dead,
-            mark_every=mark_every,
-        )
 
         def write(connection: sqlite3.Connection) -> Retained:
             now = self._wall_clock()
