@@ -12,6 +12,7 @@ from typing import Any, Literal
 import attrs
 import trio
 
+from cmdbus_trio.protocol.claim import Delivery
 from cmdbus_trio.protocol.subjects import matches
 
 Kind = Literal["fresh", "again"]
@@ -21,14 +22,6 @@ MAX_MATCHED = 1024
 MAX_IDLE_FILTERS = 256
 """Filters with no waiter whose index is kept (the most recently used); one used again
 after it was dropped has its index rebuilt once (a walk of the subjects with records)."""
-
-
-@attrs.frozen
-class Delivery:
-    sort_key: int
-    subject: str
-    redelivered: bool
-    deliveries: int
 
 
 @attrs.define(eq=False)

@@ -6,7 +6,9 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from ._queues import Delivery, FilterIndex, SubjectQueues, Waiter
+from cmdbus_trio.protocol.claim import Delivery
+
+from ._queues import FilterIndex, SubjectQueues, Waiter
 
 Take = Callable[[tuple[str, ...], object], Delivery | None]
 """Lease the oldest record a filter matches to an owner (``Claims.next_nowait``)."""

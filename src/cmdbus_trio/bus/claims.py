@@ -26,12 +26,13 @@ import trio
 
 from cmdbus_trio import metrics
 from cmdbus_trio.admission import GateClosed
+from cmdbus_trio.protocol.claim import Delivery
 from cmdbus_trio.protocol.subjects import matches
 
 from ._cursor import TailCursor
 from ._leases import Leases
 from ._owed import STUCK_AFTER, BacklogCount, SettledPosition
-from ._queues import Delivery, FilterIndex, SubjectQueues
+from ._queues import FilterIndex, SubjectQueues
 from ._waiters import Parked
 
 if TYPE_CHECKING:

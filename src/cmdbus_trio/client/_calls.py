@@ -8,6 +8,7 @@ from typing import Any, Generic, TypeVar
 
 import attrs
 
+from cmdbus_trio.protocol import claim
 from cmdbus_trio.protocol.bus import Published
 from cmdbus_trio.protocol.tier import TierRecord
 
@@ -32,11 +33,9 @@ class Call(Generic[T]):
 
 
 @attrs.frozen
-class Delivery:
-    sort_key: int
-    subject: str
-    redelivered: bool
-    deliveries: int
+class Delivery(claim.Delivery):
+    """A record handed out by ``next``, and what the reply says of it."""
+
     record: Record
 
 

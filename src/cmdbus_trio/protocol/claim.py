@@ -40,6 +40,17 @@ _FIELDS: Final[Mapping[str, frozenset[str]]] = {
 
 
 @attrs.frozen
+class Delivery:
+    """What a ``next`` reply says of the record it hands out, besides the record."""
+
+    sort_key: int
+    subject: str
+    redelivered: bool
+    deliveries: int
+    """Times it was handed out, this time included."""
+
+
+@attrs.frozen
 class Next:
     group: Any
     start: Any
