@@ -13,11 +13,13 @@ RUFF = "ruff==0.17.6"
 MYPY = "mypy==2.4.1"
 
 
-SYSTEM_ONCE = ["-m", "not system and not slow"]
-"""The system tests (tests/system: a whole deployment in processes, about 30 s each) and
-the slow load tests (floods, soaks, crashes in subprocesses) run in the first Python's
-session only: they test the deployment, not the interpreter, and running them four times
-would take CI toward half an hour."""
+SYSTEM_ONCE = ["-m", "not system and not slow and not e2e"]
+"""The system tests (tests/system: a whole deployment in processes, about 30 s each), the
+slow load tests (floods, soaks, crashes in subprocesses) and the command line's end-to-end
+tests (`e2e`: a writer in a subprocess, a minute and a half in all) run in the first
+Python's session only: they test the deployment, not the interpreter (the code they run is
+tested in-process in every session), and running them four times would take CI past half
+an hour."""
 
 
 @nox.session(python=PYTHONS)

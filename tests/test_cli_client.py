@@ -12,6 +12,8 @@ import pytest
 
 from .helpers import cli, serving
 
+pytestmark = pytest.mark.e2e  # each test runs the command line, most against a writer
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:

@@ -13,6 +13,8 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from cmdbus_trio.client import Busy, ClientError, Unavailable, blocking
 from cmdbus_trio.commands.diagnose import Scrape, _quantile, assess
 
@@ -44,12 +46,14 @@ def background(work: Callable[[threading.Event], None], threads: int = 1) -> Ite
             worker.join(timeout=30)
 
 
+@pytest.mark.e2e
 def test_idle_is_healthy(tmp_path: Path) -> None:
     with serving(tmp_path) as (_, ports):
         code, findings = diagnose(ports)
     assert code == 0 and [f["verdict"] for f in findings] == ["healthy"]
 
 
+@pytest.mark.e2e
 def test_a_tiny_gate_under_a_flood_is_saturated(tmp_path: Path) -> None:
     gate = {"CMDBUS_TIER_MAX_INFLIGHT": "1", "CMDBUS_TIER_MAX_WAITERS": "0"}
     with serving(tmp_path, **gate) as (_, ports):
@@ -73,6 +77,7 @@ def test_a_tiny_gate_under_a_flood_is_saturated(tmp_path: Path) -> None:
     assert "stalled" not in [f["verdict"] for f in findings]
 
 
+@pytest.mark.e2e
 def test_a_blocked_loop_is_stalled_not_saturated(tmp_path: Path) -> None:
     env = {"CMDBUS_DEBUG_HOOKS": "true", "CMDBUS_LIVENESS_THRESHOLD_MS": "500"}
     with serving(tmp_path, **env) as (_, ports):
@@ -93,6 +98,7 @@ def test_a_blocked_loop_is_stalled_not_saturated(tmp_path: Path) -> None:
     assert "saturated" not in [f["verdict"] for f in during + after]
 
 
+@pytest.mark.e2e
 def test_a_failed_write_is_poisoned(tmp_path: Path) -> None:
     with serving(tmp_path, file_size_limit=512 * 1024) as (_, ports):
         with blocking.TierClient.connect(ports["tier"]) as tier:
@@ -109,6 +115,7 @@ def test_a_failed_write_is_poisoned(tmp_path: Path) -> None:
     assert any("poisoned_reason" in line for line in findings[0]["evidence"])
 
 
+@pytest.mark.e2e
 def test_no_consumers_is_a_growing_backlog(tmp_path: Path) -> None:
     with serving(tmp_path) as (_, ports):
 
@@ -160,6 +167,7 @@ def test_a_crashed_face_or_task_is_named() -> None:
     assert [f.verdict for f in assess((starting, starting), empty, empty, 3.0)] == ["not ready"]
 
 
+@pytest.mark.e2e
 def test_a_backlog_nobody_takes_from_is_stuck(tmp_path: Path) -> None:
     """800 commands waiting in a pool with no worker, not growing: not healthy."""
     with serving(tmp_path) as (_, ports):
@@ -176,6 +184,7 @@ def test_a_backlog_nobody_takes_from_is_stuck(tmp_path: Path) -> None:
     assert any("cmdbus_deliveries_total" in line for line in findings[0]["evidence"])
 
 
+@pytest.mark.e2e
 def test_a_backlog_being_worked_is_not_stuck(tmp_path: Path) -> None:
     with serving(tmp_path) as (_, ports):
         with blocking.IngestClient.connect(ports["cmd_ingest"]) as ingest:
@@ -195,6 +204,7 @@ def test_a_backlog_being_worked_is_not_stuck(tmp_path: Path) -> None:
     assert "backlog stuck" not in [f["verdict"] for f in findings], findings
 
 
+@pytest.mark.e2e
 def test_slow_commits_are_a_slow_disk(tmp_path: Path) -> None:
     env = {"CMDBUS_DEBUG_HOOKS": "true"}
     with serving(tmp_path, **env) as (_, ports):
