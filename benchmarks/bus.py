@@ -1,6 +1,6 @@
 """Command bus throughput and cost: cmdbus-trio against local Redis and NATS, in the same run.
 
-    python benchmarks/bus.py --floor --peer redis --peer nats --rate 1000   # about 8 minutes
+    python benchmarks/bus.py --floor --peer redis --peer nats --rate 1000   # about 9 minutes
     python benchmarks/bus.py --peer redis --quick          # about 1 minute
     python benchmarks/bus.py --only "publish x16"          # the workloads named so
     python benchmarks/bus.py --memory                      # writer RSS with a 1M backlog
@@ -23,7 +23,9 @@ a new connection every 50 ms during the workload, as a kubelet would.
 
 --floor adds `floor_server.py`: the same protocol answered from memory by the least a trio
 server can do per request (no disk, no admission, no metrics). It bounds what one trio loop
-can reach on this machine with this protocol and these load generators.
+can reach on this machine with this protocol and these load generators. "floor+disk" is the
+same server committing each read's publishes and acks to SQLite (an fsync per group commit,
+in one worker thread) before replying: the bound for a durable server on one trio loop.
 
 The load generators (`_generators.py`) are the same for every server: worker processes (at
 most 2 a side of the load) running asyncio, one connection per client, requests pipelined
@@ -176,9 +178,11 @@ def start_nats(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
     return process, f"127.0.0.1:{port}"
 
 
-def start_floor(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_floor(workdir: Path, durable: bool = False) -> tuple[subprocess.Popen[bytes], str]:
     ports_file = workdir / "ports.json"
     command = [sys.executable, str(HERE.parent / "floor_server.py"), str(ports_file)]
+    if durable:
+        command += ["--durable", str(workdir / "floor.sqlite3")]
     process = subprocess.Popen(command)
     deadline = time.monotonic() + 60
     while not ports_file.exists():
@@ -191,6 +195,7 @@ def start_floor(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
 STARTERS = {
     "cmdbus-trio": start_cmdbus,
     "floor": start_floor,
+    "floor+disk": lambda workdir: start_floor(workdir, durable=True),
     "redis": start_redis,
     "nats": start_nats,
 }
@@ -406,14 +411,20 @@ def report(names: list[str], rounds: list[dict[str, dict[str, Any]]], duration: 
     others = names[1:]
     if not others:
         return
-    print(f"\n{'ratios (ops/s)':<24}" + "".join(f"{'ours / ' + n:>16}" for n in others))
+    spread = 5 * len(rounds) + 2 if len(rounds) > 1 else 0  # " (0.77 0.72)": each round
+    widths = [max(16, len(f"ours / {n}") + 2) + spread for n in others]
+    print(
+        f"\n{'ratios (ops/s)':<24}"
+        + "".join(f"{'ours / ' + n:>{w}}" for n, w in zip(others, widths, strict=True))
+    )
     for key in results[names[0]]:
         cells = []
-        for other in others:
+        for other, width in zip(others, widths, strict=True):
             ratios = [r[names[0]][key]["rate"] / max(r[other][key]["rate"], 1e-9) for r in rounds]
-            cells.append(f"{statistics.median(ratios):>15.2f}x")
+            cell = f"{statistics.median(ratios):.2f}x"
             if len(rounds) > 1:
-                cells.append(" (" + " ".join(f"{x:.2f}" for x in ratios) + ")")
+                cell += " (" + " ".join(f"{x:.2f}" for x in ratios) + ")"
+            cells.append(f"{cell:>{width}}")
         print(f"{key:<24}" + "".join(cells))
 
 
@@ -422,7 +433,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--peer", choices=["redis", "nats"], action="append", default=[])
-    parser.add_argument("--floor", action="store_true", help="also run floor_server.py")
+    parser.add_argument(
+        "--floor", action="store_true", help="also run floor_server.py, in memory and durable"
+    )
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--backlog", type=int, default=40_000, help="records preloaded for claims")
     parser.add_argument("--rate", type=float, help="add the steady end-to-end workload (records/s)")
@@ -453,7 +466,7 @@ def main() -> None:
     names = [
         "cmdbus-trio",
         *([f"cmdbus-trio@{args.baseline}"] if args.baseline else []),
-        *(["floor"] if args.floor else []),
+        *(["floor", "floor+disk"] if args.floor else []),
         *dict.fromkeys(args.peer),
     ]
     runs = [(k, loads) for k, loads in workloads(args.rate) if k.startswith(args.only or "")]

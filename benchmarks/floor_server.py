@@ -1,6 +1,6 @@
 """The floor: the least a trio server can do per request of this protocol.
 
-    python benchmarks/floor_server.py PORTS_FILE
+    python benchmarks/floor_server.py PORTS_FILE [--durable DB]
 
 It speaks just enough v2 for `bus.py`'s workloads (hello, publish, publish_batch, next
 waiting up to its timeout_ms, ack) on one port, one task per connection, with our frame
@@ -9,6 +9,14 @@ admission, no metrics, no pipelining concurrency beyond answering frames in orde
 real server can be cheaper per request on the same loop, so whatever it reaches bounds
 what cmdbus-trio can reach with one trio loop on this machine. `bus.py --floor` runs it
 beside the others. Never a product: it loses everything on exit and checks nothing.
+
+``--durable DB`` (`bus.py --floor` runs it as "floor+disk") adds the least durability
+costs: before a read's replies go out, its publishes and acks are committed to SQLite
+(WAL, synchronous=FULL: an fsync per commit) by one worker thread, every write waiting at
+that moment in one transaction (group commit). What it reaches bounds what a durable
+server on one trio loop and one SQLite file can reach (generously: it hands a record to
+`next` before the record is on disk, which a real server must not); the gap between the
+two floors is the price of the fsync before the reply.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import sqlite3
 import sys
 from collections import deque
 from typing import Any
@@ -79,8 +88,54 @@ class Memory:
         return reply
 
 
-async def serve_connection(memory: Memory, stream: trio.SocketStream) -> None:
+class Disk:
+    """Group commit: writes wait in memory until the thread's next transaction."""
+
+    def __init__(self, path: str) -> None:
+        self.db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=FULL")
+        self.db.execute("CREATE TABLE records (sort_key INTEGER PRIMARY KEY, record TEXT)")
+        self.db.execute("CREATE TABLE acks (sort_key INTEGER PRIMARY KEY)")
+        self.records: list[tuple[int, str]] = []
+        self.acks: list[tuple[int]] = []
+        self.committed = trio.Event()  # set when what waits now is on disk
+        self.waiting = trio.Event()
+
+    async def write(self, records: list[tuple[int, str]], acks: list[tuple[int]]) -> None:
+        self.records += records
+        self.acks += acks
+        self.waiting.set()
+        await self.committed.wait()
+
+    async def run(self) -> None:
+        while True:
+            await self.waiting.wait()
+            self.waiting = trio.Event()
+            batch = self.records, self.acks, self.committed
+            self.records, self.acks, self.committed = [], [], trio.Event()
+            await trio.to_thread.run_sync(self._commit, *batch[:2])
+            batch[2].set()
+
+    def _commit(self, records: list[tuple[int, str]], acks: list[tuple[int]]) -> None:
+        self.db.execute("BEGIN")
+        self.db.executemany("INSERT INTO records VALUES (?, ?)", records)
+        self.db.executemany("INSERT OR IGNORE INTO acks VALUES (?)", acks)
+        self.db.execute("COMMIT")
+
+
+async def serve_connection(memory: Memory, disk: Disk | None, stream: trio.SocketStream) -> None:
     decoder = FrameDecoder(1 << 20)
+    records: list[tuple[int, str]] = []
+    acks: list[tuple[int]] = []
+
+    async def send(replies: list[dict[str, Any]]) -> None:
+        if disk is not None and (records or acks):
+            await disk.write(records[:], acks[:])
+            records.clear()
+            acks.clear()
+        await stream.send_all(b"".join(_frames(replies)))
+
     while True:
         replies = []
         while isinstance(frame := decoder.next_frame(), bytes):
@@ -91,24 +146,42 @@ async def serve_connection(memory: Memory, stream: trio.SocketStream) -> None:
             if request["op"] == "next" and not memory.records and request.get("timeout_ms"):
                 # A next waits for a record, as the writer's does (the replies before it
                 # go first: they are answered in order).
-                await stream.send_all(b"".join(_frames(replies)))
+                await send(replies)
                 replies = []
                 with trio.move_on_after(request["timeout_ms"] / 1000):
                     await memory.wait_for_records()
-            replies.append(memory.answer(request))
+            reply = memory.answer(request)
+            replies.append(reply)
+            if disk is not None:
+                _note_writes(request, reply, records, acks)
         if replies:
-            await stream.send_all(b"".join(_frames(replies)))
+            await send(replies)
         if frame is CLOSED:
             return
         decoder.receive_data(await stream.receive_some(65536))
+
+
+def _note_writes(
+    request: dict[str, Any],
+    reply: dict[str, Any],
+    records: list[tuple[int, str]],
+    acks: list[tuple[int]],
+) -> None:
+    if request["op"] == "publish":
+        records.append((reply["sort_key"], json.dumps(request["record"])))
+    elif request["op"] == "publish_batch":
+        records += zip(reply["sort_keys"], map(json.dumps, request["records"]), strict=True)
+    elif request["op"] == "ack":
+        acks.append((request["sort_key"],))
 
 
 def _frames(replies: list[dict[str, Any]]) -> list[bytes]:
     return [encode_frame(json.dumps(r).encode()) for r in replies]
 
 
-async def main(ports_file: str) -> None:
+async def main(ports_file: str, durable: str | None) -> None:
     memory = Memory()
+    disk = Disk(durable) if durable else None
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
     address = f"127.0.0.1:{listeners[0].socket.getsockname()[1]}"
     partial = trio.Path(ports_file + ".tmp")
@@ -117,10 +190,14 @@ async def main(ports_file: str) -> None:
 
     async def handle(stream: trio.SocketStream) -> None:
         with contextlib.suppress(trio.BrokenResourceError):
-            await serve_connection(memory, stream)
+            await serve_connection(memory, disk, stream)
 
-    await trio.serve_listeners(handle, listeners)
+    async with trio.open_nursery() as nursery:
+        if disk is not None:
+            nursery.start_soon(disk.run)
+        await trio.serve_listeners(handle, listeners)
 
 
 if __name__ == "__main__":
-    trio.run(main, sys.argv[1])
+    durable = sys.argv[3] if sys.argv[2:3] == ["--durable"] else None
+    trio.run(main, sys.argv[1], durable)
