@@ -209,7 +209,7 @@ async def test_the_collector_is_tuned_while_serving(make_config: Callable[..., C
     back when it ends."""
     import gc
 
-    from cmdbus_trio.app import YOUNG_COLLECTION_THRESHOLD
+    from cmdbus_trio.interpreter import YOUNG_COLLECTION_THRESHOLD
 
     before = gc.get_threshold()
     assert gc.get_freeze_count() == 0

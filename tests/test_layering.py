@@ -14,6 +14,8 @@ from cmdbus_trio import metrics
 from cmdbus_trio.storage import LoopThreadError, refuses_loop_thread
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "cmdbus_trio"
+MAX_MODULE_LINES = 450
+"""Issue 19: a module longer than this carries more than one idea; split it."""
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -24,6 +26,13 @@ def imported_modules(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module.split(".")[0])
     return names
+
+
+def test_no_module_is_longer_than_the_cap() -> None:
+    lengths = {p.relative_to(SRC): len(p.read_text().splitlines()) for p in SRC.rglob("*.py")}
+    too_long = {str(path): n for path, n in lengths.items() if n > MAX_MODULE_LINES}
+    assert not too_long, f"over {MAX_MODULE_LINES} lines: {too_long}"
+    assert len(lengths) > 50  # the walk found the package
 
 
 @pytest.mark.parametrize("package", ["protocol", "storage"])

@@ -16,10 +16,8 @@ import json
 import logging
 import os
 import signal
-import sys
 import tempfile
-from collections.abc import Awaitable, Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -43,6 +41,7 @@ from .faces import tier as tier_face
 from .gates import gate_for, lanes_for
 from .health import FaceState, Health
 from .heartbeat import Heartbeat
+from .interpreter import collector_tuned, switch_interval
 from .logs import event
 from .protocol.bus import BusKind
 from .retention import Eviction, retention_for, run_retention, run_tier_retention, tier_windows
@@ -122,41 +121,6 @@ def write_ports_file(path: Path, addresses: Mapping[str, str]) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-
-
-@contextmanager
-def switch_interval(seconds: float) -> Iterator[None]:
-    """Lower the GIL switch interval while serving (DESIGN.md, "The GIL rule")."""
-    previous = sys.getswitchinterval()
-    sys.setswitchinterval(seconds)
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(previous)
-
-
-YOUNG_COLLECTION_THRESHOLD = 10_000
-"""Allocations (net, of objects the collector tracks) between two collections of the
-youngest generation; Python's default is 700."""
-
-
-@contextmanager
-def collector_tuned() -> Iterator[None]:
-    """Collect garbage cycles less often while serving (docs/architecture.md, "The
-    collector"). A request makes short-lived objects that reference counting frees:
-    with the default threshold a flood of them started a young collection every few
-    hundred requests, promoted the requests in flight to older generations, and so
-    brought full collections (25-45 ms, each a loop pass that long) about twice a
-    second. The objects of startup are frozen out of full collections by
-    :meth:`Writer._started`. The previous thresholds are restored, and the frozen
-    objects given back to the collector, when serving ends."""
-    previous = gc.get_threshold()
-    gc.set_threshold(YOUNG_COLLECTION_THRESHOLD, *previous[1:])
-    try:
-        yield
-    finally:
-        gc.set_threshold(*previous)
-        gc.unfreeze()
 
 
 class Writer:
