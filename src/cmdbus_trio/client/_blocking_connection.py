@@ -77,9 +77,7 @@ class Connection(BaseConnection):
         """Run ``call``; ``timeout`` (seconds) is sent as its ``deadline_ms`` and bounds
         the wait for the reply and any retries."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        attempts = Attempts(
-            self.retry, call, math.inf if deadline is None else deadline, time.monotonic
-        )
+        attempts = Attempts(self.retry, call, deadline, time.monotonic)
         while True:
             try:
                 outcome = self._exchange([call], deadline)[0]
