@@ -56,16 +56,23 @@ class Client:
 
 
 async def http_get(address: str, path: str) -> int:
-    """One GET on a new connection, as a kubelet probe or a scrape does; returns the status."""
+    """One GET on a new connection, as a kubelet probe or a scrape does; returns the status.
+    Raises :class:`OSError` when there is no whole answer (a probe loop counts it failed)."""
     host, port = address.rsplit(":", 1)
     async with await trio.open_tcp_stream(host, int(port)) as stream:
-        await stream.send_all(
-            f"GET {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n".encode()
-        )
         data = b""
-        while chunk := await stream.receive_some(1 << 16):
-            data += chunk
-    return int(data.split(b" ", 2)[1])
+        try:
+            await stream.send_all(
+                f"GET {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n".encode()
+            )
+            while chunk := await stream.receive_some(1 << 16):
+                data += chunk
+        except trio.BrokenResourceError as exc:  # a reset: not an OSError in trio
+            raise ConnectionError(f"{address}{path}: {exc!r}") from None
+    try:
+        return int(data.split(b" ", 2)[1])
+    except (IndexError, ValueError):
+        raise ConnectionError(f"{address}{path}: not an HTTP answer: {data[:40]!r}") from None
 
 
 async def open_loop(n: int, clients: int, rate: float, until: float) -> AsyncIterator[int]:

@@ -4,6 +4,8 @@ name the right one, and never take saturation for a stall or the other way round
 from __future__ import annotations
 
 import json
+import socket
+import struct
 import subprocess
 import threading
 import time
@@ -16,6 +18,8 @@ from typing import Any
 import pytest
 
 from cmdbus_trio.client import Busy, ClientError, Unavailable, blocking
+from cmdbus_trio.commands.bench import http_get
+from cmdbus_trio.commands.client import fetch
 from cmdbus_trio.commands.diagnose import Scrape, _quantile, assess
 
 from .helpers import cli, serving
@@ -226,3 +230,48 @@ def test_slow_commits_are_a_slow_disk(tmp_path: Path) -> None:
     assert "store commands" in findings[0]["summary"]
     assert any("cmdbus_commit_seconds" in line for line in findings[0]["evidence"])
     assert "stalled" not in [f["verdict"] for f in findings]
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhel",  # cut mid-body
+        b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nhello",  # fewer bytes than said
+        b"HTTP/1.1 2",  # cut in the status line
+    ],
+)
+def test_an_answer_cut_off_is_an_oserror_not_a_crash(answer: bytes) -> None:
+    """A writer killed while it answered: `fetch` (health, diagnose) raises the OSError
+    its callers turn into "no answer", not http.client's IncompleteRead."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+
+        def answer_and_close() -> None:
+            connection, _ = server.accept()
+            with connection:
+                connection.recv(65536)
+                connection.sendall(answer)
+
+        thread = threading.Thread(target=answer_and_close, daemon=True)
+        thread.start()
+        with pytest.raises(OSError):
+            fetch(f"http://127.0.0.1:{server.getsockname()[1]}/healthz", timeout=10)
+        thread.join(timeout=10)
+
+
+async def test_a_probe_reset_mid_answer_is_an_oserror() -> None:
+    """`bench`'s probe (a kubelet's new connection): a reset is an OSError, which the
+    probe loop counts as a failed probe, not trio's BrokenResourceError, which ended it."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+
+        def reset_mid_answer() -> None:
+            connection, _ = server.accept()
+            connection.recv(65536)
+            connection.sendall(b"HTTP/1.0 200 OK\r\n")
+            connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            connection.close()  # with a zero linger: a reset, not a FIN
+
+        thread = threading.Thread(target=reset_mid_answer, daemon=True)
+        thread.start()
+        with pytest.raises(OSError):
+            await http_get(f"http://127.0.0.1:{server.getsockname()[1]}/healthz")
+        thread.join(timeout=10)

@@ -8,6 +8,7 @@ what every process saw; :func:`violations` checks it against the writer's guaran
 from __future__ import annotations
 
 import contextlib
+import http.client
 import itertools
 import json
 import os
@@ -249,7 +250,7 @@ class Deployment:
                         response.read()
                 except urllib.error.HTTPError as error:
                     status = error.code
-                except OSError:
+                except (OSError, http.client.HTTPException):  # IncompleteRead: killed mid-answer
                     status = None
                 self.probes.append(Probe(time.time(), path, status, time.monotonic() - started))
             if self.writer is not None and self.writer.poll() is None:

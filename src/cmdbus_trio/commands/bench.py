@@ -112,10 +112,13 @@ async def http_get(url: str) -> tuple[int, bytes]:
         stream = await trio.open_tcp_stream(host, port)
         async with stream:
             request = f"GET {parts.path or '/'} HTTP/1.0\r\nHost: {parts.netloc}\r\n\r\n"
-            await stream.send_all(request.encode())
             data = bytearray()
-            while chunk := await stream.receive_some(1 << 16):
-                data += chunk
+            try:
+                await stream.send_all(request.encode())
+                while chunk := await stream.receive_some(1 << 16):
+                    data += chunk
+            except trio.BrokenResourceError as exc:  # reset: not an OSError in trio
+                raise ConnectionError(f"{url}: the connection broke: {exc!r}") from None
     head, _, body = bytes(data).partition(b"\r\n\r\n")
     try:
         return int(head.split(b" ", 2)[1]), body

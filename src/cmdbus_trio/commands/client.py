@@ -4,6 +4,7 @@ blocking client (CLI.md). Output is JSON lines, or a table with ``--human``."""
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import ssl
@@ -306,12 +307,15 @@ def _delete_group(args: argparse.Namespace, output: Output) -> int:
 
 
 def fetch(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
-    """GET ``url``: the status and body; raises :class:`OSError` when there is no answer."""
+    """GET ``url``: the status and body; raises :class:`OSError` when there is no whole
+    answer (none at all, or one cut off: a writer killed while it answered)."""
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response:
             return int(response.status), bytes(response.read())
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()
+    except http.client.HTTPException as exc:  # IncompleteRead, BadStatusLine: not OSErrors
+        raise ConnectionError(f"{url}: the answer was cut off: {exc!r}") from None
 
 
 def _health(args: argparse.Namespace, output: Output) -> int:
