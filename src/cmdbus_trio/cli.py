@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import Protocol
 
 import trio
 
@@ -18,7 +19,18 @@ from .logs import event
 
 log = logging.getLogger(__name__)
 
-_COMMANDS = {"client": client.run, "bench": bench.run, "diagnose": diagnose.run}
+
+class _Command(Protocol):
+    """A command module: its docstring is its ``--help`` description."""
+
+    HELP: str
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None: ...
+
+    def run(self, args: argparse.Namespace) -> int: ...
+
+
+_COMMANDS: dict[str, _Command] = {"client": client, "bench": bench, "diagnose": diagnose}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -41,9 +53,15 @@ def _parser() -> argparse.ArgumentParser:
             metavar="VALUE",
             help=f"{setting.help} [env {setting.env}, default {setting.default or 'unset'!r}]",
         )
-    client.add_parser(commands)
-    bench.add_parser(commands)
-    diagnose.add_parser(commands)
+    for name, command in _COMMANDS.items():
+        command.add_arguments(
+            commands.add_parser(
+                name,
+                help=command.HELP,
+                description=command.__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter,
+            )
+        )
     return parser
 
 
@@ -52,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "serve":
         return _serve(vars(args))
     if args.command in _COMMANDS:
-        return _COMMANDS[args.command](args)
+        return _COMMANDS[args.command].run(args)
     raise AssertionError(args.command)  # argparse allows only the commands above
 
 

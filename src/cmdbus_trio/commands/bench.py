@@ -337,13 +337,10 @@ async def bench(url: str, scenario: str, duration: float, workers: int, events: 
     return recorder
 
 
-def add_parser(commands: Any) -> None:
-    parser = commands.add_parser(
-        "bench",
-        help="drive a writer with a scenario and report rates and latencies",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+HELP = "drive a writer with a scenario and report rates and latencies"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--url", default="http://127.0.0.1:9090", help="control face of the writer")
     where.add_argument("--spawn", action="store_true", help="start a writer on a temp dir")

@@ -31,10 +31,10 @@ def _default(face: str) -> str:
     return f"127.0.0.1:{DEFAULT_PORTS[face]}"
 
 
-def add_parser(commands: Any) -> None:
-    client = commands.add_parser(
-        "client", help="talk to a running writer", description="Talk to a running writer."
-    )
+HELP = "talk to a running writer"
+
+
+def add_arguments(client: argparse.ArgumentParser) -> None:
     ops = client.add_subparsers(dest="client_command", required=True, metavar="OP")
 
     def op(name: str, help: str) -> argparse.ArgumentParser:

@@ -407,13 +407,10 @@ def diagnose(url: str, *, interval: float, timeout: float) -> list[Finding]:
     return assess((first, second), before, after, interval)
 
 
-def add_parser(commands: Any) -> None:
-    parser = commands.add_parser(
-        "diagnose",
-        help="say whether a writer is healthy, saturated, stalled, poisoned or backlogged",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+HELP = "say whether a writer is healthy, saturated, stalled, poisoned or backlogged"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("url", nargs="?", default="http://127.0.0.1:9090", help="control face")
     parser.add_argument("--interval", type=float, default=3.0, help="seconds between scrapes")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait per request")
