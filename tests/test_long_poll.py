@@ -226,3 +226,50 @@ async def test_parked_consumers_hold_no_intake_place(writer: tuple[Path, dict[st
             for client in clients:
                 await client.aclose()
             nursery.cancel_scope.cancel()
+
+
+async def test_requests_held_back_longer_than_every_timer_are_all_answered(
+    writer: tuple[Path, dict[str, str]],
+) -> None:
+    """Eighty `next`s at once, more than a connection takes in (32): the rest wait
+    unread while the first ones wait for records, longer than every timer. The reader's
+    timer expires while it hands the held-back requests over; none is lost, each gets
+    its record once records come, and the connection stays."""
+    _, ports = writer
+    pool, count = "held_back", 80
+    with trio.fail_after(20):
+        async with frame_client(ports["cmd_claim"]) as client:
+            for id in range(1, count + 1):
+                body = {"id": id, "op": "next", "filter": f"commands.{pool}.>"}
+                await client.send(json.dumps(body | {"timeout_ms": 15_000}).encode())
+            await trio.sleep(IDLE)
+            async with frame_client(ports["cmd_ingest"]) as ingest:
+                for _ in range(count):
+                    assert (await ingest.request("publish", record=record(pool)))["ok"]
+            replies = [await client.receive_json() for _ in range(count)]
+            assert sorted(reply["id"] for reply in replies) == list(range(1, count + 1))
+            assert all(reply["delivery"] is not None for reply in replies), replies
+            for reply in replies:
+                sort_key = reply["delivery"]["sort_key"]
+                assert (await client.request("ack", sort_key=sort_key))["acked"] is True
+
+
+async def test_a_frame_trickling_in_slower_than_the_read_timeout_in_all_is_read(
+    writer: tuple[Path, dict[str, str]],
+) -> None:
+    """A frame arrives a few bytes at a time over three read timeouts, each piece within
+    one: the connection is not stalled, and the request is answered."""
+    _, ports = writer
+    with trio.fail_after(10):
+        async with frame_client(ports["cmd_claim"]) as client:
+            request = {"id": 1, "op": "next", "filter": "commands.trickle.>", "timeout_ms": 0}
+            body = json.dumps(request)
+            frame = len(body).to_bytes(4, "big") + body.encode()
+            pieces = [frame[i : i + 8] for i in range(0, len(frame), 8)]
+            pause = 1.2 / len(pieces)  # 1.2 s in all against a 400 ms read timeout
+            assert pause < 0.2
+            for piece in pieces:
+                await client.stream.send_all(piece)
+                await trio.sleep(pause)
+            reply = await client.receive_json()
+            assert reply["id"] == 1 and reply["delivery"] is None, reply

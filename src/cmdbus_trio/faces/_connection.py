@@ -1,5 +1,5 @@
-"""One connection of a data face: reading, scheduling, admission, timers, replies (its
-listeners and drain: ``_listen.py``; its writes: ``_outbox.py``).
+"""One connection of a data face: scheduling, admission, replies (its reader and timers:
+``_reader.py``; its listeners and drain: ``_listen.py``; its writes: ``_outbox.py``).
 
 The wire decisions (dialect, hello, auth, envelopes, error frames, the reply cap) are the
 sans-io :class:`~cmdbus_trio.protocol.server.ServerConnection`'s; this module does the
@@ -16,7 +16,6 @@ reader); either way through the connection's :class:`Outbox`.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -28,13 +27,12 @@ import trio
 from cmdbus_trio import __version__, metrics
 from cmdbus_trio.admission import Gate, Shed, ShedReason
 from cmdbus_trio.logs import event
-from cmdbus_trio.protocol import NEED_DATA, ErrorCode, Request, UnsupportedOp, encode_frame
+from cmdbus_trio.protocol import ErrorCode, Request, UnsupportedOp, encode_frame
 from cmdbus_trio.protocol.server import (
     UNKNOWN_OP,
     Answer,
     Closed,
     Dialect,
-    Event,
     Opened,
     ServerConnection,
 )
@@ -42,11 +40,10 @@ from cmdbus_trio.protocol.server import (
 from . import FaceContext
 from ._handler import CloseConnection, Deferred, FaceError, FaceHandler, Sender, as_face_error
 from ._outbox import Outbox
+from ._reader import MAX_INFLIGHT_PER_CONNECTION, Batch, Reader
 
 log = logging.getLogger(__name__)
 
-MAX_INFLIGHT_PER_CONNECTION = 32
-RECEIVE_CHUNK = 65536
 MAX_STEP = 0.0005
 """Seconds of requests the dispatcher takes in before the loop's other tasks run: every
 task runs once per pass of the loop, so a long step makes every other task late."""
@@ -57,11 +54,6 @@ class OpenCount:
     """Open connections of one face (``max_connections`` caps it)."""
 
     open: int = 0
-
-
-Batch = list[tuple[Event, float]]
-"""What the reader hands the dispatcher: every event one read completed, each with its
-arrival time (one hand-over per read, not per frame, for a pipelining client)."""
 
 
 class Connection:
@@ -96,8 +88,14 @@ class Connection:
         self._large = trio.CapacityLimiter(
             max(1, config.connection_unsent_bytes // config.max_reply_bytes)
         )
-        self._asked = 0  # requests being answered (the idle timeout waits for none)
-        self._quiet_since = trio.current_time()  # the last read or answer (see _asking)
+        self.reader = Reader(
+            ctx,
+            stream,
+            self.protocol,
+            self.outbox,
+            holding=lambda: self.handler.holding(),
+            end=self._end,
+        )
 
     @classmethod
     async def run(
@@ -140,84 +138,11 @@ class Connection:
         with self._scope:  # cancelled to end the connection from a handler
             async with trio.open_nursery() as nursery:
                 requests = trio.CancelScope()
-                nursery.start_soon(self._read_events, send_events, requests)
+                nursery.start_soon(self.reader.run, send_events, requests)
                 with requests:
                     async with receive_events:
                         await self._dispatch(receive_events)
                 nursery.cancel_scope.cancel()
-
-    # --- reading -----------------------------------------------------------------------
-
-    async def _read_events(
-        self, out: trio.MemorySendChannel[Batch], requests: trio.CancelScope
-    ) -> None:
-        async with out, trio.open_nursery() as reading:
-            reading.start_soon(self._stop_reading_on_drain, reading.cancel_scope)
-            # BrokenResourceError: the dispatcher takes no more (it met the end).
-            with contextlib.suppress(trio.BrokenResourceError):
-                await self._read_loop(out, self.ctx.config.read_timeout_ms / 1000)
-            reading.cancel_scope.cancel()
-        if self.outbox.peer_gone:
-            requests.cancel()  # nobody to answer: stop read work (started writes finish)
-
-    async def _stop_reading_on_drain(self, reading: trio.CancelScope) -> None:
-        await self.ctx.draining.wait()
-        reading.cancel()
-
-    async def _read_loop(self, out: trio.MemorySendChannel[Batch], read_timeout: float) -> None:
-        protocol = self.protocol
-        idle_timeout = self.ctx.config.idle_timeout_ms / 1000
-        batch: Batch = []
-        while True:
-            next_event = protocol.next_event()
-            if next_event is not NEED_DATA:
-                batch.append((next_event, trio.current_time()))
-                if isinstance(next_event, Closed):
-                    await out.send(batch)
-                    if next_event.by_peer:
-                        self.outbox.peer_gone = True
-                    return
-                if len(batch) >= min(MAX_INFLIGHT_PER_CONNECTION, self.ctx.room):
-                    # No more than can be taken in at once: the rest wait unread, their
-                    # clocks not started (frames waiting in a batch would age, and a
-                    # held-back flood would run out its budgets there). The room is the
-                    # fullest Gate's: a flood of writes fills their lane, not the face's.
-                    await out.send(batch)
-                    batch = []
-                continue
-            if batch:
-                await out.send(batch)
-                batch = []
-            with trio.CancelScope() as waited:
-                if protocol.in_partial_frame:
-                    waited.deadline = trio.current_time() + read_timeout
-                else:
-                    waited.deadline = self._quiet_since + idle_timeout
-                try:
-                    data = await self.stream.receive_some(RECEIVE_CHUNK)
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    data = b""
-            now = trio.current_time()
-            if waited.cancelled_caught:
-                if not protocol.in_partial_frame:
-                    if now < self._quiet_since + idle_timeout:
-                        continue  # answered while the reader waited: the timer restarted
-                    if self._asked or self.handler.holding():  # a worker's leases time
-                        self._quiet_since = now  # themselves: not idle, look again later
-                        continue
-                self._end("idle_timeout")
-                return
-            self._quiet_since = now
-            protocol.receive_data(data)
-
-    def _asking(self, change: int) -> None:
-        """Count the requests being answered. The idle timeout runs only while there are
-        none (a worker's ``next`` waiting for work is not idle), from the last answer or
-        read. The reader's wait is not re-timed here (a cancel-scope deadline moved twice
-        per request): when it expires, the reader looks again."""
-        self._asked += change
-        if not self._asked:
-            self._quiet_since = trio.current_time()
 
     # --- dispatching ---------------------------------------------------------------------
 
@@ -313,7 +238,7 @@ class Connection:
             return True
         if gated:
             gate.take_in()
-        self._asking(+1)
+        self.reader.asking(+1)
         done = partial(self._request_done, slots, slot, gate if gated else None)
         if isinstance(pending, Deferred):
             self._deferred += 1
@@ -344,12 +269,12 @@ class Connection:
 
     def _request_done(self, slots: trio.CapacityLimiter, slot: object, gate: Gate | None) -> None:
         slots.release_on_behalf_of(slot)
-        self._asking(-1)
+        self.reader.asking(-1)
         if gate is not None:
             gate.taken_out()
 
     async def _v1(self, frame: bytes, arrival: float) -> bool:
-        self._asking(+1)
+        self.reader.asking(+1)
         lent = await self._lend(len(frame))
         try:
             try:
@@ -364,7 +289,7 @@ class Connection:
             self._observe(reply.op, reply.outcome, arrival)
             return sent
         finally:
-            self._asking(-1)
+            self.reader.asking(-1)
 
     async def _v2(
         self,

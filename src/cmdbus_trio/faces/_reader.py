@@ -1,0 +1,138 @@
+"""A data connection's reader: bytes from the socket into its sans-io protocol, the
+events out to the connection's dispatcher, and the two timers that end a connection
+(the read timeout mid-frame, the idle timeout between frames)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import attrs
+import trio
+
+from cmdbus_trio.protocol import NEED_DATA
+from cmdbus_trio.protocol.server import Closed, Event, ServerConnection
+
+from . import FaceContext
+from ._outbox import Outbox
+
+MAX_INFLIGHT_PER_CONNECTION = 32
+RECEIVE_CHUNK = 65536
+
+Batch = list[tuple[Event, float]]
+"""What the reader hands the dispatcher: every event one read completed, each with its
+arrival time (one hand-over per read, not per frame, for a pipelining client)."""
+
+
+@attrs.define(eq=False)
+class Reader:
+    """Reads for one connection until the peer closes, a timer expires or the face
+    drains. ``holding()`` says whether the connection holds work that times itself (a
+    worker's leases), which the idle timeout waits for; ``end(outcome)`` is told when a
+    timer ends the connection."""
+
+    ctx: FaceContext
+    stream: trio.abc.Stream
+    protocol: ServerConnection
+    outbox: Outbox
+    _holding: Callable[[], bool] = attrs.field(kw_only=True)
+    _end: Callable[[str], None] = attrs.field(kw_only=True)
+    _asked: int = attrs.field(default=0, init=False)
+    """Requests being answered (the idle timeout waits for none)."""
+    _quiet_since: float = attrs.field(factory=trio.current_time, init=False)
+    """The last read or answer (see :meth:`asking`)."""
+
+    def asking(self, change: int) -> None:
+        """Count the requests being answered. The idle timeout runs only while there are
+        none (a worker's ``next`` waiting for work is not idle), from the last answer or
+        read. The reader's wait is not re-timed here (a cancel-scope deadline moved twice
+        per request): when it expires, the reader looks again."""
+        self._asked += change
+        if not self._asked:
+            self._quiet_since = trio.current_time()
+
+    async def run(self, out: trio.MemorySendChannel[Batch], requests: trio.CancelScope) -> None:
+        """Read until the end; then, if the peer is gone, cancel ``requests`` (the
+        connection's read work: nobody is left to answer; started writes finish)."""
+        async with out, trio.open_nursery() as reading:
+            reading.start_soon(self._stop_on_drain, reading.cancel_scope)
+            # BrokenResourceError: the dispatcher takes no more (it met the end).
+            with contextlib.suppress(trio.BrokenResourceError):
+                await self._read(out, self.ctx.config.read_timeout_ms / 1000)
+            reading.cancel_scope.cancel()
+        if self.outbox.peer_gone:
+            requests.cancel()
+
+    async def _stop_on_drain(self, reading: trio.CancelScope) -> None:
+        await self.ctx.draining.wait()
+        reading.cancel()
+
+    async def _read(self, out: trio.MemorySendChannel[Batch], read_timeout: float) -> None:
+        """One cancel scope times many reads: entering a scope with a deadline and
+        leaving it cost ~10% of the loop's time at ack-each loads (py-spy). Its deadline
+        comes no later than either timer can expire; when it passes, the reader looks
+        which timer, if any, did.
+
+        Cancellation: the timer's scope may cancel the hand-over to a busy dispatcher;
+        the events are kept and handed over in the next scope (trio's ``send`` either
+        delivers or raises)."""
+        protocol = self.protocol
+        idle_timeout = self.ctx.config.idle_timeout_ms / 1000
+        horizon = min(read_timeout, idle_timeout)
+        batch: Batch = []
+        handing_over = reading = False
+        closed: Closed | None = None
+        waiting_since = now = trio.current_time()
+        timer = min(self._quiet_since + idle_timeout, now + horizon)
+        while True:
+            with trio.CancelScope(deadline=timer):
+                while True:
+                    if handing_over:
+                        await out.send(batch)
+                        if closed is not None:
+                            if closed.by_peer:
+                                self.outbox.peer_gone = True
+                            return
+                        batch, handing_over = [], False
+                        waiting_since = trio.current_time()
+                    next_event = protocol.next_event()
+                    if next_event is not NEED_DATA:
+                        batch.append((next_event, trio.current_time()))
+                        if isinstance(next_event, Closed):
+                            handing_over, closed = True, next_event
+                        elif len(batch) >= min(MAX_INFLIGHT_PER_CONNECTION, self.ctx.room):
+                            # No more than can be taken in at once: the rest wait unread,
+                            # their clocks not started (frames waiting in a batch would
+                            # age, and a held-back flood would run out its budgets there).
+                            # The room is the fullest Gate's: a flood of writes fills their
+                            # lane, not the face's.
+                            handing_over = True
+                        continue
+                    if batch:
+                        handing_over = True
+                        continue
+                    reading = True
+                    try:
+                        data = await self.stream.receive_some(RECEIVE_CHUNK)
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        data = b""
+                    reading = False
+                    waiting_since = self._quiet_since = trio.current_time()
+                    protocol.receive_data(data)
+            # The timer's deadline passed (the only way out of the scope but a return).
+            now = trio.current_time()
+            if reading and protocol.in_partial_frame:
+                expires = waiting_since + read_timeout
+            elif reading:
+                expires = self._quiet_since + idle_timeout
+                if now >= expires and (self._asked or self._holding()):
+                    # A worker's leases time themselves: not idle, look again later.
+                    self._quiet_since = now
+                    expires = now + idle_timeout
+            else:  # handing over to a busy dispatcher: no timer runs
+                expires = now + horizon
+            if now >= expires:
+                self._end("idle_timeout")
+                return
+            reading = False
+            timer = min(expires, now + horizon)
