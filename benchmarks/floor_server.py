@@ -112,10 +112,10 @@ class Disk:
         while True:
             await self.waiting.wait()
             self.waiting = trio.Event()
-            batch = self.records, self.acks, self.committed
+            records, acks, committed = self.records, self.acks, self.committed
             self.records, self.acks, self.committed = [], [], trio.Event()
-            await trio.to_thread.run_sync(self._commit, *batch[:2])
-            batch[2].set()
+            await trio.to_thread.run_sync(self._commit, records, acks)
+            committed.set()
 
     def _commit(self, records: list[tuple[int, str]], acks: list[tuple[int]]) -> None:
         self.db.execute("BEGIN")
