@@ -43,6 +43,7 @@ async def test_metrics_parse_and_carry_the_catalogue(make_config: Callable[..., 
     for name in (
         "cmdbus_loop_lag_seconds",
         "cmdbus_loop_blocking_calls",
+        "cmdbus_loop_turns_deferred",
         "cmdbus_request_duration_seconds",
         "cmdbus_queue_wait_seconds",
         "cmdbus_service_seconds",

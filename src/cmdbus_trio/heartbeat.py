@@ -5,7 +5,7 @@ from __future__ import annotations
 import attrs
 import trio
 
-from . import metrics
+from . import metrics, turns
 
 
 @attrs.frozen
@@ -38,6 +38,7 @@ class Heartbeat:
         self._last_lag = 0.0
         self._stall_at = -float("inf")  # when the latest over-threshold beat ended
         self._stall_lag = 0.0
+        self._deferred_counted = 0
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self._last_beat = trio.current_time()
@@ -50,6 +51,9 @@ class Heartbeat:
     def _beat(self, now: float, expected: float) -> None:
         lag = max(0.0, now - expected)
         metrics.LOOP_LAG.observe(lag)
+        deferred = turns.current().statistics().deferred
+        metrics.LOOP_TURNS_DEFERRED.inc(deferred - self._deferred_counted)
+        self._deferred_counted = deferred
         self._last_beat = now
         self._last_lag = lag
         if lag > self.threshold:

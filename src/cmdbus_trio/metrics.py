@@ -145,6 +145,14 @@ LOOP_LAG = Histogram(
     buckets=LOOP_LAG_BUCKETS,
     registry=REGISTRY,
 )
+LOOP_TURNS_DEFERRED = Counter(
+    "cmdbus_loop_turns_deferred",
+    "Times a unit of data-plane work (a read, a batch of requests, a settling step) "
+    "waited a turn of the event loop because the turn's data-plane share was spent: "
+    "the data plane alone could fill the loop, and the share keeps the control face "
+    "answering. Synced with each heartbeat.",
+    registry=REGISTRY,
+)
 LOOP_BLOCKING_CALLS = Counter(
     "cmdbus_loop_blocking_calls_total",
     "Storage entry points called on the event-loop thread (refused; any non-zero is a bug).",

@@ -19,6 +19,7 @@ from typing import Generic, TypeVar
 
 import trio
 
+from . import turns
 from .logs import event
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,9 @@ __all__ = ["Steps"]
 
 class Steps(Generic[T]):
     """Items done in order by ``do``, in steps of at most ``max_step`` seconds (and at
-    least one item): between steps, every other runnable task runs.
+    least one item): between steps, every other runnable task runs. A step also ends
+    when the turn's data-plane share is spent, and the next waits for a turn with room
+    (:mod:`cmdbus_trio.turns`).
 
     :meth:`push` never blocks and may be called from plain callbacks on the loop
     (``run_sync_soon``) and from ``do`` itself, not from other threads.
@@ -72,14 +75,17 @@ class Steps(Generic[T]):
     async def _run(self) -> None:
         assert self._idle is not None
         items = self._items
+        budget = turns.current()
         try:
             while True:
                 while not items:
                     await self._idle.park()
+                await budget.wait()
                 until = time.perf_counter() + self.max_step
                 while items:
                     self._do_one(items.popleft())
-                    if time.perf_counter() >= until:  # (>=: max_step 0 is an item a step)
+                    # (>=: max_step 0 is an item a step)
+                    if time.perf_counter() >= until or not budget.has_room():
                         break
                 await trio.lowlevel.checkpoint()
         finally:

@@ -24,7 +24,7 @@ from functools import partial
 import attrs
 import trio
 
-from cmdbus_trio import __version__, metrics
+from cmdbus_trio import __version__, metrics, turns
 from cmdbus_trio.admission import Gate, Shed, ShedReason
 from cmdbus_trio.logs import event
 from cmdbus_trio.protocol import ErrorCode, Request, UnsupportedOp, encode_frame
@@ -163,11 +163,14 @@ class Connection:
         self, batches: trio.MemoryReceiveChannel[Batch], inflight: trio.Nursery
     ) -> None:
         slots = trio.CapacityLimiter(MAX_INFLIGHT_PER_CONNECTION)
+        budget = turns.current()
         async for batch in batches:
+            await budget.wait()
             until = time.perf_counter() + MAX_STEP
             for taken, arrival in batch:
-                if time.perf_counter() > until:  # let the other tasks run
-                    await trio.lowlevel.checkpoint()
+                if time.perf_counter() > until or not budget.has_room():
+                    await trio.lowlevel.checkpoint()  # let the other tasks run
+                    await budget.wait()
                     until = time.perf_counter() + MAX_STEP
                 if isinstance(taken, Closed):
                     await self._close(taken)

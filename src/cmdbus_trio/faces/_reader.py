@@ -10,6 +10,7 @@ from collections.abc import Callable
 import attrs
 import trio
 
+from cmdbus_trio import turns
 from cmdbus_trio.protocol import NEED_DATA
 from cmdbus_trio.protocol.server import Closed, Event, ServerConnection
 
@@ -75,8 +76,10 @@ class Reader:
 
         Cancellation: the timer's scope may cancel the hand-over to a busy dispatcher;
         the events are kept and handed over in the next scope (trio's ``send`` either
-        delivers or raises)."""
+        delivers or raises). It may cancel the wait for room in the turn
+        (:mod:`cmdbus_trio.turns`): the bytes read are the protocol's by then."""
         protocol = self.protocol
+        budget = turns.current()
         idle_timeout = self.ctx.config.idle_timeout_ms / 1000
         horizon = min(read_timeout, idle_timeout)
         batch: Batch = []
@@ -119,6 +122,9 @@ class Reader:
                     reading = False
                     waiting_since = self._quiet_since = trio.current_time()
                     protocol.receive_data(data)
+                    # After the bytes are the protocol's: a timer firing in the wait
+                    # loses nothing. Waiting here also leaves the next read in the kernel.
+                    await budget.wait()
             # The timer's deadline passed (the only way out of the scope but a return).
             now = trio.current_time()
             if reading and protocol.in_partial_frame:

@@ -1,0 +1,187 @@
+"""The data plane's share of each turn of the loop (``cmdbus_trio.turns``)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+
+import pytest
+import trio
+
+from cmdbus_trio import turns
+from cmdbus_trio.config import Config
+from cmdbus_trio.protocol import encode_frame
+from cmdbus_trio.turns import TurnBudget
+
+from .helpers import frame_client, get, metric_sum, running_writer
+
+RECORD = {"execution_id": 1, "payload": "{}"}
+
+
+def installed(share: float) -> TurnBudget:
+    budget = TurnBudget(share)
+    trio.lowlevel.add_instrument(budget)
+    return budget
+
+
+def spend(seconds: float) -> None:
+    """Work on the loop for ``seconds`` of the real clock (a share is real time)."""
+    until = time.perf_counter() + seconds
+    while time.perf_counter() < until:
+        pass
+
+
+async def spend_the_share_then_wait(budget: TurnBudget) -> None:
+    await budget.wait()
+    spend(budget.share * 2)
+    await budget.wait()
+
+
+async def test_a_unit_waits_for_the_next_turn_once_the_share_is_spent() -> None:
+    budget = installed(0.002)
+    await trio.lowlevel.checkpoint()  # a fresh turn
+    began = budget.statistics().turns
+    await budget.wait()
+    assert budget.statistics().turns == began  # room: let through at once
+    spend(0.003)
+    assert not budget.has_room()
+    with trio.fail_after(5):  # the only task: a loop asleep would never wake
+        await budget.wait()
+    assert budget.statistics().turns > began
+    assert budget.statistics().deferred == 1
+
+
+async def test_a_unit_runs_in_this_turn_while_the_share_has_room() -> None:
+    budget = installed(60.0)
+    await trio.lowlevel.checkpoint()
+    began = budget.statistics().turns
+    for _ in range(100):
+        assert budget.has_room()
+        await budget.wait()
+    assert budget.statistics() == turns.TurnStatistics(turns=began, deferred=0)
+
+
+async def test_the_first_unit_of_every_turn_is_let_through() -> None:
+    """With no share at all, the data plane still does one unit a turn: never starved."""
+    budget = installed(0.0)
+    admitted: list[tuple[int, str]] = []
+
+    async def worker(name: str) -> None:
+        for _ in range(5):
+            await budget.wait()
+            admitted.append((budget.statistics().turns, name))
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            for name in "abc":
+                nursery.start_soon(worker, name)
+    assert sorted(name for _, name in admitted) == sorted("abc" * 5)
+    turns_seen = [turn for turn, _ in admitted]
+    assert len(set(turns_seen)) == len(turns_seen)  # one a turn (the first is let through)
+
+
+async def test_deferred_units_do_not_wait_for_the_next_deadline() -> None:
+    """A parked task is not ready: with nothing else ready, the loop would sleep until
+    the next deadline (here 5 s away), so one waiter stays ready and keeps it turning."""
+    budget = installed(0.001)
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            for _ in range(3):
+                nursery.start_soon(spend_the_share_then_wait, budget)
+    assert budget.statistics().deferred >= 3
+
+
+async def test_a_cancelled_wait_leaves_the_next_waiters_turning() -> None:
+    budget = installed(0.001)
+    await budget.wait()
+    spend(0.002)
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await budget.wait()  # the waiter that keeps the loop turning
+    assert scope.cancelled_caught
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            for _ in range(2):
+                nursery.start_soon(spend_the_share_then_wait, budget)
+
+
+async def test_current_is_one_budget_per_run_and_counts_turns() -> None:
+    budget = turns.current()
+    assert turns.current() is budget
+    assert budget.share == turns.DATA_PLANE_SHARE
+    began = budget.statistics().turns
+    for _ in range(3):
+        await trio.lowlevel.checkpoint()
+    assert budget.statistics().turns >= began + 3
+
+
+async def test_a_writer_with_no_share_answers_every_pipelined_request(
+    make_config: Callable[..., Config], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every unit of data-plane work but a turn's first waits a turn, and a pipelined
+    burst on several connections is still answered whole, with probes answered beside."""
+    monkeypatch.setattr(turns, "DATA_PLANE_SHARE", 0.0)
+    config = make_config(cmd_ingest_bind="127.0.0.1:0")
+    answered: list[int] = []
+
+    async def publisher(address: str, client_id: int) -> None:
+        record = {"execution_id": client_id, "payload": json.dumps({"execution_pool": "p"})}
+        requests = [{"id": i, "op": "publish", "record": record} for i in range(50)]
+        async with frame_client(address) as client:
+            await client.stream.send_all(
+                b"".join(encode_frame(json.dumps(request).encode()) for request in requests)
+            )
+            for _ in requests:
+                reply = await client.receive_json()
+                assert "sort_key" in reply, reply
+                answered.append(reply["id"])
+
+    with trio.fail_after(60):
+        async with running_writer(config) as (_, addresses):
+            before = await get(addresses["control"], "/metrics")
+            async with trio.open_nursery() as nursery:
+                for client_id in range(4):
+                    nursery.start_soon(publisher, addresses["cmd_ingest"], client_id)
+                probe = await get(addresses["control"], "/healthz")
+            assert probe.status == 200
+            assert turns.current().statistics().deferred > 0
+            await trio.sleep(0.3)  # heartbeats: the metric follows
+            after = await get(addresses["control"], "/metrics")
+    assert len(answered) == 200
+    name = "cmdbus_loop_turns_deferred_total"
+    assert metric_sum(after.body.decode(), name) > metric_sum(before.body.decode(), name)
+
+
+async def test_a_read_whose_wait_for_a_turn_outlives_the_timer_loses_nothing(
+    make_config: Callable[..., Config], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reader's timer may fire while it waits for room in the turn, bytes just read
+    in hand: they are the protocol's already, and answered once the wait is over."""
+    held = trio.Event()
+
+    class HoldsTheFirstRead(TurnBudget):
+        async def wait(self) -> None:
+            if "Reader" in trio.lowlevel.current_task().name and not held.is_set():
+                held.set()
+                await trio.sleep_forever()  # until the reader's timer cancels it
+            await super().wait()
+
+    budget: list[TurnBudget] = []
+
+    def current() -> TurnBudget:
+        if not budget:
+            budget.append(HoldsTheFirstRead(turns.DATA_PLANE_SHARE))
+            trio.lowlevel.add_instrument(budget[0])
+        return budget[0]
+
+    monkeypatch.setattr(turns, "current", current)
+    config = make_config(cmd_ingest_bind="127.0.0.1:0", read_timeout_ms=100, idle_timeout_ms=60_000)
+    with trio.fail_after(30):
+        async with (
+            running_writer(config) as (_, addresses),
+            frame_client(addresses["cmd_ingest"]) as client,
+        ):
+            reply = await client.request("publish", record=RECORD)
+    assert held.is_set()
+    assert "sort_key" in reply, reply
