@@ -46,7 +46,7 @@ async def test_a_unit_waits_for_the_next_turn_once_the_share_is_spent() -> None:
     assert budget.statistics().turns == began  # room: let through at once
     spend(0.003)
     assert not budget.has_room()
-    with trio.fail_after(5):  # the only task: a loop asleep would never wake
+    with trio.fail_after(5):  # a loop asleep while it waits fails here, not hangs
         await budget.wait()
     assert budget.statistics().turns > began
     assert budget.statistics().deferred == 1

@@ -4,7 +4,7 @@ The control face shares the loop with the data plane. trio runs, in each turn, e
 task that was ready when the turn began; a probe's tasks are among them, so a probe
 waits about as many turns as its request takes steps, and each of those turns lasts as
 long as the work the data plane found ready. Under a pipelined flood that was 2-7 ms a
-turn and a `/healthz` p99 of ~100 ms (docs/benchmarks.md, "A share of each turn").
+turn and a `/healthz` p99 of 58-109 ms (docs/benchmarks.md, "A share of each turn").
 
 So the data plane's loops (each connection's reader and dispatcher, the settling steps)
 ask a :class:`TurnBudget` before each unit of work. Once this turn's data-plane work has
