@@ -7,6 +7,7 @@ import json
 import socket
 import struct
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -155,6 +156,80 @@ def test_assess_from_scrapes_alone() -> None:
     findings = assess(({}, {}), before, after, 3.0)
     assert [f.verdict for f in findings] == ["saturated"]
     assert "scan shed 10.0/s (queue_timeout)" in findings[0].summary
+
+
+def busy_loop_scrapes(busy: float, deferred: float) -> tuple[Scrape, Scrape]:
+    before = "cmdbus_loop_busy_seconds_total 10\ncmdbus_loop_turns_deferred_total 5\n"
+    after = (
+        f"cmdbus_loop_busy_seconds_total {10 + busy}\n"
+        f"cmdbus_loop_turns_deferred_total {5 + deferred}\n"
+    )
+    return Scrape(before), Scrape(after)
+
+
+def test_a_loop_busy_with_client_work_is_saturated() -> None:
+    """Busy over 75% of the interval with work waiting for turns: the writer's CPU, not a
+    Gate, is the limit. Busy without deferrals is a loop blocked (a stall, found by its
+    heartbeat), and a loop with room is healthy whatever it defers."""
+    findings = assess(({}, {}), *busy_loop_scrapes(2.85, 4000), 3.0)
+    assert [f.verdict for f in findings] == ["saturated"]
+    assert findings[0].summary.startswith("event loop: busy 95% of the time")
+    assert "cmdbus_loop_turns_deferred_total +4000 in 3.0 s" in findings[0].evidence
+    for busy, deferred in ((2.85, 0), (2.1, 4000)):
+        findings = assess(({}, {}), *busy_loop_scrapes(busy, deferred), 3.0)
+        assert [f.verdict for f in findings] == ["healthy"], (busy, deferred)
+    assert "loop busy 70%" in findings[0].evidence[0]
+
+
+FLOOD = """
+import json, socket, struct, sys, threading, time
+from cmdbus_trio.protocol import encode_frame
+
+host, port = sys.argv[1].rsplit(":", 1)
+until = time.monotonic() + float(sys.argv[2])
+record = {"execution_id": 1, "payload": json.dumps({"execution_pool": "p"})}
+batch = b"".join(
+    encode_frame(json.dumps({"id": i, "op": "publish", "record": record}).encode())
+    for i in range(64)
+)
+
+def frames(reader, n):
+    for _ in range(n):
+        (size,) = struct.unpack(">I", reader.read(4))
+        reader.read(size)
+
+def flood():
+    with socket.create_connection((host, int(port))) as sock:
+        reader = sock.makefile("rb")
+        sock.sendall(encode_frame(b'{"hello": {"protocol": 2, "client": "flood"}}'))
+        frames(reader, 1)
+        while time.monotonic() < until:
+            sock.sendall(batch)
+            frames(reader, 64)
+
+threads = [threading.Thread(target=flood) for _ in range(8)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+"""
+
+
+@pytest.mark.e2e
+def test_a_pipelined_flood_saturates_the_loop_not_a_gate(tmp_path: Path) -> None:
+    """Eight connections, 64 publishes in flight each, from another process: the Gate
+    admits them all (none is shed), and the loop is what is full."""
+    with serving(tmp_path) as (_, ports):
+        flood = subprocess.Popen([sys.executable, "-c", FLOOD, ports["cmd_ingest"], "8"])
+        try:
+            time.sleep(1)
+            code, findings = diagnose(ports)
+        finally:
+            assert flood.wait(timeout=60) == 0
+    assert code == 1, findings
+    verdicts = [(f["verdict"], f["summary"].split(":")[0]) for f in findings]
+    assert ("saturated", "event loop") in verdicts, findings
+    assert "stalled" not in [verdict for verdict, _ in verdicts]
 
 
 def test_a_crashed_face_or_task_is_named() -> None:

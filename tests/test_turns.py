@@ -59,7 +59,18 @@ async def test_a_unit_runs_in_this_turn_while_the_share_has_room() -> None:
     for _ in range(100):
         assert budget.has_room()
         await budget.wait()
-    assert budget.statistics() == turns.TurnStatistics(turns=began, deferred=0)
+    statistics = budget.statistics()
+    assert (statistics.turns, statistics.deferred) == (began, 0)
+
+
+async def test_busy_counts_the_loops_work_and_not_its_waits() -> None:
+    budget = installed(60.0)
+    await trio.lowlevel.checkpoint()
+    before = budget.statistics().busy
+    spend(0.05)
+    await trio.sleep(0.5)  # the loop waits for the timer: idle, not busy
+    busy = budget.statistics().busy - before
+    assert 0.05 <= busy < 0.3, busy
 
 
 async def test_the_first_unit_of_every_turn_is_let_through() -> None:
@@ -149,8 +160,8 @@ async def test_a_writer_with_no_share_answers_every_pipelined_request(
             await trio.sleep(0.3)  # heartbeats: the metric follows
             after = await get(addresses["control"], "/metrics")
     assert len(answered) == 200
-    name = "cmdbus_loop_turns_deferred_total"
-    assert metric_sum(after.body.decode(), name) > metric_sum(before.body.decode(), name)
+    for name in ("cmdbus_loop_turns_deferred_total", "cmdbus_loop_busy_seconds_total"):
+        assert metric_sum(after.body.decode(), name) > metric_sum(before.body.decode(), name)
 
 
 async def test_a_read_whose_wait_for_a_turn_outlives_the_timer_loses_nothing(

@@ -38,7 +38,7 @@ class Heartbeat:
         self._last_lag = 0.0
         self._stall_at = -float("inf")  # when the latest over-threshold beat ended
         self._stall_lag = 0.0
-        self._deferred_counted = 0
+        self._turns_counted = turns.TurnStatistics(turns=0, deferred=0, busy=0.0)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self._last_beat = trio.current_time()
@@ -51,9 +51,9 @@ class Heartbeat:
     def _beat(self, now: float, expected: float) -> None:
         lag = max(0.0, now - expected)
         metrics.LOOP_LAG.observe(lag)
-        deferred = turns.current().statistics().deferred
-        metrics.LOOP_TURNS_DEFERRED.inc(deferred - self._deferred_counted)
-        self._deferred_counted = deferred
+        counted, self._turns_counted = self._turns_counted, turns.current().statistics()
+        metrics.LOOP_TURNS_DEFERRED.inc(self._turns_counted.deferred - counted.deferred)
+        metrics.LOOP_BUSY.inc(self._turns_counted.busy - counted.busy)
         self._last_beat = now
         self._last_lag = lag
         if lag > self.threshold:

@@ -153,6 +153,13 @@ LOOP_TURNS_DEFERRED = Counter(
     "answering. Synced with each heartbeat.",
     registry=REGISTRY,
 )
+LOOP_BUSY = Counter(
+    "cmdbus_loop_busy_seconds",
+    "Seconds the event loop spent running tasks rather than waiting for I/O or a timer; "
+    "its rate is the loop's utilisation (1 = full: every further request waits for a "
+    "turn). Synced with each heartbeat.",
+    registry=REGISTRY,
+)
 LOOP_BLOCKING_CALLS = Counter(
     "cmdbus_loop_blocking_calls_total",
     "Storage entry points called on the event-loop thread (refused; any non-zero is a bug).",

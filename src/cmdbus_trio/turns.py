@@ -33,12 +33,16 @@ class TurnStatistics:
     deferred: int
     """Times a unit of data-plane work waited a turn because the turn's share was spent:
     non-zero means the data plane alone could fill the loop."""
+    busy: float
+    """Seconds the loop spent running tasks rather than waiting for I/O or a deadline.
+    Its rate is how full the loop is: near 1, every further request waits for a turn."""
 
 
 class TurnBudget(trio.abc.Instrument):
     """Lets ``share`` seconds of data-plane work run in each turn of the loop.
 
-    It is a trio instrument: trio calls :meth:`after_io_wait` as each turn begins. Get
+    It is a trio instrument: trio calls :meth:`after_io_wait` as each turn begins, and
+    :meth:`before_io_wait` as it ends, which also gives the time the loop was busy. Get
     the run's own with :func:`current`.
     """
 
@@ -50,6 +54,10 @@ class TurnBudget(trio.abc.Instrument):
         self._pacing = False  # a waiter keeps the loop from sleeping
         self._turns = 0
         self._deferred = 0
+        self._busy = 0.0
+
+    def before_io_wait(self, timeout: float) -> None:
+        self._busy += time.perf_counter() - self._began
 
     def after_io_wait(self, timeout: float) -> None:
         self._began = time.perf_counter()
@@ -89,7 +97,7 @@ class TurnBudget(trio.abc.Instrument):
         self._admitted += 1
 
     def statistics(self) -> TurnStatistics:
-        return TurnStatistics(turns=self._turns, deferred=self._deferred)
+        return TurnStatistics(turns=self._turns, deferred=self._deferred, busy=self._busy)
 
 
 _BUDGET: trio.lowlevel.RunVar[TurnBudget] = trio.lowlevel.RunVar("cmdbus_turn_budget")

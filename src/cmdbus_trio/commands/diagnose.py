@@ -13,7 +13,9 @@ and says which of these holds, worst first, each with the evidence lines that sh
 - **disk slow**: a bus's group commits (fsync included) took long: p99 over the interval
   from ``cmdbus_commit_seconds``, the same for every request of the store;
 - **saturated**: the loop is fine but a face sheds requests or queues them long: it
-  has more work than its Gate admits (which face, which op, shed rate, queue wait);
+  has more work than its Gate admits (which face, which op, shed rate, queue wait); or
+  the loop turns but is busy over 75% of the time, client work waiting for turns: the
+  writer's CPU is the limit;
 - **backlog growing**: a subject's lag rose between the scrapes (which subject, pool;
   and whether anything was delivered from it at all);
 - **backlog stuck**: a subject has a backlog and nothing was delivered from it between
@@ -46,6 +48,9 @@ QUEUE_WAIT_SATURATED = 0.1
 COMMIT_SLOW = 0.25
 """Seconds: a p99 group commit above this counts as a slow disk (a healthy fsync takes
 milliseconds; every publish and ack of the store waits for one)."""
+LOOP_BUSY_SATURATED = 0.75
+"""Share of the interval the event loop ran tasks (``cmdbus_loop_busy_seconds``) above
+which, with data-plane work waiting for turns, the loop itself is saturated."""
 Labels = frozenset[tuple[str, str]]
 
 
@@ -142,17 +147,19 @@ def assess(
         *_not_ready(health[1] or health[0] or {}),
         *_disk_slow(before, after, interval),
         *_saturated(before, after, interval),
+        *_loop_saturated(before, after, interval),
         *_backlog(before, after, interval),
     ]
     if not findings:
         loop = (health[1] or {}).get("loop", {})
+        busy = _loop_busy(before, after, interval)
         findings.append(
             Finding(
                 "healthy",
                 "no shedding, no stall, stores ok, no growing backlog",
                 (
                     f"loop lag last {loop.get('last_lag_ms')} ms, /healthz turn "
-                    f"{loop.get('turn_ms')} ms",
+                    f"{loop.get('turn_ms')} ms, loop busy {busy:.0%}",
                 ),
             )
         )
@@ -250,6 +257,32 @@ def _not_ready(document: dict[str, Any]) -> list[Finding]:
             "not ready",
             "/readyz fails: " + "; ".join(reasons) + " (its Services send it nothing)",
             tuple(f"/healthz not_ready_reasons: {reason}" for reason in reasons),
+        )
+    ]
+
+
+def _loop_busy(before: Scrape, after: Scrape, interval: float) -> float:
+    busy = sum(_delta(before, after, "cmdbus_loop_busy_seconds_total").values())
+    return min(1.0, busy / interval)  # the counter is synced each heartbeat, so it may lead
+
+
+def _loop_saturated(before: Scrape, after: Scrape, interval: float) -> list[Finding]:
+    """The loop turns, but runs tasks most of the time and client work waits for
+    turns: the writer's CPU is the limit, before any Gate is. (A blocked loop is busy
+    too, but defers nothing: that is a stall, found by its heartbeat.)"""
+    busy = _loop_busy(before, after, interval)
+    deferred = sum(_delta(before, after, "cmdbus_loop_turns_deferred_total").values())
+    if busy < LOOP_BUSY_SATURATED or deferred <= 0:
+        return []
+    return [
+        Finding(
+            "saturated",
+            f"event loop: busy {busy:.0%} of the time, client work waiting for turns: the "
+            "writer's CPU is the limit (more shards, or less load per writer)",
+            (
+                f"cmdbus_loop_busy_seconds_total +{busy * interval:.2f} in {interval:.1f} s",
+                f"cmdbus_loop_turns_deferred_total +{deferred:.0f} in {interval:.1f} s",
+            ),
         )
     ]
 
