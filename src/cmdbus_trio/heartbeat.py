@@ -38,7 +38,8 @@ class Heartbeat:
         self._last_lag = 0.0
         self._stall_at = -float("inf")  # when the latest over-threshold beat ended
         self._stall_lag = 0.0
-        self._turns_counted = turns.TurnStatistics(turns=0, deferred=0, busy=0.0)
+        # The turn budget's counts as last added to the metrics (which only count up).
+        self._turns_synced = turns.TurnStatistics(turns=0, deferred=0, busy=0.0)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self._last_beat = trio.current_time()
@@ -51,9 +52,10 @@ class Heartbeat:
     def _beat(self, now: float, expected: float) -> None:
         lag = max(0.0, now - expected)
         metrics.LOOP_LAG.observe(lag)
-        counted, self._turns_counted = self._turns_counted, turns.current().statistics()
-        metrics.LOOP_TURNS_DEFERRED.inc(self._turns_counted.deferred - counted.deferred)
-        metrics.LOOP_BUSY.inc(self._turns_counted.busy - counted.busy)
+        synced, now_turns = self._turns_synced, turns.current().statistics()
+        metrics.LOOP_TURNS_DEFERRED.inc(now_turns.deferred - synced.deferred)
+        metrics.LOOP_BUSY.inc(now_turns.busy - synced.busy)
+        self._turns_synced = now_turns
         self._last_beat = now
         self._last_lag = lag
         if lag > self.threshold:
