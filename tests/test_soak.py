@@ -27,6 +27,7 @@ def test_ten_times_the_capacity_loses_nothing_and_probes_answer() -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.splitlines()[-1])
     assert summary["acknowledged"] > 0 and summary["lost"] == 0
+    assert 0 < summary["probe_mean_per_s"] <= summary["peak_per_s"]  # the best second
     assert summary["healthz_failures"] == 0 and summary["errors"] == 0
     assert summary["rss_max_mib"] < summary["rss_start_mib"] + 100
     # The flood was held back or refused, never silently dropped: every request sent got
