@@ -19,9 +19,10 @@ from typing import Any
 import pytest
 
 from cmdbus_trio.client import Busy, ClientError, Unavailable, blocking
+from cmdbus_trio.commands._scrape import Scrape, quantile
 from cmdbus_trio.commands.bench import http_get
 from cmdbus_trio.commands.client import fetch
-from cmdbus_trio.commands.diagnose import Scrape, _quantile, assess
+from cmdbus_trio.commands.diagnose import assess
 
 from .helpers import cli, serving
 
@@ -145,9 +146,9 @@ def test_no_consumers_is_a_growing_backlog(tmp_path: Path) -> None:
 
 def test_quantile_interpolates_like_prometheus() -> None:
     buckets = {0.1: 50.0, 0.2: 100.0, float("inf"): 100.0}
-    assert _quantile(buckets, 0.5) == 0.1
-    assert abs((_quantile(buckets, 0.75) or 0) - 0.15) < 1e-9
-    assert _quantile({float("inf"): 0.0}, 0.99) is None
+    assert quantile(buckets, 0.5) == 0.1
+    assert abs((quantile(buckets, 0.75) or 0) - 0.15) < 1e-9
+    assert quantile({float("inf"): 0.0}, 0.99) is None
 
 
 def test_assess_from_scrapes_alone() -> None:

@@ -34,13 +34,12 @@ import socket
 import time
 import urllib.error
 from collections import defaultdict
-from collections.abc import Iterable
 from typing import Any
 
 import attrs
-from prometheus_client.parser import text_string_to_metric_families
 
 from ._output import Output, fail
+from ._scrape import Scrape, delta, histogram_deltas, label, quantile, show
 from .client import fetch
 
 QUEUE_WAIT_SATURATED = 0.1
@@ -51,7 +50,6 @@ milliseconds; every publish and ack of the store waits for one)."""
 LOOP_BUSY_SATURATED = 0.75
 """Share of the interval the event loop ran tasks (``cmdbus_loop_busy_seconds``) above
 which, with data-plane work waiting for turns, the loop itself is saturated."""
-Labels = frozenset[tuple[str, str]]
 
 
 @attrs.frozen
@@ -74,62 +72,6 @@ SEVERITY = [
     "backlog growing",
     "backlog stuck",
 ]
-
-
-class Scrape:
-    """One /metrics text, as ``name → {labels: value}``."""
-
-    def __init__(self, text: str) -> None:
-        self.samples: dict[str, dict[Labels, float]] = defaultdict(dict)
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                self.samples[sample.name][frozenset(sample.labels.items())] = sample.value
-
-    def series(self, name: str) -> dict[Labels, float]:
-        return self.samples.get(name, {})
-
-
-def _label(labels: Labels, name: str) -> str:
-    return dict(labels).get(name, "")
-
-
-def _show(name: str, labels: Labels) -> str:
-    inner = ",".join(f'{k}="{v}"' for k, v in sorted(labels))
-    return f"{name}{{{inner}}}" if inner else name
-
-
-def _delta(before: Scrape, after: Scrape, name: str) -> dict[Labels, float]:
-    old = before.series(name)
-    return {labels: value - old.get(labels, 0.0) for labels, value in after.series(name).items()}
-
-
-def _quantile(buckets: dict[float, float], q: float) -> float | None:
-    """The q-quantile of cumulative bucket counts, interpolated as Prometheus does."""
-    bounds = sorted(buckets)
-    total = buckets[bounds[-1]] if bounds else 0.0
-    if total <= 0:
-        return None
-    rank, previous_bound, previous_count = q * total, 0.0, 0.0
-    for bound in bounds:
-        count = buckets[bound]
-        if count >= rank:
-            if bound == float("inf"):
-                return previous_bound
-            share = (rank - previous_count) / max(count - previous_count, 1e-12)
-            return previous_bound + (bound - previous_bound) * share
-        previous_bound, previous_count = bound, count
-    return previous_bound
-
-
-def _histogram_deltas(
-    before: Scrape, after: Scrape, name: str, keys: Iterable[str]
-) -> dict[tuple[str, ...], dict[float, float]]:
-    """Bucket count increases of a histogram, grouped by the labels ``keys``."""
-    grouped: dict[tuple[str, ...], dict[float, float]] = defaultdict(lambda: defaultdict(float))
-    for labels, increase in _delta(before, after, f"{name}_bucket").items():
-        key = tuple(_label(labels, k) for k in keys)
-        grouped[key][float(_label(labels, "le"))] += increase
-    return grouped
 
 
 def assess(
@@ -181,7 +123,7 @@ def _stalled(
             evidence.append(f"/healthz loop.worst_recent_lag_ms: {loop.get('worst_recent_lag_ms')}")
     if not evidence:
         return []
-    for buckets in _histogram_deltas(before, after, "cmdbus_loop_lag_seconds", ()).values():
+    for buckets in histogram_deltas(before, after, "cmdbus_loop_lag_seconds", ()).values():
         total = buckets.get(float("inf"), 0.0)
         if late := total - buckets.get(1.0, total):
             evidence.append(f"cmdbus_loop_lag_seconds: {late:.0f} heartbeats over 1 s late")
@@ -262,7 +204,7 @@ def _not_ready(document: dict[str, Any]) -> list[Finding]:
 
 
 def _loop_busy(before: Scrape, after: Scrape, interval: float) -> float:
-    busy = sum(_delta(before, after, "cmdbus_loop_busy_seconds_total").values())
+    busy = sum(delta(before, after, "cmdbus_loop_busy_seconds_total").values())
     return min(1.0, busy / interval)  # the counter is synced each heartbeat, so it may lead
 
 
@@ -271,7 +213,7 @@ def _loop_saturated(before: Scrape, after: Scrape, interval: float) -> list[Find
     turns: the writer's CPU is the limit, before any Gate is. (A blocked loop is busy
     too, but defers nothing: that is a stall, found by its heartbeat.)"""
     busy = _loop_busy(before, after, interval)
-    deferred = sum(_delta(before, after, "cmdbus_loop_turns_deferred_total").values())
+    deferred = sum(delta(before, after, "cmdbus_loop_turns_deferred_total").values())
     if busy < LOOP_BUSY_SATURATED or deferred <= 0:
         return []
     return [
@@ -288,16 +230,16 @@ def _loop_saturated(before: Scrape, after: Scrape, interval: float) -> list[Find
 
 
 def _saturated(before: Scrape, after: Scrape, interval: float) -> list[Finding]:
-    sheds = {k: v for k, v in _delta(before, after, "cmdbus_shed_total").items() if v > 0}
-    waits = _histogram_deltas(before, after, "cmdbus_queue_wait_seconds", ("face", "op"))
+    sheds = {k: v for k, v in delta(before, after, "cmdbus_shed_total").items() if v > 0}
+    waits = histogram_deltas(before, after, "cmdbus_queue_wait_seconds", ("face", "op"))
     faces: dict[str, list[str]] = defaultdict(list)
     summaries: dict[str, list[str]] = defaultdict(list)
     for labels, count in sorted(sheds.items(), key=lambda item: -item[1]):
-        face, op, reason = (_label(labels, k) for k in ("face", "op", "reason"))
-        faces[face].append(f"{_show('cmdbus_shed_total', labels)} +{count:.0f} in {interval:.1f} s")
+        face, op, reason = (label(labels, k) for k in ("face", "op", "reason"))
+        faces[face].append(f"{show('cmdbus_shed_total', labels)} +{count:.0f} in {interval:.1f} s")
         summaries[face].append(f"{op} shed {count / interval:.1f}/s ({reason})")
     for (face, op), buckets in sorted(waits.items()):
-        p99 = _quantile(buckets, 0.99)
+        p99 = quantile(buckets, 0.99)
         if p99 is None:
             continue
         line = f'cmdbus_queue_wait_seconds{{face="{face}",op="{op}"}} p99 {p99 * 1000:.1f} ms'
@@ -312,7 +254,7 @@ def _saturated(before: Scrape, after: Scrape, interval: float) -> list[Finding]:
             f'{metric}{{face="{face}"}} {value:.0f}'
             for metric in ("cmdbus_inflight", "cmdbus_capacity", "cmdbus_waiters")
             for labels, value in after.series(metric).items()
-            if _label(labels, "face") == face
+            if label(labels, "face") == face
         ]
         findings.append(
             Finding(
@@ -327,9 +269,9 @@ def _saturated(before: Scrape, after: Scrape, interval: float) -> list[Finding]:
 def _disk_slow(before: Scrape, after: Scrape, interval: float) -> list[Finding]:
     findings = []
     for (store,), buckets in sorted(
-        _histogram_deltas(before, after, "cmdbus_commit_seconds", ("store",)).items()
+        histogram_deltas(before, after, "cmdbus_commit_seconds", ("store",)).items()
     ):
-        p99 = _quantile(buckets, 0.99)
+        p99 = quantile(buckets, 0.99)
         if p99 is None or p99 <= COMMIT_SLOW:
             continue
         commits = buckets.get(float("inf"), 0.0)
@@ -349,15 +291,15 @@ def _disk_slow(before: Scrape, after: Scrape, interval: float) -> list[Finding]:
 
 def _backlog(before: Scrape, after: Scrape, interval: float) -> list[Finding]:
     delivered = {
-        _label(labels, "subject"): count
-        for labels, count in _delta(before, after, "cmdbus_deliveries_total").items()
+        label(labels, "subject"): count
+        for labels, count in delta(before, after, "cmdbus_deliveries_total").items()
     }
     findings = []
     for metric, key in (("ehdb_feed_subject_lag", "subject"), ("ehdb_events_group_lag", "group")):
         old = before.series(metric)
         for labels, value in sorted(after.series(metric).items(), key=lambda i: sorted(i[0])):
             grew = value - old.get(labels, 0.0)
-            name = _label(labels, key)
+            name = label(labels, key)
             tokens = name.split(".")
             where = (
                 f"subject {name} (pool {tokens[1]})"
@@ -367,7 +309,7 @@ def _backlog(before: Scrape, after: Scrape, interval: float) -> list[Finding]:
             # Deliveries are counted by subject: whether a group's backlog is worked is not
             # told apart from the other groups of the same subjects.
             idle = key == "subject" and value > 0 and delivered.get(name, 0.0) == 0
-            shift = f"{_show(metric, labels)} {old.get(labels, 0.0):.0f} -> {value:.0f}"
+            shift = f"{show(metric, labels)} {old.get(labels, 0.0):.0f} -> {value:.0f}"
             none = f'cmdbus_deliveries_total{{subject="{name}"}} +0'
             if grew > 0:
                 why = "no consumer takes from it" if idle else "consumers do not keep up"
