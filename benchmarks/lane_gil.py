@@ -23,6 +23,9 @@ from pathlib import Path
 
 from cmdbus_trio.storage.tier import TIERS, NewRecord, TierStore
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _client import percentiles
+
 DUTIES = (0.0, 0.5, 0.9)
 """Shares of each millisecond the competing thread holds the GIL (0: no such thread)."""
 
@@ -74,12 +77,12 @@ def main() -> None:
         try:
             alone = 0.0
             for duty in DUTIES:
-                took = sorted(beside(duty, store, args.seconds))
-                p50, p99 = took[len(took) // 2], took[int(len(took) * 0.99)]
-                alone = alone or p50
+                took = beside(duty, store, args.seconds)
+                ms = percentiles(took)
+                alone = alone or ms["p50"]
                 print(
-                    f"{duty:<16.0%} {len(took) / args.seconds:>10.0f} {p50 * 1000:>8.2f} "
-                    f"{p99 * 1000:>8.2f} {p50 / alone:>7.2f}x"
+                    f"{duty:<16.0%} {len(took) / args.seconds:>10.0f} {ms['p50']:>8.2f} "
+                    f"{ms['p99']:>8.2f} {ms['p50'] / alone:>7.2f}x"
                 )
         finally:
             store.close()

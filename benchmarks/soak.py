@@ -250,8 +250,7 @@ def middle_seconds(per_second: dict[str, int], duration: float) -> list[int]:
     return [per_second.get(str(second), 0) for second in middle]
 
 
-def mean_per_second(per_second: dict[str, int], duration: float) -> float:
-    seconds = middle_seconds(per_second, duration)
+def mean(seconds: list[int]) -> float:
     return sum(seconds) / max(1, len(seconds))
 
 
@@ -278,7 +277,7 @@ def main() -> None:
         peak = max((per_second[str(s)] for s in whole), default=0)
         if peak == 0:
             raise SystemExit("the capacity probe completed nothing")
-        probe_mean = mean_per_second(per_second, args.probe)
+        probe_mean = mean(middle_seconds(per_second, args.probe))
         rate = args.factor * peak
         print(f"machine: {os.cpu_count()} CPUs; python {sys.version.split()[0]}")
         print(
@@ -299,7 +298,7 @@ def main() -> None:
         process.wait(timeout=60)
     outcomes = result["outcomes"]
     seconds = middle_seconds(result["per_second"], args.duration)
-    goodput = mean_per_second(result["per_second"], args.duration)
+    goodput = mean(seconds)
     summary = {
         "peak_per_s": peak,
         "offered_per_s": round(result["offered"] / args.duration, 1),
