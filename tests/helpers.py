@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from functools import partial
 from pathlib import Path
@@ -264,3 +264,16 @@ def metric_sum(text: str, prefix: str) -> float:
     return sum(
         float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix)
     )
+
+
+async def commit_together(committer: Any, tickets: Sequence[Any]) -> None:
+    """Queue every ticket before the committer (a bus's or the tier's) starts, so that it
+    takes them in one go, and wait until each is settled."""
+    for ticket in tickets:
+        committer.enqueue(ticket)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(committer.run)
+            for ticket in tickets:
+                await ticket.settled.wait()
+            nursery.cancel_scope.cancel()

@@ -49,7 +49,11 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]
 @pytest.fixture(scope="module")
 def tiny_gate(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """One tier slot and no queue: a second concurrent request is shed at once."""
-    gate = {"CMDBUS_TIER_MAX_INFLIGHT": "1", "CMDBUS_TIER_MAX_WAITERS": "0"}
+    gate = {
+        "CMDBUS_TIER_MAX_INFLIGHT": "1",
+        "CMDBUS_TIER_MAX_PENDING_WRITES": "1",
+        "CMDBUS_TIER_MAX_WAITERS": "0",
+    }
     with serving(tmp_path_factory.mktemp("tiny"), **gate) as (_, ports):
         yield ports
 

@@ -21,6 +21,8 @@ from cmdbus_trio.protocol.bus import BusKind, PublishRecord, SubjectRule
 from cmdbus_trio.storage import StoreUnavailable
 from cmdbus_trio.storage.buslog import BusLog
 
+from .helpers import commit_together
+
 GOOD = PublishRecord(1, "{}")
 BAD = PublishRecord(1, "{not json")
 
@@ -240,18 +242,6 @@ async def test_a_lingering_thread_takes_what_comes_after_its_queue_emptied() -> 
 def test_a_thread_batcher_checks_its_settings(settings: dict[str, float], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ThreadBatcher(list, len, print, **settings)  # type: ignore[arg-type]
-
-
-async def commit_together(committer: GroupCommitter, tickets: list[Ticket]) -> None:
-    """Queue every ticket before the committer starts: one batch."""
-    for ticket in tickets:
-        committer.enqueue(ticket)
-    with trio.fail_after(10):
-        async with trio.open_nursery() as nursery:
-            await nursery.start(committer.run)
-            for ticket in tickets:
-                await ticket.settled.wait()
-            nursery.cancel_scope.cancel()
 
 
 async def test_one_record_that_cannot_be_stored_fails_alone(

@@ -61,7 +61,11 @@ def test_idle_is_healthy(tmp_path: Path) -> None:
 
 @pytest.mark.e2e
 def test_a_tiny_gate_under_a_flood_is_saturated(tmp_path: Path) -> None:
-    gate = {"CMDBUS_TIER_MAX_INFLIGHT": "1", "CMDBUS_TIER_MAX_WAITERS": "0"}
+    gate = {
+        "CMDBUS_TIER_MAX_INFLIGHT": "1",
+        "CMDBUS_TIER_MAX_PENDING_WRITES": "1",
+        "CMDBUS_TIER_MAX_WAITERS": "0",
+    }
     with serving(tmp_path, **gate) as (_, ports):
         # A flood of clients, each a new connection: a connection just told `busy` has its
         # next request wait for room instead (it is held back in its socket), so six

@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 import pytest
 import trio
 
+from cmdbus_trio.bus import Bus
 from cmdbus_trio.client.trio import SubscribeClient
 from cmdbus_trio.config import Config
 from cmdbus_trio.retention import RetentionPolicy
@@ -388,8 +389,8 @@ def test_a_record_appended_while_its_execution_is_deleted_is_kept(
     class AppendingBetweenBatches(TierStore):
         appended: ClassVar[list[int]] = []
 
-        def _write(self, work: Any) -> Any:
-            result = super()._write(work)
+        def _write(self, work: Any, **options: Any) -> Any:
+            result = super()._write(work, **options)
             if not self.appended and work.__name__ == "step":  # after the first batch
                 self.appended.append(self.append("eventlog", "e", NewRecord("{}")).global_sequence)
             return result
@@ -464,8 +465,8 @@ async def test_retention_skips_a_poisoned_store_and_the_writer_stays_live(
     )
     with trio.fail_after(20):
         async with running_writer(config) as (writer, addresses):
-            for name, store in writer._stores.items():
-                (store.log if name != "tier" else store)._poisoned = "injected"
+            for store in writer._stores.values():
+                (store.log if isinstance(store, Bus) else store.store)._poisoned = "injected"
             await trio.sleep(1.0)  # a hundred passes, three liveness windows
             assert (await get(addresses["control"], "/livez")).status == 200
             readyz = (await get(addresses["control"], "/readyz")).json()

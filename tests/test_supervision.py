@@ -18,6 +18,7 @@ from cmdbus_trio.bus.claims import Claims
 from cmdbus_trio.bus.committer import GroupCommitter
 from cmdbus_trio.bus.groups import ConsumerGroups
 from cmdbus_trio.config import DATA_FACE_NAMES, Config
+from cmdbus_trio.tier_committer import TierCommitter
 
 from .helpers import get, running_writer
 
@@ -38,6 +39,7 @@ TARGETS: dict[str, tuple[Any, str, list[str]]] = {
     "groups": (ConsumerGroups, "run", ["commands.groups", "events.groups"]),
     "retention": (app, "run_retention", ["commands.retention", "events.retention"]),
     "tier retention": (app, "run_tier_retention", ["tier.retention"]),
+    "tier committer": (TierCommitter, "run", ["tier.committer"]),
     "store sizes": (app, "_measure_stores", ["store_sizes"]),
     "shed watcher": (
         Gate,

@@ -26,6 +26,7 @@ async def test_overload_sheds_busy_while_healthz_answers_within_1s(tmp_path: Pat
         "CMDBUS_TIER_MAX_INFLIGHT": "1",
         "CMDBUS_TIER_MAX_WAITERS": "1",
         "CMDBUS_TIER_SHED_AFTER_MS": "50",
+        "CMDBUS_TIER_MAX_PENDING_WRITES": "1",
     }
     with serving(tmp_path, **tiny_gate) as (_, ports):
         outcomes: dict[str, int] = {}
@@ -75,7 +76,7 @@ async def test_a_client_leaving_mid_read_frees_its_slot_within_a_page(
     pages_served: list[int] = []
     with trio.fail_after(30):
         async with running_writer(config) as (writer, addresses):
-            store = writer._stores["tier"]
+            store = writer._stores["tier"].store
             await slow_big_execution(store, 4000, seconds_a_page=0.3, served=pages_served)
             gate = writer.health.gates["tier"]
             async with frame_client(addresses["tier"]) as client:
@@ -144,7 +145,7 @@ async def test_a_poisoned_store_refuses_writes_and_the_writer_turns_unready(
     with trio.fail_after(30):
         async with running_writer(config) as (writer, addresses):
             control = addresses["control"]
-            store: TierStore = writer._stores["tier"]
+            store: TierStore = writer._stores["tier"].store
             async with frame_client(addresses["tier"]) as client:
                 assert (await client.request("append", execution_id="p", payload="{}"))["ok"]
 
@@ -185,7 +186,7 @@ async def test_a_started_write_finishes_when_its_client_leaves(
     config = make_config(tier_bind="127.0.0.1:0")
     with trio.fail_after(30):
         async with running_writer(config) as (writer, addresses):
-            store: TierStore = writer._stores["tier"]
+            store: TierStore = writer._stores["tier"].store
             gate = writer.health.gates["tier_writes"]  # appends have their own lane
             store.before_commit = lambda: time.sleep(0.5)  # a slow fsync
             async with frame_client(addresses["tier"]) as client:
@@ -205,17 +206,25 @@ async def test_a_started_write_finishes_when_its_client_leaves(
             assert count == 1
 
 
-async def test_the_write_lane_takes_one_write_at_a_time(
+async def test_appends_waiting_for_the_store_commit_together_and_the_lane_sheds_past_its_slots(
     make_config: Callable[..., Config],
 ) -> None:
-    """SQLite takes one writer: a second append waits in the lane (seen, sheddable), not
-    in a thread behind the write lock, however many read slots the tier has."""
-    config = make_config(tier_bind="127.0.0.1:0", tier_max_inflight=4)
+    """SQLite takes one writer: appends that arrive while a commit runs wait in the lane
+    (seen, sheddable), not in threads behind the write lock, and the next transaction
+    takes them all. Past ``tier_max_pending_writes`` they wait, then are shed."""
+    config = make_config(
+        tier_bind="127.0.0.1:0",
+        tier_max_inflight=4,
+        tier_max_pending_writes=6,
+        tier_max_waiters=2,
+        tier_shed_after_ms=10_000,
+    )
     with trio.fail_after(30):
         async with running_writer(config) as (writer, addresses):
-            store: TierStore = writer._stores["tier"]
+            store: TierStore = writer._stores["tier"].store
             gate = writer.health.gates["tier_writes"]
-            assert gate.statistics().capacity == 1
+            assert gate.statistics().capacity == 6
+            commits_before = tier_commits()
             store.before_commit = lambda: time.sleep(0.3)  # a slow fsync
             replies: list[dict[str, Any]] = []
 
@@ -226,12 +235,26 @@ async def test_the_write_lane_takes_one_write_at_a_time(
                     )
 
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(append, 1)
-                nursery.start_soon(append, 2)
-                while gate.statistics().waiters == 0:
+                nursery.start_soon(append, 0)
+                while gate.statistics().inflight == 0:  # the first one's commit runs
                     await trio.sleep(0.01)
-                assert gate.statistics().inflight == 1
-            assert [reply["ok"] for reply in replies] == [True, True]
+                for n in range(1, 10):
+                    nursery.start_soon(append, n)
+                while gate.statistics().waiters < 2:
+                    await trio.sleep(0.01)
+                assert gate.statistics().inflight == 6
+            codes = sorted("ok" if reply["ok"] else reply["error"]["message"] for reply in replies)
+            assert codes == ["ok"] * 8 + ["waiters_full"] * 2, codes
+            # The first alone, the five queued behind it together, then the two waiters
+            # (together or not): one commit per append would be eight.
+            assert tier_commits() - commits_before in (3, 4)
+            sequences = {reply["global_sequence"] for reply in replies if reply["ok"]}
+            assert len(sequences) == 8
+
+
+def tier_commits() -> float:
+    name = "cmdbus_commit_batch_records_count"
+    return metrics.REGISTRY.get_sample_value(name, {"store": "tier"}) or 0.0
 
 
 async def test_appends_keep_flowing_while_reads_hold_every_read_slot(
@@ -252,7 +275,7 @@ async def test_appends_keep_flowing_while_reads_hold_every_read_slot(
         seen = outcomes[mode] = {}
         with trio.fail_after(60):
             async with running_writer(config) as (writer, addresses):
-                store = writer._stores["tier"]
+                store = writer._stores["tier"].store
                 await slow_big_execution(store, 600, seconds_a_page=0.2)  # reads hold a slot
 
                 async def reader(stop: trio.Event) -> None:

@@ -178,15 +178,7 @@ async def test_a_read_whose_wait_for_a_turn_outlives_the_timer_loses_nothing(
                 await trio.sleep_forever()  # until the reader's timer cancels it
             await super().wait()
 
-    budget: list[TurnBudget] = []
-
-    def current() -> TurnBudget:
-        if not budget:
-            budget.append(HoldsTheFirstRead(turns.DATA_PLANE_SHARE))
-            trio.lowlevel.add_instrument(budget[0])
-        return budget[0]
-
-    monkeypatch.setattr(turns, "current", current)
+    use_budget(HoldsTheFirstRead, monkeypatch)
     config = make_config(cmd_ingest_bind="127.0.0.1:0", read_timeout_ms=100, idle_timeout_ms=60_000)
     with trio.fail_after(30):
         async with (
@@ -196,3 +188,42 @@ async def test_a_read_whose_wait_for_a_turn_outlives_the_timer_loses_nothing(
             reply = await client.request("publish", record=RECORD)
     assert held.is_set()
     assert "sort_key" in reply, reply
+
+
+async def test_a_reply_made_in_a_task_of_its_own_waits_for_a_turn_with_room(
+    make_config: Callable[..., Config], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request answered by a task of its own (a read; an append that waited for a
+    slot) writes its reply as a unit of the data plane: a commit that woke 64 such tasks
+    in one turn made that turn, and every probe's, long."""
+    asked: list[str] = []
+
+    class Recording(TurnBudget):
+        async def wait(self) -> None:
+            asked.append(trio.lowlevel.current_task().name)
+            await super().wait()
+
+    use_budget(Recording, monkeypatch)
+    config = make_config(tier_bind="127.0.0.1:0")
+    with trio.fail_after(30):
+        async with (
+            running_writer(config) as (_, addresses),
+            frame_client(addresses["tier"]) as client,
+        ):
+            reply = await client.request("read_execution", execution_id="none")
+    assert reply["ok"] and reply["exists"] is False
+    assert any(name.endswith("Connection._v2") for name in asked), asked
+
+
+def use_budget(kind: type[TurnBudget], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Have :func:`turns.current` give a ``kind`` of budget, made and installed as an
+    instrument on first use (in the run)."""
+    made: list[TurnBudget] = []
+
+    def current() -> TurnBudget:
+        if not made:
+            made.append(kind(turns.DATA_PLANE_SHARE))
+            trio.lowlevel.add_instrument(made[0])
+        return made[0]
+
+    monkeypatch.setattr(turns, "current", current)

@@ -4,8 +4,8 @@
 
     Writer.run
     └── control nursery        heartbeat, control face             (stops last)
-        └── background nursery shed-burst watchers, committers, body readers, claim
-            │                  timers, lag samplers, consumer groups
+        └── background nursery shed-burst watchers, committers (buses, tier), body
+            │                  readers, claim timers, lag samplers, consumer groups
             └── data nursery   one supervised child nursery per data face
 """
 
@@ -47,6 +47,7 @@ from .protocol.bus import BusKind
 from .retention import Eviction, retention_for, run_retention, run_tier_retention, tier_windows
 from .storage import Store
 from .storage.tier import TierStore
+from .tier_committer import Tier
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +141,7 @@ class Writer:
         self._control_stop = trio.Event()
         # Store open/close: a limiter of its own, never trio's default one.
         self._maintenance = trio.CapacityLimiter(1)
-        self._stores: dict[str, TierStore | Bus] = {}
+        self._stores: dict[str, Tier | Bus] = {}
 
     def request_drain(self) -> None:
         """Start the graceful drain (what SIGTERM does). Idempotent."""
@@ -200,10 +201,10 @@ class Writer:
         config = self.config
         interval = config.retention_interval_ms / 1000
         for name, store in self._stores.items():
-            if not isinstance(store, Bus):
-                continue
             for task, run in store.tasks().items():
                 await self._start_task(background, f"{name}.{task}", run)
+            if not isinstance(store, Bus):
+                continue
             # The command bus's fixed group is not among the log's (persisted) groups.
             groups = store.groups
             consumers = {groups.fixed: 0} if groups.fixed is not None else None
@@ -220,8 +221,8 @@ class Writer:
             )
             await self._start_task(background, f"{name}.retention", retain)
         tier = self._stores.get("tier")
-        if isinstance(tier, TierStore) and (windows := tier_windows(config)):
-            retain_tier = partial(run_tier_retention, tier, windows, interval)
+        if isinstance(tier, Tier) and (windows := tier_windows(config)):
+            retain_tier = partial(run_tier_retention, tier.store, windows, interval)
             await self._start_task(background, "tier.retention", retain_tier)
         if self._stores:  # else there is no data dir to measure
             measure = partial(_measure_stores, self.health.stores, config.data_dir, interval)
@@ -272,7 +273,7 @@ class Writer:
                     partial(TierStore.open, path, synchronous=config.sync),
                     limiter=self._maintenance,
                 )
-                self._stores[name] = tier
+                self._stores[name] = Tier.of(tier)
                 self.health.add_store(name, tier)
                 metrics.RETAINED.labels(store=name, kind="records")  # 0 from the start
                 continue
@@ -283,10 +284,7 @@ class Writer:
     async def _close_stores(self) -> None:
         with trio.CancelScope(shield=True):
             for store in self._stores.values():
-                if isinstance(store, Bus):
-                    await store.close(limiter=self._maintenance)
-                else:
-                    await run_in_thread(store.close, limiter=self._maintenance)
+                await store.close(limiter=self._maintenance)
 
     async def _supervise(
         self, ctx: FaceContext, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED

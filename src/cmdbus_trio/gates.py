@@ -31,19 +31,21 @@ def lanes_for(face: str, config: Config) -> dict[str, Gate]:
     through big executions and hold their slots long; in NoETL the appends are the
     critical path, and sharing the Gate had them shed as ``busy`` by a crowd of readers.
 
-    One write at a time: SQLite takes one writer, so a second slot only had a thread wait
-    for the write lock, where the Gate can neither see nor shed it, while two threads
-    competed with the readers for the GIL (measured in docs/benchmarks.md, "Two write
-    slots for one writer")."""
+    Its slots (``tier_max_pending_writes``) are appends queued for or in the tier's group
+    commit, which takes every one waiting into one transaction, and deletes. One slot at
+    a time runs a thread of its own (a delete): SQLite takes one writer, so a second
+    writing thread only waited for the write lock, where the Gate can neither see nor
+    shed it (docs/benchmarks.md, "Two write slots for one writer")."""
     if face != "tier" or config.tier_writes != "lane":
         return {}
     writes = Gate(
         "tier",
         name="tier_writes",
-        max_inflight=1,
+        max_inflight=config.tier_max_pending_writes,
         max_waiters=config.tier_max_waiters,
         shed_after=config.tier_shed_after_ms / 1000,
         default_budget=config.default_budget_ms / 1000,
+        max_threads=1,
         ops=TIER_WRITE_OPS,
     )
     return dict.fromkeys(TIER_WRITE_OPS, writes)

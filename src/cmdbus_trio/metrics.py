@@ -118,15 +118,16 @@ BODY_READS = Counter(
 )
 COMMIT_BATCH = Histogram(
     "cmdbus_commit_batch_records",
-    "Records appended per group-commit transaction (one fsync each) of a bus log.",
+    "Records appended per group-commit transaction (one fsync each) of a store: a bus "
+    "log, or the tier store.",
     ["store"],
     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
     registry=REGISTRY,
 )
 COMMIT_SECONDS = Histogram(
     "cmdbus_commit_seconds",
-    "Duration of each group-commit transaction of a bus log, fsync included, as the "
-    "committer's thread measured it: a slow disk shows here first.",
+    "Duration of each group-commit transaction of a store (a bus log, the tier store), "
+    "fsync included, as the committer's thread measured it: a slow disk shows here first.",
     ["store"],
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
     registry=REGISTRY,

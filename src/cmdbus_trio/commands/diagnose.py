@@ -10,7 +10,7 @@ and says which of these holds, worst first, each with the evidence lines that sh
 - **face crashed** / **task crashed**: a data face or a background task (a committer,
   claim timers, a sampler, the consumer groups) died; only a restart brings it back;
 - **not ready**: `/readyz` fails for another reason (starting, draining);
-- **disk slow**: a bus's group commits (fsync included) took long: p99 over the interval
+- **disk slow**: a store's group commits (fsync included) took long: p99 over the interval
   from ``cmdbus_commit_seconds``, the same for every request of the store;
 - **saturated**: the loop is fine but a face sheds requests or queues them long: it
   has more work than its Gate admits (which face, which op, shed rate, queue wait); or

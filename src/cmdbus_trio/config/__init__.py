@@ -179,6 +179,11 @@ class Config:
         choice("lane", "shared"),
         "lane: appends have a Gate of their own, so reads never shed them; shared: one Gate",
     )
+    tier_max_pending_writes: int = _setting(
+        "64",
+        int_range(1),
+        "tier writes (lane) queued for or in a group commit; more wait, then are shed",
+    )
     default_budget_ms: int = _setting(
         "10000", int_range(1), "time budget of a data request that carries no deadline_ms"
     )

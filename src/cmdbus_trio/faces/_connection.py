@@ -317,6 +317,9 @@ class Connection:
                 return
             except Exception as exc:
                 outcome = exc
+            # A unit of the data plane, as the readers' are: a commit wakes many such
+            # tasks at once, and in one turn they made it (and every probe) long.
+            await turns.current().wait()
             await self._write(self._answer(request, outcome), arrival)
         finally:
             done()

@@ -1,20 +1,25 @@
 """The tier face (:9110): per-execution history, both dialects (PROTOCOL.md, "Tier face").
 
 ``health`` is answered on the connection, without a Gate slot. Every other request is
-admitted by the tier Gate and then runs whole — payload checks, store work, reply
-encoding — in **one** worker thread call. Reads work page by page, checking for
-cancellation between pages, and stop adding records when the reply would pass the reply
-cap (v2: fewer records and ``next_after``; v1: the documented text error).
+admitted by the tier Gate (appends and deletes: the write lane, ``CMDBUS_TIER_WRITES``)
+and then runs off the loop: an append is queued for the tier's group commit
+(:mod:`cmdbus_trio.tier_committer`), whose thread checks its payloads, appends it with the
+others waiting and encodes its reply; a read or a delete runs whole in one worker thread
+call. Reads work page by page, checking for cancellation between pages, and stop adding
+records when the reply would pass the reply cap (v2: fewer records and ``next_after``;
+v1: the documented text error).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
+from functools import partial
 from typing import Any
 
 import trio
 
 from cmdbus_trio import metrics
+from cmdbus_trio.admission import Slot
 from cmdbus_trio.protocol import (
     ErrorCode,
     FieldError,
@@ -26,13 +31,22 @@ from cmdbus_trio.protocol import (
     encode_ok,
 )
 from cmdbus_trio.protocol import tier as codec
-from cmdbus_trio.storage.tier import NewRecord, TierStore, VersionConflict
+from cmdbus_trio.storage.tier import Appending, AppendResult, NewRecord, VersionConflict
+from cmdbus_trio.tier_committer import AppendTicket, Tier
 
 from . import FaceContext
-from ._handler import FaceError, V1Reply, as_face_error, checked_pages, each_checked
+from ._handler import (
+    Deferred,
+    FaceError,
+    V1Reply,
+    as_face_error,
+    checked_pages,
+    each_checked,
+)
 from ._listen import serve as serve_connections
 
 Pages = Iterator[codec.Fragments]
+Appends = codec.Append | codec.AppendBatch
 
 __all__ = ["TierHandler", "serve"]
 
@@ -43,9 +57,10 @@ class TierHandler:
     gated_ops = frozenset({"append", "append_batch", "read_execution", "scan", "delete_execution"})
     large_reply_ops = frozenset({"read_execution", "scan"})
 
-    def __init__(self, ctx: FaceContext, store: TierStore) -> None:
+    def __init__(self, ctx: FaceContext, tier: Tier) -> None:
         self.ctx = ctx
-        self.store = store
+        self.store = tier.store
+        self.committer = tier.committer
         self.max_reply = ctx.config.max_reply_bytes
 
     # --- dialects ------------------------------------------------------------------------
@@ -83,57 +98,81 @@ class TierHandler:
     def _v1_text(self, text: bytes) -> bytes:
         return encode_frame(text[: self.max_reply])
 
-    async def v2(self, request: Request, arrival: float) -> bytes:
+    def v2(self, request: Request, arrival: float) -> Awaitable[bytes] | Deferred:
         tier_request = codec.decode_op(request.op, request.fields)
         if isinstance(tier_request, codec.Health):
-            return encode_ok(request.id, {"status": "ok", "service": "tier-service"})
-        return await self._run(tier_request, arrival, request.budget, request.id)
+            reply = Deferred()
+            reply.settle(encode_ok(request.id, {"status": "ok", "service": "tier-service"}))
+            return reply
+        if isinstance(tier_request, Appends):
+            gate = self.ctx.gate_of(tier_request.op)
+            if gate.can_admit_now:
+                # A free slot: queued now, answered by the commit's callback, no task (a
+                # task per append was a fifth of the loop's time under the soak).
+                slot = gate.acquire_nowait(tier_request.op, budget=request.budget, arrival=arrival)
+                return self._append_deferred(tier_request, request.id, slot)
+        return self._run(tier_request, arrival, request.budget, request.id)
 
     async def _run(
         self, request: codec.TierRequest, arrival: float, budget: float | None, request_id: int
     ) -> bytes:
         gate = self.ctx.gate_of(request.op)  # writes: their own lane (CMDBUS_TIER_WRITES)
         with await gate.acquire(request.op, budget=budget, arrival=arrival) as slot:
-            if request.op in codec.WRITE_OPS:
-                return await slot.run_to_completion(self._write, request, request_id)
+            if isinstance(request, Appends):
+                return await self._append(request, request_id)
+            if isinstance(request, codec.DeleteExecution):
+                return await slot.run_to_completion(self._delete, request, request_id)
             return await slot.run_cancellable(self._read, request, request_id)
+
+    async def _append(self, request: Appends, request_id: int) -> bytes:
+        """Queue the append for the group commit now (in arrival order) and wait for it;
+        the caller holds the Gate slot until then, so a drain waits for it and nothing
+        admitted is dropped.
+
+        Cancellation: shielded; an admitted append is committed and answered."""
+        ticket = self._ticket(request, request_id)
+        self.committer.enqueue(ticket)
+        with trio.CancelScope(shield=True):
+            await ticket.settled.wait()
+        outcome = _outcome(ticket)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    def _append_deferred(self, request: Appends, request_id: int, slot: Slot) -> Deferred:
+        """As :meth:`_append`, answered by a callback: the slot is held until the ticket
+        is settled."""
+        reply = Deferred()
+
+        def settled(ticket: AppendTicket) -> None:
+            slot.release()
+            reply.settle(_outcome(ticket))
+
+        ticket = self._ticket(request, request_id)
+        ticket.on_settled = settled
+        self.committer.enqueue(ticket)
+        return reply
+
+    def _ticket(self, request: Appends, request_id: int) -> AppendTicket:
+        return AppendTicket(
+            partial(_appending, request),
+            partial(self._append_reply, request, request_id),
+            records=len(request.payloads) if isinstance(request, codec.AppendBatch) else 1,
+        )
 
     # --- in the worker thread ------------------------------------------------------------
 
     def _reply(self, request_id: int, body: dict[str, Any]) -> bytes:
         return dumps(body) if request_id == _NO_ID else encode_ok(request_id, body)
 
-    def _write(self, request: codec.TierRequest, request_id: int) -> bytes:
-        if isinstance(request, codec.DeleteExecution):
-            deleted = self.store.delete_execution(request.tier, request.execution_id)
-            metrics.RETAINED.labels(store="tier", kind="records").inc(deleted)
-            return self._reply(request_id, {"deleted": deleted})
-        if isinstance(request, codec.Append):
-            records = [
-                NewRecord(
-                    request.payload, request.transaction_id, codec.payload_event_id(request.payload)
-                )
-            ]
-            expected = request.expected_version
-        elif isinstance(request, codec.AppendBatch):
-            # Every payload is checked before anything is stored: a bad one refuses the batch.
-            records = [
-                NewRecord(
-                    payload,
-                    request.transaction_id,
-                    codec.payload_event_id(payload, f"payloads[{i}]"),
-                )
-                for i, payload in enumerate(request.payloads)
-            ]
-            expected = None
-        else:
-            raise AssertionError(request)
-        try:
-            results = self.store.append_batch(
-                request.tier, request.execution_id, records, expected_version=expected
-            )
-        except VersionConflict as exc:
-            raise FaceError(ErrorCode.CONFLICT, str(exc)) from None
+    def _delete(self, request: codec.DeleteExecution, request_id: int) -> bytes:
+        deleted = self.store.delete_execution(request.tier, request.execution_id)
+        metrics.RETAINED.labels(store="tier", kind="records").inc(deleted)
+        return self._reply(request_id, {"deleted": deleted})
+
+    def _append_reply(
+        self, request: Appends, request_id: int, results: list[AppendResult]
+    ) -> bytes:
         bodies = [
             codec.append_body(r.global_sequence, r.log_record_count, r.deduplicated)
             for r in results
@@ -207,5 +246,31 @@ class TierHandler:
 async def serve(
     ctx: FaceContext, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
 ) -> None:
-    handler = TierHandler(ctx, ctx.store("tier", TierStore))
+    handler = TierHandler(ctx, ctx.store("tier", Tier))
     await serve_connections(ctx, lambda _send: handler, task_status=task_status)
+
+
+def _appending(request: Appends) -> Appending:
+    """The request's records, each payload checked (in the commit thread: it parses the
+    whole payload); a bad one refuses the request (an ``append_batch`` whole)."""
+    if isinstance(request, codec.Append):
+        event_id = codec.payload_event_id(request.payload)
+        records = [NewRecord(request.payload, request.transaction_id, event_id)]
+        return Appending(request.tier, request.execution_id, records, request.expected_version)
+    records = [
+        NewRecord(
+            payload, request.transaction_id, codec.payload_event_id(payload, f"payloads[{i}]")
+        )
+        for i, payload in enumerate(request.payloads)
+    ]
+    return Appending(request.tier, request.execution_id, records)
+
+
+def _outcome(ticket: AppendTicket) -> bytes | Exception:
+    """A settled ticket's reply, or the error to answer with."""
+    if isinstance(ticket.error, VersionConflict):
+        return FaceError(ErrorCode.CONFLICT, str(ticket.error))
+    if ticket.error is not None:
+        return ticket.error
+    assert ticket.replied is not None
+    return ticket.replied

@@ -170,8 +170,15 @@ class SqliteStore:
 
     # --- writes ----------------------------------------------------------------------
 
-    def _write(self, work: Callable[[sqlite3.Connection], T]) -> T:
-        """Run ``work`` in one write transaction and commit it."""
+    def _write(
+        self,
+        work: Callable[[sqlite3.Connection], T],
+        *,
+        committed: Callable[[T], None] | None = None,
+    ) -> T:
+        """Run ``work`` in one write transaction and commit it; then ``committed(result)``,
+        still holding the write lock, so that what the store keeps in memory (counts)
+        changes before the next writer reads it."""
         if self._poisoned is not None:
             raise StoreUnavailable(f"{self.name} store is poisoned: {self._poisoned}")
         if self._closed:
@@ -188,7 +195,10 @@ class SqliteStore:
                 self._contended_at = self._clock()
                 self._contended_waits += 1
             with self._connection() as connection:
-                return self._transaction(connection, work)
+                result = self._transaction(connection, work)
+            if committed is not None:
+                committed(result)
+            return result
         finally:
             self._write_lock.release()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sqlite3
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Final, TypeVar
@@ -16,9 +17,19 @@ import attrs
 
 from cmdbus_trio.protocol.tier import Fragments, TierRecord
 
-from ._common import StoreState
+from ._common import StoreState, StoreUnavailable
 from ._guard import refuses_loop_thread
 from ._sqlite import SqliteStore
+from ._tier_appends import (
+    TIERS,
+    Appending,
+    AppendResult,
+    NewRecord,
+    Outcome,
+    VersionConflict,
+    append_all,
+    check_tier,
+)
 from ._tier_pages import (
     BOUNDED_PAGE_SQL,
     FRAGMENT_SQL,
@@ -30,7 +41,6 @@ from ._tier_pages import (
 
 Page = TypeVar("Page")
 
-TIERS: Final = ("eventlog", "projection", "catalog")
 DELETE_BATCH: Final = 10_000
 """Records one transaction of :meth:`TierStore.delete_execution` deletes at most."""
 PAGE_ROWS: Final = 256
@@ -42,30 +52,6 @@ PAGE_BYTES: Final = 4 << 20
 """About the most payload bytes one page of :meth:`TierStore.iter_execution_encoded` holds
 (always at least one record): records may be up to a request's size each, and a page of
 :data:`PAGE_ROWS` of them is not held in memory at once."""
-
-
-class VersionConflict(Exception):
-    def __init__(self, expected: int, actual: int) -> None:
-        super().__init__(f"expected_version {expected} but the execution has {actual} records")
-        self.expected = expected
-        self.actual = actual
-
-
-@attrs.frozen
-class NewRecord:
-    """A record to append: its payload (JSON text), its transaction id, and the
-    ``event_id`` found in the payload (``None`` when it has none)."""
-
-    payload: str
-    transaction_id: str = ""
-    event_id: str | None = None
-
-
-@attrs.frozen
-class AppendResult:
-    global_sequence: int
-    log_record_count: int
-    deduplicated: bool
 
 
 @attrs.frozen
@@ -187,61 +173,53 @@ class TierStore(SqliteStore):
         first record's sequence. ``expected_version`` is the execution's record count
         before the batch; a mismatch raises :class:`VersionConflict` and stores nothing.
         """
-        _check_tier(tier)
+        (outcome,) = self._append_in_one([Appending(tier, execution_id, records, expected_version)])
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
 
-        def write(connection: sqlite3.Connection) -> tuple[list[AppendResult], int]:
-            row = connection.execute(
-                f"SELECT record_count FROM {tier}_executions WHERE execution_id = ?",
-                (execution_id,),
-            ).fetchone()
-            execution_count = row[0] if row else 0
-            if expected_version is not None and expected_version != execution_count:
-                raise VersionConflict(expected_version, execution_count)
-            tier_count = self._counts[tier]
-            results: list[tuple[int, bool]] = []
-            for record in records:
-                if record.event_id is not None:
-                    found = connection.execute(
-                        f"SELECT global_sequence FROM {tier}_records "
-                        "WHERE execution_id = ? AND event_id = ?",
-                        (execution_id, record.event_id),
-                    ).fetchone()
-                    if found:
-                        results.append((found[0], True))
-                        continue
-                cursor = connection.execute(
-                    f"INSERT INTO {tier}_records "
-                    "(execution_id, transaction_id, event_id, byte_len, payload) "
-                    "VALUES (?, ?, ?, ?, ?)",
-                    (
-                        execution_id,
-                        record.transaction_id,
-                        record.event_id,
-                        len(record.payload.encode()),
-                        record.payload,
-                    ),
-                )
-                assert cursor.lastrowid is not None
-                results.append((cursor.lastrowid, False))
-            added = sum(1 for _, deduplicated in results if not deduplicated)
-            if added:
-                connection.execute(
-                    f"INSERT INTO {tier}_executions VALUES (?, ?, ?) ON CONFLICT (execution_id) "
-                    "DO UPDATE SET record_count = record_count + excluded.record_count, "
-                    "last_at = excluded.last_at",
-                    (execution_id, added, self._wall_clock()),
-                )
-                connection.execute(
-                    "UPDATE tier_counts SET record_count = record_count + ? WHERE tier = ?",
-                    (added, tier),
-                )
-            tier_count += added
-            # log_record_count: the tier's count after the operation.
-            return [AppendResult(seq, tier_count, dedup) for seq, dedup in results], added
+    @refuses_loop_thread
+    def append_many(self, requests: Sequence[Appending]) -> list[Outcome]:
+        """Each request as :meth:`append_batch` would do it, one after another, all in
+        one transaction (one fsync: the group commit of the tier's writes); each
+        request's results, or the exception that refused it.
 
-        results, added = self._write(write)
-        self._counts[tier] += added
-        return results
+        A request refused (:class:`VersionConflict`, an unknown tier) stores nothing and
+        does not touch the others. Should the transaction fail for a reason that is not
+        the store's (a bug met by one request's input), each request is then appended
+        in a transaction of its own, so that only its own fails.
+
+        Error handling: :class:`StoreUnavailable` (raised) fails every request.
+        """
+        try:
+            return self._append_in_one(requests)
+        except StoreUnavailable:
+            raise
+        except Exception:
+            if len(requests) == 1:
+                raise
+        outcomes: list[Outcome] = []
+        for request in requests:
+            try:
+                outcomes += self._append_in_one([request])
+            except StoreUnavailable:
+                raise
+            except Exception as exc:
+                outcomes.append(exc)
+        return outcomes
+
+    def _append_in_one(self, requests: Sequence[Appending]) -> list[Outcome]:
+        """The requests in one transaction; the in-memory counts once it committed (and
+        before the next writer reads them)."""
+
+        def append(connection: sqlite3.Connection) -> tuple[list[Outcome], Counter[str]]:
+            return append_all(connection, requests, self._counts, self._wall_clock())
+
+        def count(appended: tuple[list[Outcome], Counter[str]]) -> None:
+            for tier, added in appended[1].items():
+                self._counts[tier] += added
+
+        return self._write(append, committed=count)[0]
 
     @refuses_loop_thread
     def delete_execution(
@@ -255,7 +233,7 @@ class TierStore(SqliteStore):
         meanwhile is kept. In transactions of at most :data:`DELETE_BATCH` records, so a
         big execution never holds the write lock long: a crash part way leaves the rest,
         and deleting again finishes. Sequences are never reused (``AUTOINCREMENT``)."""
-        _check_tier(tier)
+        check_tier(tier)
         through: int | None = None  # the newest record when the deletion began
 
         def step(connection: sqlite3.Connection) -> int:
@@ -292,9 +270,11 @@ class TierStore(SqliteStore):
                 )
             return int(deleted)
 
-        total = 0
-        while deleted := self._write(step):
+        def count(deleted: int) -> None:
             self._counts[tier] -= deleted
+
+        total = 0
+        while deleted := self._write(step, committed=count):
             total += deleted
         return total
 
@@ -302,7 +282,7 @@ class TierStore(SqliteStore):
     def idle_executions(self, tier: str, idle_for: float, limit: int) -> list[str]:
         """Up to ``limit`` executions of ``tier`` that nothing was appended to for
         ``idle_for`` seconds (wall clock, kept across restarts), the longest idle first."""
-        _check_tier(tier)
+        check_tier(tier)
         with self._connection() as connection:
             rows = connection.execute(
                 f"SELECT execution_id FROM {tier}_executions WHERE last_at <= ? "
@@ -314,7 +294,7 @@ class TierStore(SqliteStore):
     @refuses_loop_thread
     def execution_count(self, tier: str, execution_id: str) -> int | None:
         """The execution's record count, or ``None`` if it has none in this tier."""
-        _check_tier(tier)
+        check_tier(tier)
         with self._connection() as connection:
             row = connection.execute(
                 f"SELECT record_count FROM {tier}_executions WHERE execution_id = ?",
@@ -329,7 +309,7 @@ class TierStore(SqliteStore):
         """The execution's records with ``global_sequence > after``, ascending, in pages
         of :data:`PAGE_ROWS`. Uses the execution index: the cost is proportional to the
         execution, never to the store."""
-        _check_tier(tier)
+        check_tier(tier)
         return self._records(tier, "execution_id = ? AND", (execution_id,), after)
 
     @refuses_loop_thread
@@ -340,19 +320,19 @@ class TierStore(SqliteStore):
         (:func:`~cmdbus_trio.protocol.tier.record_fragment`, keyed by ``global_sequence``),
         in pages of at most :data:`PAGE_ROWS` records and about :data:`PAGE_BYTES` of
         payload."""
-        _check_tier(tier)
+        check_tier(tier)
         return self._encoded(tier, "execution_id = ? AND", (execution_id,), after)
 
     @refuses_loop_thread
     def iter_scan(self, tier: str, *, after: int = 0) -> Iterator[list[TierRecord]]:
         """Every record of the tier with ``global_sequence > after``, ascending, in pages."""
-        _check_tier(tier)
+        check_tier(tier)
         return self._records(tier, "", (), after)
 
     @refuses_loop_thread
     def iter_scan_encoded(self, tier: str, *, after: int = 0) -> Iterator[Fragments]:
         """As :meth:`iter_scan`, encoded and bounded as :meth:`iter_execution_encoded`."""
-        _check_tier(tier)
+        check_tier(tier)
         return self._encoded(tier, "", (), after)
 
     def _records(
@@ -407,6 +387,12 @@ def _as_rows(rows: list[Any]) -> tuple[list[Any], int | None]:
     return rows, rows[-1][0] if rows else None
 
 
-def _check_tier(tier: str) -> None:
-    if tier not in TIERS:
-        raise ValueError(f"unknown tier {tier!r}; tiers: {', '.join(TIERS)}")
+__all__ = [
+    "TIERS",
+    "AppendResult",
+    "Appending",
+    "NewRecord",
+    "StoreStatistics",
+    "TierStore",
+    "VersionConflict",
+]

@@ -1,0 +1,160 @@
+"""Group commit of the tier's appends: every append waiting when the store is free goes
+in one worker-thread call and one transaction (one fsync).
+
+Each append was a thread hop and a transaction of its own, and its statements, each
+giving up the GIL and then waiting to take it back from a busy loop, made most of its
+~2 ms of service time (docs/benchmarks.md, "The tier's write lane"). Now an append is
+queued as a :class:`AppendTicket`, and the committer takes what is queued (in arrival
+order, up to ``max_records``) into :meth:`TierStore.append_many`. A request refused
+(a bad payload, ``expected_version``) fails alone; a failure of the store fails the
+batch.
+
+Admission is the tier's write Gate (``tier_writes``): an append holds a Gate slot from
+before it is queued until its ticket is settled, so the Gate bounds the queue (full:
+``busy``), and a drain, which waits for every slot, flushes it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+
+import attrs
+import trio
+
+from cmdbus_trio import metrics
+from cmdbus_trio.admission import run_in_thread
+from cmdbus_trio.batcher import ThreadBatcher
+from cmdbus_trio.bus import Task
+from cmdbus_trio.bus.committer import MAX_SETTLE_STEP
+from cmdbus_trio.logs import event
+from cmdbus_trio.steps import Steps
+from cmdbus_trio.storage.tier import Appending, AppendResult, TierStore
+
+log = logging.getLogger(__name__)
+
+__all__ = ["AppendTicket", "Tier", "TierCommitter"]
+
+MAX_RECORDS = 1000
+"""Records one transaction appends at most (always at least one request)."""
+
+
+@attrs.define(eq=False)
+class AppendTicket:
+    """One append request, made and answered in the commit thread; once ``settled``, its
+    reply (``replied``) or the error to answer with (``error``: a ``FieldError`` naming
+    the bad payload, a :class:`VersionConflict`, or the store's ``StoreUnavailable``).
+
+    ``request`` makes the :class:`Appending` (checking the payloads: a ``FieldError``
+    refuses this ticket alone); ``reply`` encodes the reply from the results. Both run
+    in the commit thread, off the loop."""
+
+    request: Callable[[], Appending]
+    reply: Callable[[list[AppendResult]], bytes]
+    records: int = 1
+    """How many records the request has (its weight in a batch)."""
+    on_settled: Callable[[AppendTicket], None] | None = None
+    """Called on the loop once the ticket is settled, for a waiter that is not a task (a
+    connection's deferred reply). It must not raise; if it does, that is logged and the
+    other tickets are settled all the same."""
+    appending: Appending | None = None
+    replied: bytes | None = None
+    error: Exception | None = None
+    settled: trio.Event = attrs.field(factory=trio.Event)
+
+
+class TierCommitter:
+    def __init__(self, store: TierStore, *, max_records: int = MAX_RECORDS) -> None:
+        if max_records < 1:
+            raise ValueError(f"max_records must be >= 1, got {max_records}")
+        self.store = store
+        self.max_records = max_records
+        self._batches = ThreadBatcher(self._take, self._commit, self._settle)
+        self._commit_seconds = metrics.COMMIT_SECONDS.labels(store=store.name)
+        # Settled a few at a time, as the buses' tickets are: a commit of 64 appends woke
+        # 64 tasks in one turn of the loop, and every probe waited for each such turn.
+        self._unsettled = Steps(self._settle_one, max_step=MAX_SETTLE_STEP, name="tier_settle")
+        self._batch_records = metrics.COMMIT_BATCH.labels(store=store.name)
+
+    def enqueue(self, ticket: AppendTicket) -> None:
+        """Queue a ticket; never blocks (the caller's Gate slot bounds the queue)."""
+        self._batches.put(ticket)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Commit queued tickets until cancelled (in the background nursery); batches
+        that started finish even if the writer stops."""
+        await self._batches.run(task_status=task_status)
+
+    def _take(self, queue: deque[AppendTicket]) -> list[AppendTicket]:
+        batch: list[AppendTicket] = []
+        records = 0
+        while queue and (not batch or records + queue[0].records <= self.max_records):
+            ticket = queue.popleft()
+            records += ticket.records
+            batch.append(ticket)
+        return batch
+
+    def _commit(self, batch: list[AppendTicket]) -> None:
+        """In the thread: make each ticket's request, append them all, encode replies."""
+        accepted: list[AppendTicket] = []
+        for ticket in batch:
+            try:
+                ticket.appending = ticket.request()
+            except Exception as exc:  # FieldError, or a bug met by this input alone
+                ticket.error = exc
+            else:
+                accepted.append(ticket)
+        if not accepted:
+            return
+        started = time.monotonic()
+        outcomes = self.store.append_many([t.appending for t in accepted if t.appending])
+        self._commit_seconds.observe(time.monotonic() - started)
+        self._batch_records.observe(sum(ticket.records for ticket in accepted))
+        for ticket, outcome in zip(accepted, outcomes, strict=True):
+            if isinstance(outcome, Exception):
+                ticket.error = outcome
+                continue
+            try:
+                ticket.replied = ticket.reply(outcome)
+            except Exception as exc:  # committed, but its reply could not be made
+                ticket.error = exc
+
+    def _settle(self, batch: list[AppendTicket], outcome: Exception | None) -> None:
+        """On the loop, as a plain callback: it must not raise."""
+        if outcome is not None:  # the store failed (e.g. poisoned): every ticket learns it
+            event(log, logging.ERROR, "commit_failed", store=self.store.name, exc_info=outcome)
+        for ticket in batch:
+            if outcome is not None:
+                ticket.error = ticket.error or outcome
+            self._unsettled.push(ticket)
+
+    def _settle_one(self, ticket: AppendTicket) -> None:
+        ticket.settled.set()
+        if ticket.on_settled is not None:
+            ticket.on_settled(ticket)  # if it raises, Steps logs it and goes on
+
+
+@attrs.frozen
+class Tier:
+    """The tier as the faces see it: its store, and the committer that appends to it.
+
+    Lifecycle: opened with the store; :meth:`tasks` run in the background while it
+    serves; :meth:`close` once no face uses it."""
+
+    store: TierStore
+    committer: TierCommitter
+
+    @classmethod
+    def of(cls, store: TierStore) -> Tier:
+        return cls(store, TierCommitter(store))
+
+    def tasks(self) -> dict[str, Task]:
+        """The background tasks the tier needs while it serves, by name."""
+        return {"committer": self.committer.run}
+
+    async def close(self, *, limiter: trio.CapacityLimiter) -> None:
+        """Cancellation: shielded; the store is closed whatever is cancelled."""
+        with trio.CancelScope(shield=True):
+            await run_in_thread(self.store.close, limiter=limiter)
