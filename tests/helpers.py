@@ -277,3 +277,20 @@ async def commit_together(committer: Any, tickets: Sequence[Any]) -> None:
             for ticket in tickets:
                 await ticket.settled.wait()
             nursery.cancel_scope.cancel()
+
+
+def watch_the_write_lock(store: Any) -> list[bool]:
+    """Whether the write lock was held each time a store's in-memory counts changed
+    after a commit (the ``committed`` hook of ``_write``)."""
+    held: list[bool] = []
+    write = store._write
+
+    def watched(work: Any, *, committed: Any = None) -> Any:
+        def check(result: Any) -> None:
+            held.append(store._write_lock.locked())
+            committed(result)
+
+        return write(work, committed=check if committed else None)
+
+    store._write = watched
+    return held

@@ -10,6 +10,8 @@ import pytest
 from cmdbus_trio.storage import StoreState, StoreUnavailable
 from cmdbus_trio.storage.buslog import MAX_READ_MANY, BusEntry, BusLog, Published, Settlements
 
+from .helpers import watch_the_write_lock
+
 
 @pytest.fixture
 def log(tmp_path: Path) -> Iterator[BusLog]:
@@ -179,3 +181,13 @@ def test_delivery_counts_are_kept_until_the_record_settles(log: BusLog) -> None:
             "SELECT consumer, sort_key FROM deliveries ORDER BY consumer, sort_key"
         ).fetchall()
     assert rows == [("commands", 5), ("commands", 6), ("other", 1)]
+
+
+def test_the_logs_counts_change_under_the_write_lock(log: BusLog) -> None:
+    """The committer's appends and retention's deletes, in two threads, both change the
+    record count: each change is made under the write lock."""
+    held = watch_the_write_lock(log)
+    log.commit([entry(1), entry(2)])
+    log.evict(1)
+    assert len(held) == 2 and all(held)
+    assert log.records == 1

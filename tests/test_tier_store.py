@@ -28,6 +28,8 @@ from cmdbus_trio.storage.tier import (
     VersionConflict,
 )
 
+from .helpers import watch_the_write_lock
+
 
 @pytest.fixture
 def store(tmp_path: Path) -> TierStore:
@@ -400,3 +402,13 @@ def test_delete_execution_survives_a_reopen(tmp_path: Path) -> None:
     assert store.statistics().record_counts["catalog"] == 0
     assert store.append("catalog", "x", rec()).global_sequence == 3
     store.close()
+
+
+def test_counts_change_before_the_next_writer_takes_the_lock(store: TierStore) -> None:
+    """An append in the committer's thread and a delete in retention's both read and
+    change the tier's counts: each change is made under the write lock."""
+    held = watch_the_write_lock(store)
+    store.append_batch("eventlog", "e", [NewRecord("{}"), NewRecord("{}")])
+    assert store.delete_execution("eventlog", "e") == 2
+    assert held and all(held)
+    assert store.statistics().record_counts["eventlog"] == 0

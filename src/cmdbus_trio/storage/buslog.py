@@ -118,12 +118,15 @@ class BusLog(SqliteStore):
                 return []
             return _bus_writes.append(connection, entries, now, self.dedup_window)
 
-        results = self._write(write)
+        return self._write(write, committed=self._appended)
+
+    def _appended(self, results: list[Published]) -> None:
+        """After an appending transaction committed, under the write lock: a retention
+        step in another thread reads and changes the same counts."""
         fresh = [r.sort_key for r in results if not r.duplicate]
         if fresh:
             self._last_sort_key = max(self._last_sort_key, *fresh)
             self._records += len(fresh)
-        return results
 
     @property
     def records(self) -> int:
@@ -163,12 +166,11 @@ class BusLog(SqliteStore):
                 connection, windows, now=now, newest=self._last_sort_key
             )
 
-        retained = self._write(write)
-        self._deleted(retained.records, retained.through)
-        return retained
+        return self._write(write, committed=lambda r: self._deleted(r.records, r.through))
 
     def _deleted(self, records: int, through: int) -> None:
-        """After a deleting transaction committed: the counts read without the store."""
+        """After a deleting transaction committed, under the write lock (see
+        :meth:`_appended`): the counts read without the store."""
         self._records -= records
         self._deleted_through = max(self._deleted_through, through)
 
@@ -197,9 +199,10 @@ class BusLog(SqliteStore):
         in one write transaction: keep ``through`` to what :meth:`eviction_floor` said,
         so the transaction stays short. Readers see it as retention: a reader starting
         before ``through`` is told :attr:`deleted_through`."""
-        evicted = self._write(partial(_bus_retention.evict, through=through))
-        self._deleted(evicted.records, through)
-        return evicted
+        return self._write(
+            partial(_bus_retention.evict, through=through),
+            committed=lambda e: self._deleted(e.records, through),
+        )
 
     @refuses_loop_thread
     def groups(self) -> dict[str, int]:
