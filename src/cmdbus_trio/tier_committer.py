@@ -59,7 +59,6 @@ class AppendTicket:
     """Called on the loop once the ticket is settled, for a waiter that is not a task (a
     connection's deferred reply). It must not raise; if it does, that is logged and the
     other tickets are settled all the same."""
-    appending: Appending | None = None
     replied: bytes | None = None
     error: Exception | None = None
     settled: trio.Event = attrs.field(factory=trio.Event)
@@ -99,9 +98,10 @@ class TierCommitter:
     def _commit(self, batch: list[AppendTicket]) -> None:
         """In the thread: make each ticket's request, append them all, encode replies."""
         accepted: list[AppendTicket] = []
+        requests: list[Appending] = []
         for ticket in batch:
             try:
-                ticket.appending = ticket.request()
+                requests.append(ticket.request())
             except Exception as exc:  # FieldError, or a bug met by this input alone
                 ticket.error = exc
             else:
@@ -109,7 +109,7 @@ class TierCommitter:
         if not accepted:
             return
         started = time.monotonic()
-        outcomes = self.store.append_many([t.appending for t in accepted if t.appending])
+        outcomes = self.store.append_many(requests)
         self._commit_seconds.observe(time.monotonic() - started)
         self._batch_records.observe(sum(ticket.records for ticket in accepted))
         for ticket, outcome in zip(accepted, outcomes, strict=True):
