@@ -355,7 +355,7 @@ async def test_shed_bursts_log_start_and_end(
     caplog.set_level("WARNING", logger="cmdbus_trio.admission")
     release = trio.Event()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(gate.watch_sheds)
+        nursery.start_soon(gate.run_timers)
         await nursery.start(hold, gate, release)
         for _ in range(50):
             with pytest.raises(Shed):

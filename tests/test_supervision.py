@@ -41,10 +41,10 @@ TARGETS: dict[str, tuple[Any, str, list[str]]] = {
     "tier retention": (app, "run_tier_retention", ["tier.retention"]),
     "tier committer": (TierCommitter, "run", ["tier.committer"]),
     "store sizes": (app, "_measure_stores", ["store_sizes"]),
-    "shed watcher": (
+    "gate timers": (
         Gate,
-        "watch_sheds",
-        [f"{gate}.shed_watcher" for gate in (*DATA_FACE_NAMES, "tier_writes")],
+        "run_timers",
+        [f"{gate}.timers" for gate in (*DATA_FACE_NAMES, "tier_writes")],
     ),
 }
 

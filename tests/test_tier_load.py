@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import signal
 import sqlite3
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -250,6 +251,55 @@ async def test_appends_waiting_for_the_store_commit_together_and_the_lane_sheds_
             assert tier_commits() - commits_before in (3, 4)
             sequences = {reply["global_sequence"] for reply in replies if reply["ok"]}
             assert len(sequences) == 8
+
+
+async def test_an_append_waiting_for_the_lane_past_shed_after_is_shed_and_one_left_commits(
+    make_config: Callable[..., Config],
+) -> None:
+    """An append waits for its lane slot as a callback, with no task: the Gate's timers
+    shed it once it has waited shed_after (0.2 s: the commit ahead waits for longer). One whose
+    client left while it waited is still committed once admitted, and frees its slot."""
+    config = make_config(
+        tier_bind="127.0.0.1:0",
+        tier_max_pending_writes=1,
+        tier_max_waiters=2,
+        tier_shed_after_ms=200,
+    )
+    with trio.fail_after(30):
+        async with running_writer(config) as (writer, addresses):
+            store: TierStore = writer._stores["tier"].store
+            gate = writer.health.gates["tier_writes"]
+            fsynced = threading.Event()
+            store.before_commit = lambda: fsynced.wait(10)  # a slow fsync, until set
+            async with (
+                frame_client(addresses["tier"]) as first,
+                frame_client(addresses["tier"]) as second,
+            ):
+                await first.send(
+                    b'{"id": 1, "op": "append", "execution_id": "first", "payload": "{}"}'
+                )
+                while gate.statistics().inflight == 0:
+                    await trio.sleep(0.01)
+                reply = await second.request("append", execution_id="shed", payload="{}")
+                assert not reply["ok"] and "queue_timeout" in reply["error"]["message"], reply
+                async with frame_client(addresses["tier"]) as leaving:
+                    await leaving.send(
+                        b'{"id": 1, "op": "append", "execution_id": "left", "payload": "{}"}'
+                    )
+                    while gate.statistics().waiters == 0:
+                        await trio.sleep(0.01)
+                store.before_commit = None
+                fsynced.set()  # "left" is admitted well within its 0.2 s
+                assert (await first.receive_json())["ok"]
+            while gate.statistics().inflight or gate.statistics().waiters:
+                await trio.sleep(0.01)
+            counts = [
+                await run_in_thread(
+                    store.execution_count, "eventlog", name, limiter=trio.CapacityLimiter(1)
+                )
+                for name in ("first", "shed", "left")
+            ]
+    assert counts == [1, None, 1]
 
 
 def tier_commits() -> float:

@@ -193,9 +193,9 @@ async def test_a_read_whose_wait_for_a_turn_outlives_the_timer_loses_nothing(
 async def test_a_reply_made_in_a_task_of_its_own_waits_for_a_turn_with_room(
     make_config: Callable[..., Config], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A request answered by a task of its own (a read; an append that waited for a
-    slot) writes its reply as a unit of the data plane: a commit that woke 64 such tasks
-    in one turn made that turn, and every probe's, long."""
+    """A request answered by a task of its own (a read) writes its reply as a unit of the
+    data plane: a commit that woke 64 such tasks (appends that had waited for a slot, as
+    they did then) in one turn made that turn, and every probe's, long."""
     asked: list[str] = []
 
     class Recording(TurnBudget):

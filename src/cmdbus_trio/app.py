@@ -249,7 +249,7 @@ class Writer:
         metrics.UNSENT_WAITS.labels(face=face)
         for each in (gate, *dict.fromkeys(lanes.values())):
             self.health.gates[each.name] = each
-            await self._start_task(background, f"{each.name}.shed_watcher", each.watch_sheds)
+            await self._start_task(background, f"{each.name}.timers", each.run_timers)
         ctx = FaceContext(
             face,
             bind,

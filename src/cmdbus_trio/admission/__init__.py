@@ -12,17 +12,10 @@ under a running thread).
 
 from __future__ import annotations
 
+from ._bursts import ShedBursts
 from ._bytes import ByteBudget
-from ._gate import (
-    DeadlineExceeded,
-    Gate,
-    GateClosed,
-    GateStatistics,
-    Shed,
-    ShedBursts,
-    ShedReason,
-    Slot,
-)
+from ._gate import Gate, GateClosed, GateStatistics, Shed, ShedReason
+from ._slot import DeadlineExceeded, Slot
 from ._threads import run_in_thread
 
 __all__ = [

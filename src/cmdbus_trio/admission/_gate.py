@@ -3,25 +3,18 @@
 from __future__ import annotations
 
 import enum
-import logging
 import math
 from collections import Counter as _Tally
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from types import TracebackType
-from typing import NoReturn, TypeVar, TypeVarTuple
 
 import attrs
 import trio
 
 from cmdbus_trio import metrics
-from cmdbus_trio.logs import event
 
-from ._threads import run_in_thread
-
-T = TypeVar("T")
-Ts = TypeVarTuple("Ts")
-
-log = logging.getLogger(__name__)
+from ._bursts import ShedBursts
+from ._slot import Slot
 
 
 class ShedReason(enum.StrEnum):
@@ -46,10 +39,6 @@ class GateClosed(Exception):
     """The Gate is draining: it admits nothing more (answer ``unavailable``)."""
 
 
-class DeadlineExceeded(Exception):
-    """The request's budget ran out while its read work was running; the work stopped."""
-
-
 @attrs.frozen
 class GateStatistics:
     """A snapshot of a :class:`Gate`, as :meth:`Gate.statistics` returns it."""
@@ -70,79 +59,44 @@ class GateStatistics:
     """Sheds since start, by reason (every reason present, 0 when none)."""
 
 
-class Slot:
-    """A Gate slot held on behalf of one request, until :meth:`release`.
+Admitted = Callable[["Slot | Shed | GateClosed"], None]
+"""What :meth:`Gate.acquire_later` calls, once: with the slot, or with why there is none."""
 
-    Use it as a context manager (``with await gate.acquire(op) as slot:``); do blocking
-    work through :meth:`run_cancellable` or :meth:`run_to_completion`.
-    """
 
-    def __init__(self, gate: Gate, op: str, arrival: float, deadline: float) -> None:
-        self._gate = gate
-        self.op = op
-        self.arrival = arrival
-        self.deadline = deadline
-        self.admitted_at = math.nan
-        self._released = False
-        self._running = False
+class _Waiter:
+    """A request waiting for a slot: a task parked in :meth:`Gate.acquire`, or a
+    callback queued by :meth:`Gate.acquire_later`."""
 
-    async def run_cancellable(self, fn: Callable[[*Ts], T], *args: *Ts) -> T:
-        """Run read work in a thread, stopping it when the budget runs out.
+    __slots__ = ("expires", "expiry_reason", "slot", "task", "then")
 
-        Cancellation: the thread observes cancellation, from the caller or the budget,
-        at its next ``trio.from_thread.check_cancelled()``; this returns only once the
-        thread has.
-
-        Error handling: raises :class:`DeadlineExceeded` if the budget stopped the work.
-        """
-        with trio.CancelScope(deadline=self.deadline):
-            return await self._run(fn, *args)
-        raise DeadlineExceeded(f"{self._gate.face} {self.op}: budget ran out")
-
-    async def run_to_completion(self, fn: Callable[[*Ts], T], *args: *Ts) -> T:
-        """Run write work in a thread; once started it finishes, whatever is cancelled,
-        and the slot stays held until it has (DESIGN.md: "Writes finish")."""
-        with trio.CancelScope(shield=True):
-            result = await self._run(fn, *args)
-        return result
-
-    async def _run(self, fn: Callable[[*Ts], T], *args: *Ts) -> T:
-        if self._released:
-            raise RuntimeError("this slot was released")
-        if self._running:
-            raise RuntimeError("one thread per request: this slot is already running work")
-        self._running = True
-        try:
-            return await run_in_thread(fn, *args, limiter=self._gate._thread_limiter)
-        finally:
-            self._running = False
-
-    def release(self) -> None:
-        if self._released:
-            raise RuntimeError("slot released twice")
-        self._released = True
-        self._gate._release(self)
-
-    def __enter__(self) -> Slot:
-        return self
-
-    def __exit__(
+    def __init__(
         self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
+        slot: Slot,
+        expires: float,
+        expiry_reason: ShedReason,
+        task: trio.lowlevel.Task | None = None,
+        then: Admitted | None = None,
     ) -> None:
-        self.release()
+        self.slot = slot
+        self.expires = expires
+        self.expiry_reason = expiry_reason
+        self.task = task
+        self.then = then
 
 
 class Gate:
     """Admission control for one face.
 
     At most ``max_inflight`` slots are held at once; at most ``max_waiters`` requests
-    wait for one. A request waits at most ``min(shed_after, remaining budget)``. Outcomes:
-    admitted, or :class:`Shed` with reason ``waiters_full`` (at once, the queue is full),
-    ``queue_timeout`` (waited ``shed_after``) or ``deadline`` (the budget ran out first,
-    or was already spent on arrival). Each is counted under the face and op.
+    wait for one, first come first served. A request waits at most ``min(shed_after,
+    remaining budget)``. Outcomes: admitted, or :class:`Shed` with reason
+    ``waiters_full`` (at once, the queue is full), ``queue_timeout`` (waited
+    ``shed_after``) or ``deadline`` (the budget ran out first, or was already spent on
+    arrival). Each is counted under the face and op.
+
+    A request waits in a task (:meth:`acquire`) or, without one, as a callback
+    (:meth:`acquire_later`): one queue holds both, in arrival order. The callbacks'
+    timers are the Gate's own task's (:meth:`run_timers`).
 
     ``ops``: the ops that ask this Gate for slots, whose shed counters exist from the
     start (at 0), so that a dashboard's ``sum()`` reads 0 rather than no data.
@@ -181,11 +135,12 @@ class Gate:
         self.max_waiters = max_waiters
         self.shed_after = shed_after
         self.default_budget = default_budget
-        self._limiter = trio.CapacityLimiter(max_inflight)
+        self._inflight = 0
+        self._queue: OrderedDict[_Waiter, None] = OrderedDict()  # first come, first served
+        self._timer: trio.CancelScope | None = None  # run_timers' sleep, while it runs
         # A slot runs at most one thread: with the default, an admitted request never
         # waits for one; with fewer, it may (after admission, inside its service time).
         self._thread_limiter = trio.CapacityLimiter(self.max_threads)
-        self._waiting: set[trio.CancelScope] = set()
         self._room = trio.lowlevel.ParkingLot()  # connections holding a client back
         self._intake = 0
         self._closed = False
@@ -196,8 +151,8 @@ class Gate:
             for reason in ShedReason:
                 metrics.SHED.labels(face=face, op=op, reason=reason.value)
         metrics.CAPACITY.labels(face=self.name).set(max_inflight)
-        metrics.INFLIGHT.labels(face=self.name).set_function(lambda: self._limiter.borrowed_tokens)
-        metrics.WAITERS.labels(face=self.name).set_function(lambda: len(self._waiting))
+        metrics.INFLIGHT.labels(face=self.name).set_function(lambda: self._inflight)
+        metrics.WAITERS.labels(face=self.name).set_function(lambda: len(self._queue))
 
     # --- admission ---------------------------------------------------------------------
 
@@ -215,44 +170,71 @@ class Gate:
         """
         now = trio.current_time()
         slot = self._arrive(op, now, budget, arrival)
-        remaining = slot.deadline - now
-        try:
-            self._limiter.acquire_on_behalf_of_nowait(slot)
-        except trio.WouldBlock:
-            if len(self._waiting) >= self.max_waiters:
-                self._shed(slot, ShedReason.WAITERS_FULL)
-            with trio.CancelScope(deadline=now + min(self.shed_after, remaining)) as waiting:
-                self._waiting.add(waiting)
-                try:
-                    await self._limiter.acquire_on_behalf_of(slot)
-                finally:
-                    self._waiting.discard(waiting)
-            if waiting.cancelled_caught:
-                if self._closed:
-                    raise GateClosed(f"{self.face} is draining") from None
-                budget_first = remaining <= self.shed_after
-                self._shed(slot, ShedReason.DEADLINE if budget_first else ShedReason.QUEUE_TIMEOUT)
-        self._admit(slot)
-        return slot
+        if self.can_admit_now:
+            return self._take(slot)
+        waiter = self._enqueue(slot, now, task=trio.lowlevel.current_task())
+
+        def abort(_: object) -> trio.lowlevel.Abort:
+            del self._queue[waiter]  # still queued: admission and close reschedule it
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        with trio.CancelScope(deadline=waiter.expires):
+            await trio.lowlevel.wait_task_rescheduled(abort)
+            if math.isnan(slot.admitted_at):  # woken by close(), not by a released slot
+                raise GateClosed(f"{self.face} is draining")
+            return slot
+        raise self._refuse(slot, waiter.expiry_reason)
 
     def acquire_nowait(
         self, op: str, *, budget: float | None = None, arrival: float | None = None
     ) -> Slot:
         """Admit at once or shed: never queues (a free slot or ``waiters_full``)."""
         slot = self._arrive(op, trio.current_time(), budget, arrival)
+        if not self.can_admit_now:
+            raise self._refuse(slot, ShedReason.WAITERS_FULL)
+        return self._take(slot)
+
+    def acquire_later(
+        self,
+        op: str,
+        then: Admitted,
+        *,
+        budget: float | None = None,
+        arrival: float | None = None,
+    ) -> None:
+        """As :meth:`acquire`, without a task: ``then`` is called exactly once, on the
+        loop, with the :class:`Slot` once admitted (at once, before this returns, if one
+        is free) or with the :class:`Shed` or :class:`GateClosed` that refused it (at
+        once, or when the request's wait ends). ``then`` must not raise: it runs inside
+        whatever released the slot.
+
+        A request that waits no task for its slot costs the loop nothing while it waits:
+        under overload most of them wait.
+
+        Error handling: raises ``RuntimeError`` if it would have to wait while
+        :meth:`run_timers` is not running (nothing would end the wait).
+        """
+        now = trio.current_time()
         try:
-            self._limiter.acquire_on_behalf_of_nowait(slot)
-        except trio.WouldBlock:
-            self._shed(slot, ShedReason.WAITERS_FULL)
-        self._admit(slot)
-        return slot
+            slot = self._arrive(op, now, budget, arrival)
+            if self.can_admit_now:
+                then(self._take(slot))
+                return
+            waiter = self._enqueue(slot, now, then=then)
+        except (Shed, GateClosed) as refused:
+            then(refused)
+            return
+        if self._timer is None:
+            del self._queue[waiter]
+            raise RuntimeError(f"{self.name}: acquire_later needs run_timers running")
+        self._timer.deadline = min(self._timer.deadline, waiter.expires)
 
     @property
     def can_admit_now(self) -> bool:
         """Open, a slot free and nobody waiting for one: :meth:`acquire_nowait` admits
         (unless the request's budget is spent). Lets a caller that must not be shed, only
         wait, take a fast path without a task."""
-        return not self._closed and not self._waiting and self._limiter.available_tokens > 0
+        return not self._closed and not self._queue and self._inflight < self.max_inflight
 
     def _arrive(self, op: str, now: float, budget: float | None, arrival: float | None) -> Slot:
         """The checks made before queueing: closed, or a budget already spent."""
@@ -262,7 +244,29 @@ class Gate:
         if self._closed:
             raise GateClosed(f"{self.face} is draining")
         if slot.deadline <= now:
-            self._shed(slot, ShedReason.DEADLINE)
+            raise self._refuse(slot, ShedReason.DEADLINE)
+        return slot
+
+    def _enqueue(
+        self,
+        slot: Slot,
+        now: float,
+        task: trio.lowlevel.Task | None = None,
+        then: Admitted | None = None,
+    ) -> _Waiter:
+        """Queue ``slot``'s request, or shed it (``waiters_full``)."""
+        if len(self._queue) >= self.max_waiters:
+            raise self._refuse(slot, ShedReason.WAITERS_FULL)
+        remaining = slot.deadline - now
+        # Which ran out first names the reason: the client's budget, or the Gate's patience.
+        reason = ShedReason.DEADLINE if remaining <= self.shed_after else ShedReason.QUEUE_TIMEOUT
+        waiter = _Waiter(slot, now + min(self.shed_after, remaining), reason, task, then)
+        self._queue[waiter] = None
+        return waiter
+
+    def _take(self, slot: Slot) -> Slot:
+        self._inflight += 1
+        self._admit(slot)
         return slot
 
     def _admit(self, slot: Slot) -> None:
@@ -272,11 +276,12 @@ class Gate:
             slot.admitted_at - slot.arrival
         )
 
-    def _shed(self, slot: Slot, reason: ShedReason) -> NoReturn:
+    def _refuse(self, slot: Slot, reason: ShedReason) -> Shed:
+        """Count a shed request; the caller raises (or hands over) what this returns."""
         self._shed_total[reason.value] += 1
         metrics.SHED.labels(face=self.face, op=slot.op, reason=reason.value).inc()
         self._bursts.shed(reason, trio.current_time())
-        raise Shed(self.face, slot.op, reason, self.retry_after_ms(reason))
+        return Shed(self.face, slot.op, reason, self.retry_after_ms(reason))
 
     def retry_after_ms(self, reason: ShedReason) -> int:
         """A hint for a shed client: one ``shed_after`` (by then the queue has turned over
@@ -284,10 +289,19 @@ class Gate:
         return 0 if reason is ShedReason.DEADLINE else max(1, round(self.shed_after * 1000))
 
     def _release(self, slot: Slot) -> None:
-        self._limiter.release_on_behalf_of(slot)
         metrics.child(metrics.SERVICE, self.face, slot.op).observe(
             trio.current_time() - slot.admitted_at
         )
+        if not self._queue:
+            self._inflight -= 1
+            return
+        waiter, _ = self._queue.popitem(last=False)  # the slot passes to the first in line
+        self._admit(waiter.slot)
+        if waiter.task is not None:
+            trio.lowlevel.reschedule(waiter.task)
+        else:
+            assert waiter.then is not None
+            waiter.then(waiter.slot)
 
     # --- intake: how connections hold back a flood --------------------------------------
 
@@ -330,19 +344,49 @@ class Gate:
     def close(self) -> None:
         """Admit nothing more; requests still waiting get :class:`GateClosed`."""
         self._closed = True
-        for waiting in self._waiting:
-            waiting.cancel()
+        waiting, self._queue = self._queue, OrderedDict()
+        for waiter in waiting:
+            if waiter.task is not None:
+                trio.lowlevel.reschedule(waiter.task)  # not admitted: it raises GateClosed
+            else:
+                assert waiter.then is not None
+                waiter.then(GateClosed(f"{self.face} is draining"))
         self._room.unpark_all()
 
-    async def watch_sheds(
+    # --- timers ------------------------------------------------------------------------
+
+    async def run_timers(
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
-        """Log the end of each shed burst (its start is logged when it happens). Runs in
-        the background nursery."""
+        """End the waits of :meth:`acquire_later`'s callbacks when their time comes, and
+        log the end of each shed burst (its start is logged when it happens). Runs in the
+        background nursery, outliving the faces, so that a drain's waiters still end.
+
+        It sleeps until the earliest callback's time, which :meth:`acquire_later` brings
+        forward; a callback admitted before its time leaves the sleep early, and the next
+        wake looks again. Each wake scans the queue, at most ``max_waiters`` long: under
+        overload about once per ``shed_after``, as the queue turns over well within it
+        (a heap of expiry times, kept lazily, had thousands of admitted entries to drop
+        per wake)."""
         task_status.started()
-        while True:
-            await trio.sleep(self._bursts.quiet_period)
-            self._bursts.tick(trio.current_time())
+        tick = trio.current_time() + self._bursts.quiet_period
+        try:
+            while True:
+                now = trio.current_time()
+                expired = [w for w in self._queue if w.then is not None and w.expires <= now]
+                for waiter in expired:
+                    del self._queue[waiter]
+                    assert waiter.then is not None
+                    waiter.then(self._refuse(waiter.slot, waiter.expiry_reason))
+                if now >= tick:
+                    self._bursts.tick(now)
+                    tick = now + self._bursts.quiet_period
+                wake = min((w.expires for w in self._queue if w.then is not None), default=tick)
+                self._timer = trio.CancelScope(deadline=min(tick, wake))
+                with self._timer:
+                    await trio.sleep_forever()
+        finally:
+            self._timer = None
 
     # --- statistics --------------------------------------------------------------------
 
@@ -350,8 +394,8 @@ class Gate:
         return GateStatistics(
             face=self.name,
             capacity=self.max_inflight,
-            inflight=self._limiter.borrowed_tokens,
-            waiters=len(self._waiting),
+            inflight=self._inflight,
+            waiters=len(self._queue),
             intake=self._intake,
             max_waiters=self.max_waiters,
             shed_after=self.shed_after,
@@ -360,36 +404,3 @@ class Gate:
             admitted_total=self._admitted_total,
             shed_total=dict(self._shed_total),
         )
-
-
-class ShedBursts:
-    """Logs one line when shedding starts and one when it has stopped for
-    ``quiet_period`` seconds, instead of a line per shed request."""
-
-    quiet_period = 1.0
-
-    def __init__(self, face: str) -> None:
-        self.face = face
-        self._started: float | None = None
-        self._last = 0.0
-        self._reasons: _Tally[str] = _Tally()
-
-    def shed(self, reason: ShedReason, now: float) -> None:
-        if self._started is None:
-            self._started = now
-            event(log, logging.WARNING, "shed_burst_started", face=self.face, reason=reason.value)
-        self._last = now
-        self._reasons[reason.value] += 1
-
-    def tick(self, now: float) -> None:
-        if self._started is not None and now - self._last >= self.quiet_period:
-            event(
-                log,
-                logging.WARNING,
-                "shed_burst_ended",
-                face=self.face,
-                duration_s=round(self._last - self._started, 3),
-                shed=dict(self._reasons),
-            )
-            self._started = None
-            self._reasons.clear()

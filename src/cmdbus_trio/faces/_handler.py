@@ -71,6 +71,20 @@ class Deferred:
         if self._outcome is not None:
             callback(self._outcome)
 
+    async def outcome(self) -> bytes:
+        """Wait for the outcome in a task (the v1 dialect's): the body, or the exception
+        raised. Takes the one callback :meth:`when_settled` holds.
+
+        Cancellation: safe; the reply is settled all the same, for nobody."""
+        if self._outcome is None:
+            settled = trio.Event()
+            self.when_settled(lambda _: settled.set())
+            await settled.wait()
+        assert self._outcome is not None
+        if isinstance(self._outcome, Exception):
+            raise self._outcome
+        return self._outcome
+
 
 def checked_pages(pages: Iterable[P]) -> Iterator[P]:
     """``pages``, read in a worker thread, with a cancellation check before each: an

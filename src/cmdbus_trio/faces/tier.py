@@ -5,9 +5,12 @@ admitted by the tier Gate (appends and deletes: the write lane, ``CMDBUS_TIER_WR
 and then runs off the loop: an append is queued for the tier's group commit
 (:mod:`cmdbus_trio.tier_committer`), whose thread checks its payloads, appends it with the
 others waiting and encodes its reply; a read or a delete runs whole in one worker thread
-call. Reads work page by page, checking for cancellation between pages, and stop adding
-records when the reply would pass the reply cap (v2: fewer records and ``next_after``;
-v1: the documented text error).
+call. An append has no task of its own: it waits for its slot as a callback
+(``Gate.acquire_later``) and is answered by the commit's callback, since under overload
+most appends wait, and a task each was a third of the loop's time. Reads work page by
+page, checking for cancellation between pages, and stop adding records when the reply
+would pass the reply cap (v2: fewer records and ``next_after``; v1: the documented text
+error).
 """
 
 from __future__ import annotations
@@ -80,7 +83,10 @@ class TierHandler:
         if isinstance(request, codec.Health):
             return V1Reply("health", encode_frame(codec.V1_HEALTH_REPLY))
         try:
-            body = await self._run(request, arrival, None, _NO_ID)
+            if isinstance(request, Appends):
+                body = await self._append(request, _NO_ID, arrival, None).outcome()
+            else:
+                body = await self._run(request, arrival, None, _NO_ID)
         except Exception as exc:
             error = as_face_error(exc)
             if error is None:
@@ -105,52 +111,43 @@ class TierHandler:
             reply.settle(encode_ok(request.id, {"status": "ok", "service": "tier-service"}))
             return reply
         if isinstance(tier_request, Appends):
-            gate = self.ctx.gate_of(tier_request.op)
-            if gate.can_admit_now:
-                # A free slot: queued now, answered by the commit's callback, no task (a
-                # task per append was a fifth of the loop's time under the soak).
-                slot = gate.acquire_nowait(tier_request.op, budget=request.budget, arrival=arrival)
-                return self._append_deferred(tier_request, request.id, slot)
+            return self._append(tier_request, request.id, arrival, request.budget)
         return self._run(tier_request, arrival, request.budget, request.id)
 
     async def _run(
         self, request: codec.TierRequest, arrival: float, budget: float | None, request_id: int
     ) -> bytes:
-        gate = self.ctx.gate_of(request.op)  # writes: their own lane (CMDBUS_TIER_WRITES)
+        gate = self.ctx.gate_of(request.op)  # deletes: the write lane (CMDBUS_TIER_WRITES)
         with await gate.acquire(request.op, budget=budget, arrival=arrival) as slot:
-            if isinstance(request, Appends):
-                return await self._append(request, request_id)
             if isinstance(request, codec.DeleteExecution):
                 return await slot.run_to_completion(self._delete, request, request_id)
             return await slot.run_cancellable(self._read, request, request_id)
 
-    async def _append(self, request: Appends, request_id: int) -> bytes:
-        """Queue the append for the group commit now (in arrival order) and wait for it;
-        the caller holds the Gate slot until then, so a drain waits for it and nothing
-        admitted is dropped.
-
-        Cancellation: shielded; an admitted append is committed and answered."""
-        ticket = self._ticket(request, request_id)
-        self.committer.enqueue(ticket)
-        with trio.CancelScope(shield=True):
-            await ticket.settled.wait()
-        outcome = _outcome(ticket)
-        if isinstance(outcome, Exception):
-            raise outcome
-        return outcome
-
-    def _append_deferred(self, request: Appends, request_id: int, slot: Slot) -> Deferred:
-        """As :meth:`_append`, answered by a callback: the slot is held until the ticket
-        is settled."""
+    def _append(
+        self, request: Appends, request_id: int, arrival: float, budget: float | None
+    ) -> Deferred:
+        """Admit the append (or shed it), queue it for the group commit once admitted, in
+        admission order, and answer with the commit's outcome. The slot is held until the
+        append is settled, so a drain waits for it and nothing admitted is dropped; an
+        admitted append is committed even if its client has gone."""
         reply = Deferred()
 
-        def settled(ticket: AppendTicket) -> None:
-            slot.release()
-            reply.settle(_outcome(ticket))
+        def admitted(slot: Slot | Exception) -> None:
+            if isinstance(slot, Exception):  # shed, or the Gate closed
+                reply.settle(slot)
+                return
 
-        ticket = self._ticket(request, request_id)
-        ticket.on_settled = settled
-        self.committer.enqueue(ticket)
+            def settled(ticket: AppendTicket) -> None:
+                slot.release()  # which may admit the next append in line
+                reply.settle(_outcome(ticket))
+
+            ticket = self._ticket(request, request_id)
+            ticket.on_settled = settled
+            self.committer.enqueue(ticket)
+
+        self.ctx.gate_of(request.op).acquire_later(
+            request.op, admitted, budget=budget, arrival=arrival
+        )
         return reply
 
     def _ticket(self, request: Appends, request_id: int) -> AppendTicket:
