@@ -11,7 +11,11 @@ machine, in microseconds, against a bare checkpoint measured in the same run.
 - ``cancel scope with a deadline``: a scope with a deadline entered and left around a
   checkpoint (what a read with a timeout cost before the reader kept one scope for
   many reads);
-- ``cancel scope, deadline moved``: the same with the deadline moved once inside.
+- ``cancel scope, deadline moved``: the same with the deadline moved once inside;
+- ``checkpoint, a scheduling hook``: a checkpoint with an instrument's ``task_scheduled``
+  installed (as ``turns.TurnBudget`` follows the control face's tasks), and
+  ``checkpoint, scheduling and step hooks``: with ``before_task_step`` too (what counting
+  a control task exactly, to see it run, would add).
 
 Each figure is the median of 5 repetitions of ``--uses`` uses (20,000), minus nothing:
 compare each row with the checkpoint row to see what the primitive adds to a pass.
@@ -62,11 +66,41 @@ async def scope_with_deadline_moved(uses: int) -> None:
             await trio.lowlevel.checkpoint()
 
 
+class _Scheduled(trio.abc.Instrument):
+    def __init__(self) -> None:
+        self.followed: set[trio.lowlevel.Task] = set()  # empty: the lookup is the cost
+        self.ready = 0
+
+    def task_scheduled(self, task: trio.lowlevel.Task) -> None:
+        if task in self.followed:
+            self.ready += 1
+
+
+class _ScheduledAndStepped(_Scheduled):
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        if task in self.followed:
+            self.ready -= 1
+
+
+def with_hooks(instrument: type[_Scheduled]) -> Callable[[int], Awaitable[None]]:
+    async def case(uses: int) -> None:
+        hooks = instrument()
+        trio.lowlevel.add_instrument(hooks)
+        try:
+            await checkpoint(uses)
+        finally:
+            trio.lowlevel.remove_instrument(hooks)
+
+    return case
+
+
 CASES: dict[str, Callable[[int], Awaitable[None]]] = {
     "checkpoint": checkpoint,
     "hand-over": hand_over,
     "cancel scope with a deadline": scope_with_deadline,
     "cancel scope, deadline moved": scope_with_deadline_moved,
+    "checkpoint, a scheduling hook": with_hooks(_Scheduled),
+    "checkpoint, scheduling and step hooks": with_hooks(_ScheduledAndStepped),
 }
 
 
@@ -90,9 +124,9 @@ def main() -> None:
         parser.error("--uses must be at least 1")
     costs = trio.run(measure, uses)
     base = costs["checkpoint"]
-    print(f"{'primitive':32} {'us per use':>10} {'x checkpoint':>13}")
+    print(f"{'primitive':40} {'us per use':>10} {'x checkpoint':>13}")
     for name, cost in costs.items():
-        print(f"{name:32} {cost:10.1f} {cost / base:12.2f}x")
+        print(f"{name:40} {cost:10.1f} {cost / base:12.2f}x")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ PRIMITIVES = (
     "hand-over",
     "cancel scope with a deadline",
     "cancel scope, deadline moved",
+    "checkpoint, a scheduling hook",
+    "checkpoint, scheduling and step hooks",
 )
 
 
@@ -24,9 +26,9 @@ def test_every_primitive_has_a_cost_against_the_checkpoint() -> None:
     assert done.returncode == 0, done.stderr
     header, *rows = done.stdout.splitlines()
     assert header.split()[:1] == ["primitive"]
-    assert [row[:32].strip() for row in rows] == list(PRIMITIVES)
+    assert [row[:40].strip() for row in rows] == list(PRIMITIVES)
     for row in rows:
-        cost, ratio = row[32:].split()
+        cost, ratio = row[40:].split()
         assert float(cost) > 0 and float(ratio.rstrip("x")) > 0
     assert rows[0].endswith("1.00x")
 

@@ -117,6 +117,69 @@ async def test_a_cancelled_wait_leaves_the_next_waiters_turning() -> None:
                 nursery.start_soon(spend_the_share_then_wait, budget)
 
 
+async def test_the_data_plane_runs_one_unit_a_turn_while_a_control_task_is_ready() -> None:
+    budget = installed(60.0)  # room for every unit in one turn, but for the control face
+    admitted: list[tuple[int, str]] = []
+    control_ended = trio.Event()
+
+    async def spin() -> None:
+        for _ in range(60):
+            await trio.lowlevel.checkpoint()
+        control_ended.set()
+
+    async def control(*, task_status: trio.TaskStatus[None]) -> None:
+        budget.put_first(trio.lowlevel.current_task())
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(spin)  # spawned by a control task: the control face's too
+            task_status.started()
+
+    async def worker(name: str, units: int) -> None:
+        for _ in range(units):
+            await budget.wait()
+            admitted.append((budget.statistics().turns, name))
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(control)
+            for name in "abc":
+                nursery.start_soon(worker, name, 5)
+        turns_seen = [turn for turn, _ in admitted]
+        assert len(set(turns_seen)) == len(turns_seen) == 15  # one a turn
+        assert budget.statistics().control_first > 0
+        await control_ended.wait()
+        await trio.lowlevel.checkpoint()
+        admitted.clear()
+        await worker("alone", 50)
+    assert len({turn for turn, _ in admitted}) == 1  # with no control task: all in one
+
+
+async def test_the_control_face_is_favoured_for_at_most_its_share_of_the_loop() -> None:
+    """A control face that is always ready (a flood of probes) costs the data plane at
+    most CONTROL_FIRST_SHARE of the loop's time, after a first burst."""
+    now = [0.0]
+    budget = TurnBudget(60.0, clock=lambda: now[0])
+    trio.lowlevel.add_instrument(budget)
+    room: list[bool] = []
+
+    async def control() -> None:
+        budget.put_first(trio.lowlevel.current_task())
+        for _ in range(2000):
+            now[0] += 0.01  # each turn lasts 10 ms of the budget's clock
+            room.append(budget.has_room())
+            await trio.lowlevel.checkpoint()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(control)
+    statistics = budget.statistics()
+    assert statistics.busy >= 19.0
+    assert statistics.control_first <= (
+        turns.CONTROL_FIRST_SHARE * statistics.busy + turns.CONTROL_FIRST_BURST + 0.01
+    )
+    assert statistics.control_first >= 0.8 * turns.CONTROL_FIRST_SHARE * statistics.busy
+    assert room[1:6] == [False] * 5  # favoured from its next turn, within the burst
+    assert room.count(True) >= 0.7 * len(room)
+
+
 async def test_current_is_one_budget_per_run_and_counts_turns() -> None:
     budget = turns.current()
     assert turns.current() is budget
@@ -160,7 +223,11 @@ async def test_a_writer_with_no_share_answers_every_pipelined_request(
             await trio.sleep(0.3)  # heartbeats: the metric follows
             after = await get(addresses["control"], "/metrics")
     assert len(answered) == 200
-    for name in ("cmdbus_loop_turns_deferred_total", "cmdbus_loop_busy_seconds_total"):
+    for name in (
+        "cmdbus_loop_turns_deferred_total",
+        "cmdbus_loop_busy_seconds_total",
+        "cmdbus_loop_control_first_seconds_total",  # the probe's tasks are the control face's
+    ):
         assert metric_sum(after.body.decode(), name) > metric_sum(before.body.decode(), name)
 
 

@@ -161,6 +161,13 @@ LOOP_BUSY = Counter(
     "turn). Synced with each heartbeat.",
     registry=REGISTRY,
 )
+LOOP_CONTROL_FIRST = Counter(
+    "cmdbus_loop_control_first_seconds",
+    "Seconds of event-loop turns in which the data plane ran one unit only, giving way to "
+    "a ready control-face task (a probe or a scrape); at most a quarter of the loop's "
+    "time. Synced with each heartbeat.",
+    registry=REGISTRY,
+)
 LOOP_BLOCKING_CALLS = Counter(
     "cmdbus_loop_blocking_calls_total",
     "Storage entry points called on the event-loop thread (refused; any non-zero is a bug).",
