@@ -186,6 +186,20 @@ def test_a_loop_busy_with_client_work_is_saturated() -> None:
     assert "loop busy 70%" in findings[0].evidence[0]
 
 
+def test_a_flooded_control_face_is_saturated_and_kubelet_probes_are_not() -> None:
+    """The control face goes first in the loop, for at most a quarter of it: a share of
+    the interval at or above CONTROL_FLOODED names a flood of the control port."""
+    before = Scrape("cmdbus_loop_control_first_seconds_total 1\n")
+    flooded = Scrape("cmdbus_loop_control_first_seconds_total 1.6\n")  # 20% of 3 s
+    findings = assess(({}, {}), before, flooded, 3.0)
+    assert [f.verdict for f in findings] == ["saturated"]
+    assert findings[0].summary.startswith("control face: its requests went first for 20%")
+    assert findings[0].evidence == ("cmdbus_loop_control_first_seconds_total +0.60 in 3.0 s",)
+    for favoured in (1.003, 1.44):  # a kubelet's probes; just under the threshold (14%)
+        after = Scrape(f"cmdbus_loop_control_first_seconds_total {favoured}\n")
+        assert [f.verdict for f in assess(({}, {}), before, after, 3.0)] == ["healthy"]
+
+
 FLOOD = """
 import json, socket, struct, sys, threading, time
 from cmdbus_trio.protocol import encode_frame

@@ -50,6 +50,11 @@ milliseconds; every publish and ack of the store waits for one)."""
 LOOP_BUSY_SATURATED = 0.75
 """Share of the interval the event loop ran tasks (``cmdbus_loop_busy_seconds``) above
 which, with data-plane work waiting for turns, the loop itself is saturated."""
+CONTROL_FLOODED = 0.15
+"""Share of the interval in turns that favoured the control face
+(``cmdbus_loop_control_first_seconds``) above which something floods the control port:
+a kubelet's and a Prometheus's requests take ~0.1%; the favour is capped at 25% of the
+loop's busy time."""
 
 
 @attrs.frozen
@@ -90,6 +95,7 @@ def assess(
         *_disk_slow(before, after, interval),
         *_saturated(before, after, interval),
         *_loop_saturated(before, after, interval),
+        *_control_flooded(before, after, interval),
         *_backlog(before, after, interval),
     ]
     if not findings:
@@ -225,6 +231,23 @@ def _loop_saturated(before: Scrape, after: Scrape, interval: float) -> list[Find
                 f"cmdbus_loop_busy_seconds_total +{busy * interval:.2f} in {interval:.1f} s",
                 f"cmdbus_loop_turns_deferred_total +{deferred:.0f} in {interval:.1f} s",
             ),
+        )
+    ]
+
+
+def _control_flooded(before: Scrape, after: Scrape, interval: float) -> list[Finding]:
+    """The control face goes first in the loop's turns (bounded): a flood of probes or
+    scrapes takes that share from the client work."""
+    favoured = sum(delta(before, after, "cmdbus_loop_control_first_seconds_total").values())
+    if favoured < CONTROL_FLOODED * interval:
+        return []
+    return [
+        Finding(
+            "saturated",
+            f"control face: its requests went first for {favoured / interval:.0%} of the "
+            "event loop (at most 25%), ahead of client work: something floods the control "
+            "port (a scraper in a loop, a probe period in milliseconds)",
+            (f"cmdbus_loop_control_first_seconds_total +{favoured:.2f} in {interval:.1f} s",),
         )
     ]
 
