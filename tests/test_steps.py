@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import trio
 
+from cmdbus_trio import turns
 from cmdbus_trio.steps import Steps
 
 
@@ -48,7 +49,13 @@ async def test_no_time_for_a_second_item_is_an_item_a_pass() -> None:
     assert seen[-1] - seen[0] >= 18
 
 
-async def test_items_within_the_step_time_are_done_in_one_pass() -> None:
+async def test_items_within_the_step_time_are_done_in_one_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A step also ends with the turn's data-plane share (1 ms of real time): on a busy
+    # machine one preemption ended it, and this test failed once in CI. It asks of
+    # max_step alone, so the share is out of its way.
+    monkeypatch.setattr(turns, "DATA_PLANE_SHARE", 60.0)
     seen = await passes_seen(max_step=60.0, items=50)
     assert seen[-1] == seen[0]
 
