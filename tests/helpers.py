@@ -268,14 +268,32 @@ def metric_sum(text: str, prefix: str) -> float:
 
 async def commit_together(committer: Any, tickets: Sequence[Any]) -> None:
     """Queue every ticket before the committer (a bus's or the tier's) starts, so that it
-    takes them in one go, and wait until each is settled."""
+    takes them in one go, and wait until each is settled (its ``on_settled`` called; a
+    callback already there is called after)."""
+    left = len(tickets)
+    all_settled = trio.Event()
+
+    def one_settled() -> None:
+        nonlocal left
+        left -= 1
+        if not left:
+            all_settled.set()
+
+    def watch(then: Any) -> Any:
+        def settled(ticket: Any) -> None:
+            one_settled()
+            if then is not None:
+                then(ticket)
+
+        return settled
+
     for ticket in tickets:
+        ticket.on_settled = watch(ticket.on_settled)
         committer.enqueue(ticket)
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
             await nursery.start(committer.run)
-            for ticket in tickets:
-                await ticket.settled.wait()
+            await all_settled.wait()
             nursery.cancel_scope.cancel()
 
 

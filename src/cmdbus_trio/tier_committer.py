@@ -43,9 +43,10 @@ MAX_RECORDS = 1000
 
 @attrs.define(eq=False)
 class AppendTicket:
-    """One append request, made and answered in the commit thread; once ``settled``, its
-    reply (``replied``) or the error to answer with (``error``: a ``FieldError`` naming
-    the bad payload, a :class:`VersionConflict`, or the store's ``StoreUnavailable``).
+    """One append request, made and answered in the commit thread; once settled (its
+    ``on_settled`` called), its reply (``replied``) or the error to answer with
+    (``error``: a ``FieldError`` naming the bad payload, a :class:`VersionConflict`, or
+    the store's ``StoreUnavailable``).
 
     ``request`` makes the :class:`Appending` (checking the payloads: a ``FieldError``
     refuses this ticket alone); ``reply`` encodes the reply from the results. Both run
@@ -56,12 +57,11 @@ class AppendTicket:
     records: int = 1
     """How many records the request has (its weight in a batch)."""
     on_settled: Callable[[AppendTicket], None] | None = None
-    """Called on the loop once the ticket is settled, for a waiter that is not a task (a
-    connection's deferred reply). It must not raise; if it does, that is logged and the
-    other tickets are settled all the same."""
+    """Called on the loop once the ticket is settled: a connection's deferred reply, not
+    a task (no ``trio.Event`` per append: nothing parks on a ticket). It must not raise;
+    if it does, that is logged and the other tickets are settled all the same."""
     replied: bytes | None = None
     error: Exception | None = None
-    settled: trio.Event = attrs.field(factory=trio.Event)
 
 
 class TierCommitter:
@@ -131,7 +131,6 @@ class TierCommitter:
             self._unsettled.push(ticket)
 
     def _settle_one(self, ticket: AppendTicket) -> None:
-        ticket.settled.set()
         if ticket.on_settled is not None:
             ticket.on_settled(ticket)  # if it raises, Steps logs it and goes on
 
