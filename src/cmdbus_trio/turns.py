@@ -9,14 +9,17 @@ turn and a `/healthz` p99 of 58-109 ms (docs/benchmarks.md, "A share of each tur
 So the data plane's loops (each connection's reader and dispatcher, the settling steps)
 ask a :class:`TurnBudget` before each unit of work. Once this turn's data-plane work has
 run for ``share`` seconds, they wait for the next turn; every other task, the control
-face's included, still runs in this one. The first unit of each turn is always let
-through, so the data plane is never starved, however long the rest of the turn was.
+face's included, still runs in this one. The first unit of each turn is let through
+(but in a turn that favours the control face, below), so the data plane is never
+starved, however long the rest of the turn was.
 
 The control face goes first (:meth:`TurnBudget.put_first`): in a turn in which one of its
-tasks is ready, the data plane runs only that first unit. A probe through hypercorn takes
-~17 turns (7 before the app sees the request, 10 in it and after), so it is answered
-in ~17 short turns instead of ~17 full ones: under the overload soak the `/healthz` p99
-went from 37-46 ms to 14-16 ms. The favour is bounded: at most :data:`CONTROL_FIRST_SHARE`
+tasks is ready, the data plane waits. A probe through hypercorn takes ~17 turns (7
+before the app sees the request, 10 in it and after), so it is answered in ~17 short
+turns instead of ~17 full ones: under the overload soak the `/healthz` p99 went from
+37-46 ms to 12-14 ms, and under a pipelined flood from 29-37 ms to 9-13 ms (letting
+each favoured turn run one unit of the data plane still left 24-30 ms there). The
+favour is bounded: at most :data:`CONTROL_FIRST_SHARE`
 of the loop's busy time goes to turns that favour the control face, so a flood of control
 requests costs the data plane at most that (docs/benchmarks.md, "The control face
 first").
@@ -97,14 +100,10 @@ class TurnBudget(trio.abc.Instrument):
         self._admitted = 0
         self._turns += 1
         self._favoured = self._control_scheduled >= self._turns - 1 and self._favour_left > 0
-        if self._next_turn:
+        if self._next_turn and not self._favoured:
             # Woken now, before trio takes this turn's batch: they run in this turn. In a
-            # favoured turn only the first unit does: wake one, not all to park again
-            # (each a task step for nothing).
-            if self._favoured:
-                self._next_turn.unpark()
-            else:
-                self._next_turn.unpark_all()
+            # favoured turn no unit does: woken, they would only park again.
+            self._next_turn.unpark_all()
 
     def has_room(self) -> bool:
         """Whether this turn's share has time left: a loop doing many small units in one
@@ -115,8 +114,8 @@ class TurnBudget(trio.abc.Instrument):
 
     def put_first(self, task: trio.lowlevel.Task) -> None:
         """While ``task``, or any task it spawns later, is ready to run, the data plane
-        has no room: a probe's every step waits one turn, and the turns it waits then
-        hold little more than one unit of the data plane."""
+        waits: a probe's every step waits one turn, and the turns it waits then hold
+        none of the data plane's units (within :data:`CONTROL_FIRST_SHARE`)."""
         self._control.add(task)
 
     def task_spawned(self, task: trio.lowlevel.Task) -> None:
@@ -140,12 +139,13 @@ class TurnBudget(trio.abc.Instrument):
         """Wait until this turn may run one more unit of data-plane work.
 
         Returns at once while the turn's share has time left, or when no unit has run in
-        this turn yet; otherwise in a later turn.
+        this turn yet and the turn does not favour the control face; otherwise in a
+        later turn.
 
         Cancellation: a cancelled wait raises ``Cancelled`` and leaves nothing behind.
         It is not a checkpoint when it returns at once.
         """
-        while self._admitted and not self.has_room():
+        while (self._admitted or self._favoured) and not self.has_room():
             self._deferred += 1
             if self._pacing:
                 await self._next_turn.park()
