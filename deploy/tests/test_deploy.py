@@ -428,6 +428,7 @@ def test_dashboard_queries_only_metrics_a_writer_exports(scrape: str) -> None:
         "cmdbus_loop_lag_seconds_bucket",
         "cmdbus_loop_busy_seconds_total",
         "cmdbus_loop_turns_deferred_total",
+        "cmdbus_loop_control_first_seconds_total",
         "cmdbus_store_state",
         "ehdb_feed_subject_lag",
     }

@@ -163,7 +163,7 @@ LOOP_BUSY = Counter(
 )
 LOOP_CONTROL_FIRST = Counter(
     "cmdbus_loop_control_first_seconds",
-    "Seconds of event-loop turns in which the data plane ran one unit only, giving way to "
+    "Seconds of event-loop turns in which the data plane waited, giving way to "
     "a ready control-face task (a probe or a scrape); at most a quarter of the loop's "
     "time. Synced with each heartbeat.",
     registry=REGISTRY,
