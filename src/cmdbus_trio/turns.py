@@ -19,10 +19,9 @@ before the app sees the request, 10 in it and after), so it is answered in ~17 s
 turns instead of ~17 full ones: under the overload soak the `/healthz` p99 went from
 37-46 ms to 12-14 ms, and under a pipelined flood from 29-37 ms to 9-13 ms (letting
 each favoured turn run one unit of the data plane still left 24-30 ms there). The
-favour is bounded: at most :data:`CONTROL_FIRST_SHARE`
-of the loop's busy time goes to turns that favour the control face, so a flood of control
-requests costs the data plane at most that (docs/benchmarks.md, "The control face
-first").
+favour is bounded: at most :data:`CONTROL_FIRST_SHARE` of the loop's busy time goes to
+turns that favour the control face, so a flood of control requests costs the data plane
+at most that (docs/benchmarks.md, "The control face first").
 """
 
 from __future__ import annotations

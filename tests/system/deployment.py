@@ -584,12 +584,15 @@ def violations(outcome: Outcome) -> list[str]:
     if not outcome.kind("read"):
         out.append("the reader read nothing")
 
-    # The writer: lag 0, nothing blocked its loop, no shed, no error logged, exit 0.
+    # The writer: lag 0, nothing blocked its loop, its probes went first, no shed, no error
+    # logged, exit 0.
     text = outcome.metrics
     if any(metric(text, "ehdb_feed_total_lag ") + metric(text, "ehdb_events_group_lag{")):
         out.append("lag is not back to 0")
     if sum(metric(text, "cmdbus_loop_blocking_calls_total")):
         out.append("the writer's cmdbus_loop_blocking_calls_total is not 0")
+    if not sum(metric(text, "cmdbus_loop_control_first_seconds_total")):
+        out.append("the probes never went first: cmdbus_loop_control_first_seconds_total is 0")
     if shed := sum(metric(text, "cmdbus_shed_total{")):
         out.append(f"{shed:.0f} requests were shed at this nominal load")
     errors = [line for line in outcome.writer_log.splitlines() if '"level": "error"' in line]
