@@ -441,3 +441,56 @@ async def test_filter_indexes_stay_bounded(
     for n in range(1000):
         claims.has(parse_filter(f"commands.once{n}.>"))
     assert len(claims._queues.indexes) <= 256 + 1
+
+
+async def test_a_next_that_times_out_leaves_nothing_behind(
+    claims: Claims, autojump_clock: trio.testing.MockClock
+) -> None:
+    """20,000 ``next`` calls time out, on one filter and on 20,000 distinct ones: no waiter
+    stays parked, and the filters' indexes fall back to the idle cap (they used to keep
+    every waiter, so an index of only departed waiters was never idle, and every publish
+    walked them all)."""
+    from cmdbus_trio.bus._queues import MAX_IDLE_FILTERS
+
+    live: list[Delivery] = []
+    async with trio.open_nursery() as nursery:
+        await park(claims, nursery, "commands.live.>", live)  # a waiter that stays
+        for n in range(20_000):
+            for filter_text in ("commands.crowd.>", f"commands.pool{n}.>"):
+                with trio.move_on_after(0.001):
+                    await claims.next(parse_filter(filter_text), object())
+        queues = claims._queues
+        assert claims._parked.count == 1
+        assert sum(len(index.waiters) for index in queues.indexes.values()) == 1
+        # the live waiter's, the idle ones kept, and the newest (trimmed when the next comes)
+        assert len(queues.indexes) <= 1 + MAX_IDLE_FILTERS + 1
+        claims.add(1, "commands.live.shard.0")
+        await trio.testing.wait_all_tasks_blocked()
+        assert [d.sort_key for d in live] == [1]  # the live waiter was not lost among them
+        assert claims._parked.count == 0
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_waiter_that_leaves_is_skipped_and_the_next_oldest_served(
+    claims: Claims, autojump_clock: trio.testing.MockClock
+) -> None:
+    first: list[Delivery] = []
+    second: list[Delivery] = []
+    async with trio.open_nursery() as nursery:
+        leaving = trio.CancelScope()
+        nursery.start_soon(_next_in, leaving, claims, first)
+        await trio.testing.wait_all_tasks_blocked()
+        await park(claims, nursery, "commands.>", second)
+        await trio.testing.wait_all_tasks_blocked()
+        leaving.cancel()
+        await trio.testing.wait_all_tasks_blocked()
+        claims.add(1, SHARED)
+        await trio.testing.wait_all_tasks_blocked()
+        assert first == [] and [d.sort_key for d in second] == [1]
+        assert claims.leased == 1  # the one that left leased nothing
+        nursery.cancel_scope.cancel()
+
+
+async def _next_in(scope: trio.CancelScope, claims: Claims, got: list[Delivery]) -> None:
+    with scope:
+        got.append(await claims.next(parse_filter("commands.>"), object()))

@@ -5,7 +5,7 @@ consumers parked with that filter: see ``_waiters.py``)."""
 from __future__ import annotations
 
 import heapq
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -31,10 +31,9 @@ class Waiter:
 
     seq: int
     owner: object
-    filter: tuple[str, ...]
+    index: FilterIndex
     woken: trio.Event = attrs.field(factory=trio.Event)
     delivery: Delivery | None = None
-    gone: bool = False  # cancelled while parked: skipped, and dropped when met
 
 
 @attrs.define
@@ -49,7 +48,9 @@ class FilterIndex:
     filter: tuple[str, ...]
     again: list[tuple[int, str]] = attrs.field(factory=list)
     fresh: list[tuple[int, str]] = attrs.field(factory=list)
-    waiters: deque[Waiter] = attrs.field(factory=deque)
+    waiters: OrderedDict[int, Waiter] = attrs.field(factory=OrderedDict)
+    """Parked here, oldest first, by ``seq``: one that leaves (its ``next`` timed out or
+    was cancelled) is removed at once, so the index can become idle and be dropped."""
     position: int = 0
     matched: dict[str, bool] = attrs.field(factory=dict)  # subject -> filter matches it
 

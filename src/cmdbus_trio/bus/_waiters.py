@@ -3,7 +3,6 @@ in its filter's index, and how a record finds the oldest of them."""
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
 
 from cmdbus_trio.protocol.claim import Delivery
@@ -17,25 +16,25 @@ Take = Callable[[tuple[str, ...], object], Delivery | None]
 class Parked:
     """The waiters of a group, queued in their filters' indexes: a record goes to the
     oldest waiter whose filter matches it, found through the filters that match its
-    subject, not by visiting the waiters."""
+    subject, not by visiting the waiters. A waiter that leaves is removed from its index
+    at once: a crowd of timed-out ``next`` calls leaves nothing behind."""
 
     def __init__(self, queues: SubjectQueues) -> None:
         self._queues = queues
         self._seq = 0
         self.count = 0
-        """Waiters not yet handed a record (nor gone)."""
+        """Waiters parked now (not yet handed a record, nor gone)."""
 
     def park(self, index: FilterIndex, owner: object) -> Waiter:
         self._seq += 1
-        waiter = Waiter(self._seq, owner, index.filter)
-        index.waiters.append(waiter)
+        waiter = Waiter(self._seq, owner, index)
+        index.waiters[waiter.seq] = waiter
         self.count += 1
         return waiter
 
     def leave(self, waiter: Waiter) -> None:
-        """``waiter`` was cancelled: it is skipped from now on (and dropped when met)."""
-        waiter.gone = True
-        if not waiter.woken.is_set():
+        """``waiter`` was cancelled: it leaves its index (if still parked there)."""
+        if waiter.index.waiters.pop(waiter.seq, None) is not None:
             self.count -= 1
 
     def hand_over(self, subject: str, take: Take) -> None:
@@ -43,18 +42,17 @@ class Parked:
         oldest waiter first, while both last."""
         while self.count:
             oldest: Waiter | None = None
-            its_queue: deque[Waiter] | None = None
             for index in self._queues.indexes_of(subject):
-                while index.waiters and index.waiters[0].gone:
-                    index.waiters.popleft()
-                if index.waiters and (oldest is None or index.waiters[0].seq < oldest.seq):
-                    oldest, its_queue = index.waiters[0], index.waiters
-            if oldest is None or its_queue is None:
+                if index.waiters:
+                    first = next(iter(index.waiters.values()))
+                    if oldest is None or first.seq < oldest.seq:
+                        oldest = first
+            if oldest is None:
                 return
-            delivery = take(oldest.filter, oldest.owner)
+            delivery = take(oldest.index.filter, oldest.owner)
             if delivery is None:  # the subject's records are taken: the waiter stays
                 return
-            its_queue.popleft()
+            del oldest.index.waiters[oldest.seq]
             self.count -= 1
             oldest.delivery = delivery
             oldest.woken.set()
@@ -64,4 +62,4 @@ class Parked:
         self.count = 0
         for index in self._queues.indexes.values():
             while index.waiters:
-                index.waiters.popleft().woken.set()
+                index.waiters.popitem(last=False)[1].woken.set()
