@@ -30,7 +30,7 @@ def test_a_record_is_compared_with_filters_and_encoded_only_when_wanted(
 
     monkeypatch.setattr(subscriptions, "matches", counting_matches)
     monkeypatch.setattr(subscriptions, "fragment", counting_fragment)
-    hub = Hub(capacity=1000)
+    hub = Hub(capacity=1000, max_bytes=1 << 20)
     with ExitStack() as stack:
         crowd = [
             stack.enter_context(hub.subscribe(parse_filter(f"events.other_{n % 10}")))
@@ -49,16 +49,49 @@ def test_a_record_is_compared_with_filters_and_encoded_only_when_wanted(
 
 
 def _buffered(subscription: subscriptions.Subscription) -> list[subscriptions.Pushed]:
-    out = []
-    while True:
-        try:
-            out.append(subscription._receive.receive_nowait())
-        except (trio.WouldBlock, trio.EndOfChannel):
-            return out
+    return list(subscription._buffer)
 
 
 def test_a_subscriber_that_falls_behind_is_cut_off_alone() -> None:
-    hub = Hub(capacity=3)
+    hub = Hub(capacity=3, max_bytes=1 << 20)
     with hub.subscribe(None) as slow, hub.subscribe(parse_filter("events.a")) as other:
         hub.feed([Committed(n, "events.b", "{}") for n in range(1, 5)])
         assert slow.overflowed and not other.overflowed
+
+
+def _record(sort_key: int, pad: int) -> Committed:
+    return Committed(sort_key, "events.b", '"' + "x" * pad + '"')
+
+
+def test_a_subscriber_is_cut_off_by_bytes_as_well_as_records() -> None:
+    """Issue 38: 10,000 records of 150 KiB would have been 1.5 GB buffered for one
+    subscriber. The byte cap cuts it off first; a record larger than the cap is buffered
+    when it is alone."""
+    size = len(subscriptions.fragment(1, "events.b", '"' + "x" * 1000 + '"'))
+    hub = Hub(capacity=1000, max_bytes=3 * size)
+    with hub.subscribe(None) as slow, hub.subscribe(None) as reader:
+        hub.feed([_record(n, 1000) for n in range(1, 4)])
+        assert not slow.overflowed and slow.buffered_bytes == 3 * size
+        reader._buffer.clear()  # it read them
+        reader._bytes = 0
+        hub.feed([_record(4, 1000)])
+        assert slow.overflowed and not reader.overflowed
+    hub = Hub(capacity=1000, max_bytes=100)
+    with hub.subscribe(None) as alone:
+        hub.feed([_record(1, 5000)])
+        assert not alone.overflowed and len(_buffered(alone)) == 1
+        hub.feed([_record(2, 10)])
+        assert alone.overflowed
+
+
+async def test_batches_fit_their_byte_room_and_a_large_record_goes_alone() -> None:
+    hub = Hub(capacity=1000, max_bytes=1 << 30)
+    sizes = [100, 100, 100, 5000, 100, 100]
+    with hub.subscribe(None) as live:
+        hub.feed([_record(n, pad) for n, pad in enumerate(sizes, 1)])
+        live.end()
+        room = 2 * len(subscriptions.fragment(1, "events.b", '"' + "x" * 100 + '"')) + 1
+        batches = [[p.sort_key for p in batch] async for batch in live.batches(1000, room)]
+        assert batches == [[1, 2], [3], [4], [5, 6]]
+        assert live.buffered_bytes == 0
+        assert [len(b) async for b in live.batches(1000, room)] == []  # ended, drained

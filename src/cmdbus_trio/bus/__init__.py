@@ -81,7 +81,7 @@ class Bus:
         await groups.open(config.evt_groups if events else ())
         hub = None
         if events:
-            hub = Hub(config.subscriber_buffer)
+            hub = Hub(config.subscriber_buffer, config.subscriber_buffer_bytes)
             committer.listeners.append(hub.feed)
         return cls(log, committer, bodies, groups, hub)
 

@@ -2,12 +2,13 @@
 
 The committer hands every committed batch to the :class:`Hub`, which puts each record
 (encoded once) into the buffer of every subscriber whose filter matches. A buffer is
-bounded (``CMDBUS_SUBSCRIBER_BUFFER`` records): a subscriber that falls that far behind is
-cut off — it never makes the writer buffer without bound, nor slows the others.
+bounded (``CMDBUS_SUBSCRIBER_BUFFER`` records and ``CMDBUS_SUBSCRIBER_BUFFER_BYTES``): a
+subscriber that falls that far behind is cut off — it never makes the writer buffer without bound, nor slows the others.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 
@@ -37,33 +38,65 @@ class Pushed:
 
 
 class Subscription:
-    def __init__(self, filter_tokens: tuple[str, ...] | None, capacity: int) -> None:
+    """One subscriber's buffer of records to push: at most ``capacity`` records and
+    ``max_bytes`` of them (a record alone may be larger: it is never refused for its
+    size alone). A subscriber that would pass either is cut off."""
+
+    def __init__(
+        self, filter_tokens: tuple[str, ...] | None, capacity: int, max_bytes: int
+    ) -> None:
         self.filter = filter_tokens
-        self._send, self._receive = trio.open_memory_channel[Pushed](capacity)
+        self.capacity = capacity
+        self.max_bytes = max_bytes
+        self._buffer: deque[Pushed] = deque()
+        self._bytes = 0
+        self._more = trio.lowlevel.ParkingLot()
+        self._ended = False
         self.overflowed = False
 
+    @property
+    def buffered_bytes(self) -> int:
+        return self._bytes
+
     def offer(self, pushed: Pushed) -> None:
-        try:
-            self._send.send_nowait(pushed)
-        except trio.WouldBlock:
+        if self._ended:
+            return
+        size = len(pushed.fragment)
+        if len(self._buffer) >= self.capacity or (
+            self._buffer and self._bytes + size > self.max_bytes
+        ):
             self.overflowed = True  # too far behind: it is cut off, the others go on
             metrics.SUBSCRIBERS_DROPPED.inc()
             self.end()
-        except trio.ClosedResourceError:
-            pass
+            return
+        self._buffer.append(pushed)
+        self._bytes += size
+        self._more.unpark_all()
 
     def end(self) -> None:
-        self._send.close()
+        """No more records: what is buffered is still pushed, then :meth:`batches` ends."""
+        self._ended = True
+        self._more.unpark_all()
 
-    async def batches(self, most: int) -> AsyncIterator[list[Pushed]]:
-        """Everything buffered, up to ``most`` at a time, until the subscription ends."""
-        async for first in self._receive:
-            batch = [first]
-            while len(batch) < most:
-                try:
-                    batch.append(self._receive.receive_nowait())
-                except (trio.WouldBlock, trio.EndOfChannel):
+    async def batches(self, most: int, most_bytes: int) -> AsyncIterator[list[Pushed]]:
+        """Everything buffered, up to ``most`` records and ``most_bytes`` of fragments at
+        a time (a record alone may be larger), until the subscription ends."""
+        while True:
+            if self._buffer:
+                await trio.lowlevel.checkpoint()
+            while not self._buffer:
+                if self._ended:
+                    return
+                await self._more.park()
+            first = self._buffer.popleft()
+            batch, size = [first], len(first.fragment)
+            while self._buffer and len(batch) < most:
+                more = len(self._buffer[0].fragment) + 1  # and its comma
+                if size + more > most_bytes:
                     break
+                batch.append(self._buffer.popleft())
+                size += more
+            self._bytes -= sum(len(pushed.fragment) for pushed in batch)
             yield batch
 
 
@@ -72,8 +105,9 @@ class Hub:
     filters in use (once per subject, remembered), not with every subscriber, and is
     encoded only when some subscriber wants it."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, max_bytes: int) -> None:
         self.capacity = capacity
+        self.max_bytes = max_bytes
         self._by_filter: dict[tuple[str, ...] | None, set[Subscription]] = {}
         self._matching: dict[str, list[set[Subscription]]] = {}  # subject -> its sets
         self._count = 0
@@ -82,7 +116,7 @@ class Hub:
 
     @contextmanager
     def subscribe(self, filter_tokens: tuple[str, ...] | None) -> Iterator[Subscription]:
-        subscription = Subscription(filter_tokens, self.capacity)
+        subscription = Subscription(filter_tokens, self.capacity, self.max_bytes)
         if self._closed:
             subscription.end()
         same = self._by_filter.get(filter_tokens)

@@ -266,6 +266,11 @@ class Config:
     subscriber_buffer: int = _setting(
         "10000", int_range(1), "records buffered per subscriber before cut"
     )
+    subscriber_buffer_bytes: int = _setting(
+        str(32 << 20),
+        int_range(1),
+        "bytes of records buffered per subscriber before cut (a record alone may be larger)",
+    )
     liveness_threshold_ms: int = _setting(
         "5000",
         int_range(1),

@@ -9,13 +9,14 @@ that are JSON arrays of ``{sort_key, subject, record}``. v2: ``subscribe {from, 
 the cursor, the first frame is ``{"id", "ok": true, "records": [], "deleted_through": D}``,
 and so is the next frame whenever an eviction (``CMDBUS_EVT_MAX_BYTES``) overtakes a
 subscriber still catching up.
-A subscriber that falls more than ``CMDBUS_SUBSCRIBER_BUFFER`` records behind gets
-``busy`` (slow consumer) and is closed.
+No frame is larger than ``CMDBUS_MAX_REPLY_BYTES`` (a record larger than that goes alone).
+A subscriber that falls more than ``CMDBUS_SUBSCRIBER_BUFFER`` records (or
+``CMDBUS_SUBSCRIBER_BUFFER_BYTES``) behind gets ``busy`` (slow consumer) and is closed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 
 import trio
 
@@ -118,13 +119,17 @@ class SubscribeHandler:
         last = await self._catch_up(after, tokens, frame_of, gaps)
         with self.hub.subscribe(tokens) as live:
             last = await self._catch_up(last, tokens, frame_of, gaps)
-            async for batch in live.batches(MOST_PER_FRAME):
+            async for batch in live.batches(MOST_PER_FRAME, self._room(frame_of)):
                 fresh = [pushed for pushed in batch if pushed.sort_key > last]
                 if fresh:
                     if not await self.send(encode_frame(frame_of([p.fragment for p in fresh]))):
                         return False
                     last = fresh[-1].sort_key
             return not live.overflowed
+
+    def _room(self, frame_of: FrameOf) -> int:
+        """The bytes of records a frame may carry within ``CMDBUS_MAX_REPLY_BYTES``."""
+        return self.ctx.config.max_reply_bytes - len(frame_of([]))
 
     async def _catch_up(
         self, after: int, tokens: tuple[str, ...] | None, frame_of: FrameOf, gaps: _Gaps | None
@@ -140,14 +145,29 @@ class SubscribeHandler:
             with await self.gate.acquire("subscribe") as slot:
                 page = await slot.run_cancellable(self.bus.log.read_after, after, CATCH_UP_PAGE)
             chosen = [r for r in page if tokens is None or matches(tokens, r.subject)]
-            if chosen:
-                fragments = [fragment(r.sort_key, r.subject, r.record) for r in chosen]
-                if not await self.send(encode_frame(frame_of(fragments))):
+            fragments = [fragment(r.sort_key, r.subject, r.record) for r in chosen]
+            for run in _runs(fragments, self._room(frame_of)):
+                if not await self.send(encode_frame(frame_of(run))):
                     raise CloseConnection("write_error")
             if page:
                 after = page[-1].sort_key
             if len(page) < CATCH_UP_PAGE:
                 return after
+
+
+def _runs(fragments: list[bytes], room: int) -> Iterator[list[bytes]]:
+    """``fragments`` in order, in runs whose comma-joined size fits ``room`` (a fragment
+    larger than ``room`` goes alone)."""
+    run: list[bytes] = []
+    size = 0
+    for piece in fragments:
+        if run and size + 1 + len(piece) > room:
+            yield run
+            run, size = [], 0
+        size += len(piece) + (1 if run else 0)
+        run.append(piece)
+    if run:
+        yield run
 
 
 async def serve(
