@@ -12,6 +12,7 @@ from typing import Any
 import attrs
 import pytest
 import trio
+import trio.testing
 
 from cmdbus_trio.admission import Gate, GateClosed, Shed, ShedReason, Slot
 from cmdbus_trio.bus import Bus
@@ -25,6 +26,7 @@ from cmdbus_trio.faces._claim import ClaimHandler, _delivery, _next_reply
 from cmdbus_trio.faces._handler import Deferred
 from cmdbus_trio.protocol import Request
 from cmdbus_trio.protocol.bus import BusKind, SubjectRule
+from cmdbus_trio.protocol.subjects import parse_filter
 from cmdbus_trio.storage import StoreUnavailable
 from cmdbus_trio.storage.buslog import BusEntry, BusLog, StoredRecord
 
@@ -250,3 +252,41 @@ def test_a_delivery_splices_the_stored_record_into_valid_json(
         },
     }
     assert json.loads(_next_reply(7, body, None)) == {"id": 7, "ok": True, **body, "delivery": None}
+
+
+async def test_a_record_given_back_by_a_shed_next_wakes_one_parked_consumer(
+    setup: Setup,
+) -> None:
+    """Issue 38: with the Gate full, a record handed to a parked ``next`` that is then
+    shed went straight to the next parked one, which was shed too: one record answered
+    every parked consumer ``busy``. It now waits for a free slot, then goes to one."""
+    await use_the_group(setup)
+    owner = object()
+    for _ in range(2):  # both records out, so that every consumer below parks
+        assert setup.claims.next_nowait(parse_filter(">"), owner) is not None
+    held = saturated_gate(setup)
+    outcomes: list[str] = []
+    two = trio.Event()
+
+    async def consumer() -> None:
+        try:
+            await answer(setup.handler.v2(request("next", filter="commands.>"), 0.0))
+            outcomes.append("delivered")
+        except Shed:
+            outcomes.append("busy")
+        if len(outcomes) == 2:
+            two.set()
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            for _ in range(5):
+                nursery.start_soon(consumer)
+            await trio.testing.wait_all_tasks_blocked()
+            assert setup.claims.give_back(1, owner)  # one record back, the Gate still full
+            await trio.testing.wait_all_tasks_blocked()
+            assert outcomes == ["busy"]  # it used to be five
+            assert setup.claims.has(parse_filter(">"))  # queued for a new `next` to take
+            held.release()  # a free slot: the record goes to the next parked consumer
+            await two.wait()
+            assert outcomes == ["busy", "delivered"]
+            nursery.cancel_scope.cancel()

@@ -297,3 +297,24 @@ async def test_a_capped_writer_evicts_the_oldest_events_and_counts_what_a_group_
             assert page["records"][0]["sort_key"] == evicted + 1
     lines = [line for line in server_log(tmp_path).splitlines() if "events_evicted" in line]
     assert lines and '"slow"' in lines[0] and '"fast"' not in lines[0]
+
+
+def test_a_msg_id_retry_of_an_evicted_record_says_so(tmp_path: Path) -> None:
+    """Issue 38: the retry of a publish whose record was evicted since answered
+    ``duplicate`` with a sort key that no longer exists, so the loss was invisible to the
+    publisher. It now says ``evicted``; a retry of a record still kept does not."""
+    log = BusLog.open(tmp_path / "events.sqlite3", name="events")
+    first, kept_one = log.publish(
+        [BusEntry("events.e", "{}", msg_id="first"), BusEntry("events.e", "{}", msg_id="kept")]
+    )
+    log.evict(first.sort_key)
+    again, still = log.publish(
+        [BusEntry("events.e", "{}", msg_id="first"), BusEntry("events.e", "{}", msg_id="kept")]
+    )
+    assert (again.sort_key, again.duplicate, again.evicted) == (first.sort_key, True, True)
+    assert (still.sort_key, still.duplicate, still.evicted) == (kept_one.sort_key, True, False)
+    log.close()
+    reopened = BusLog.open(tmp_path / "events.sqlite3", name="events")  # kept across restarts
+    [after] = reopened.publish([BusEntry("events.e", "{}", msg_id="first")])
+    assert after.evicted
+    reopened.close()

@@ -475,3 +475,32 @@ def test_the_claim_faces_admit_many_reads_but_run_threads_within_the_quota() -> 
         assert gate.max_inflight == CLAIM_MAX_READS and gate.max_threads == cpu_quota()
     subscribe = gate_for("evt_subscribe", config)
     assert subscribe.max_inflight == subscribe.max_threads == cpu_quota()
+
+
+async def test_when_free_is_called_once_when_a_slot_is_free_for_nobody_queued(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    gate = make_gate(max_waiters=1)
+    called: list[str] = []
+
+    def callback() -> None:
+        called.append("free")
+
+    first = gate.acquire_nowait("op")
+    gate.when_free(callback)
+    gate.when_free(callback)  # already waiting: not added again
+    async with trio.open_nursery() as nursery:
+        second: list[object] = []
+
+        async def queued() -> None:
+            second.append(await gate.acquire("op"))
+
+        nursery.start_soon(queued)
+        await trio.testing.wait_all_tasks_blocked()
+        first.release()  # the slot passes to the queued request: not free
+        await trio.testing.wait_all_tasks_blocked()
+        assert called == [] and len(second) == 1
+    second[0].release()  # type: ignore[attr-defined]
+    assert called == ["free"]
+    gate.acquire_nowait("op").release()
+    assert called == ["free"]  # once only

@@ -6,7 +6,6 @@ from __future__ import annotations
 from contextlib import ExitStack
 
 import pytest
-import trio
 
 from cmdbus_trio.bus import subscriptions
 from cmdbus_trio.bus.committer import Committed

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from .helpers import FrameClient, frame_client, serving
+from .helpers import FrameClient, frame_client, metric_sum, metrics_text, serving
 from .test_memory_bounds import rss_mib
 
 
@@ -91,3 +91,80 @@ async def test_subscribe_frames_keep_to_the_reply_cap(tmp_path: Path) -> None:
     assert keys == list(range(1, 602))
     assert all(size <= cap for size, records in sizes if records > 1), sizes
     assert [records for size, records in sizes if size > cap] == [1]
+
+
+async def test_a_publisher_retrying_an_evicted_record_is_told(tmp_path: Path) -> None:
+    """A msg_id retry of an event the byte cap evicted (before any group consumed it)
+    answers ``evicted: true`` beside ``duplicate: true``; it used to look like success."""
+    settings = {
+        "CMDBUS_TIER_BIND": "",
+        "CMDBUS_EVT_MAX_BYTES": str(1 << 20),
+        "CMDBUS_RETENTION_INTERVAL_MS": "50",
+    }
+    pad = "x" * 10_000
+
+    def record(n: int) -> dict[str, object]:
+        return {"execution_id": n, "payload": json.dumps({"event_type": "e", "pad": pad})}
+
+    with trio.fail_after(60), serving(tmp_path, **settings) as (_, ports):
+        async with frame_client(ports["evt_ingest"]) as ingest:
+            first = await ingest.request("publish", record=record(0), msg_id="m-1")
+            assert first["duplicate"] is False and "evicted" not in first
+            for batch in range(30):  # about 3 MiB: the oldest go
+                records = [record(n) for n in range(batch * 10, batch * 10 + 10)]
+                assert (await ingest.request("publish_batch", records=records))["ok"]
+            retry = None
+            while retry is None or "evicted" not in retry:
+                await trio.sleep(0.1)
+                retry = await ingest.request("publish", record=record(0), msg_id="m-1")
+            assert retry["duplicate"] is True and retry["evicted"] is True
+            assert retry["sort_key"] == first["sort_key"]
+
+
+async def test_an_event_groups_lag_waits_for_a_gate_slot(tmp_path: Path) -> None:
+    """``lag`` on an event group walks the group's backlog: it is admitted by the face's
+    Gate like any other work (counted under its op), where it used to run beside it."""
+    from .test_evt_subscribe import publish
+
+    with trio.fail_after(30), serving(tmp_path, CMDBUS_TIER_BIND="") as (_, ports):
+        await publish(ports["evt_ingest"], 50)
+        async with frame_client(ports["evt_claim"]) as client:
+            reply = await client.request("lag", group="noetl_materializer")
+            assert reply["total"] == 50
+        text = await trio.to_thread.run_sync(metrics_text, ports)
+    admitted = 'cmdbus_queue_wait_seconds_count{face="evt_claim",op="lag"}'
+    assert metric_sum(text, admitted) == 1
+
+
+async def test_groups_that_never_consume_owe_nothing(tmp_path: Path) -> None:
+    """30 groups created ``from: tail`` never consume while 3,000 events come: past
+    ``CMDBUS_STUCK_AFTER_MS`` each used to owe a row per event it had not consumed
+    (90,000 rows, written in the group commit every publish and ack waits for, and all
+    loaded at a restart). A lagging group now keeps its position and owes nothing; a
+    restart still gives it every event."""
+    from .test_evt_subscribe import publish
+
+    settings = {"CMDBUS_TIER_BIND": "", "CMDBUS_STUCK_AFTER_MS": "200", "CMDBUS_EVT_GROUPS": ""}
+    with trio.fail_after(90):
+        with serving(tmp_path, **settings) as (_, ports):
+            async with frame_client(ports["evt_claim"]) as client:
+                for n in range(30):
+                    created = await client.request(
+                        "next", group=f"idle_{n}", filter=">", timeout_ms=0, **{"from": "tail"}
+                    )
+                    assert created["delivery"] is None
+            await publish(ports["evt_ingest"], 3000, batch=500)
+            await trio.sleep(3.0)  # the groups' sampler, every second, past stuck_after
+            owed = _rows(tmp_path, "SELECT count(*) FROM owed")
+        assert owed == 0
+        with serving(tmp_path, **settings) as (_, ports):
+            async with frame_client(ports["evt_claim"]) as client:
+                lag = await client.request("lag", group="idle_7")
+                assert lag["total"] == 3000
+
+
+def _rows(tmp_path: Path, sql: str) -> int:
+    import sqlite3
+
+    with sqlite3.connect(tmp_path / "data" / "events.sqlite3") as connection:
+        return int(connection.execute(sql).fetchone()[0])

@@ -273,3 +273,31 @@ async def test_a_frame_trickling_in_slower_than_the_read_timeout_in_all_is_read(
                 await trio.sleep(pause)
             reply = await client.receive_json()
             assert reply["id"] == 1 and reply["delivery"] is None, reply
+
+
+async def test_a_lease_in_a_deleted_group_holds_its_connection_no_longer(
+    writer: tuple[Path, dict[str, str]],
+) -> None:
+    """Issue 38: a group deleted while a worker holds one of its leases ends the lease
+    (its timers no longer run): the worker's connection then holds nothing, so it idles
+    out like any other, and its ack answers false. It used to be held open for ever."""
+    _, ports = writer
+    with trio.fail_after(10):
+        await publish_later(ports, "evt_ingest", "doomed", 0)
+        async with frame_client(ports["evt_claim"]) as worker:
+            reply = await worker.request(
+                "next",
+                filter="events.doomed",
+                group="doomed_group",
+                timeout_ms=0,
+                **{"from": "beginning"},
+            )
+            sort_key = reply["delivery"]["sort_key"]
+            async with frame_client(ports["evt_claim"]) as operator:
+                deleted = await operator.request("delete_group", group="doomed_group")
+                assert deleted["deleted"] is True
+            assert (await worker.request("ack", sort_key=sort_key, group="doomed_group"))[
+                "ok"
+            ] is False  # an unknown group now
+            await trio.sleep(IDLE)
+            assert await worker.receive() is None

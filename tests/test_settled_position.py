@@ -146,3 +146,14 @@ async def test_an_event_group_passes_a_type_nobody_consumes(log: BusLog) -> None
     owner = object()
     taken = [restored.next_nowait(parse_filter(">"), owner) for _ in range(51)]
     assert [d.sort_key for d in taken if d is not None] == keys[1::2]
+
+
+def test_a_group_with_a_backlog_over_the_owed_cap_keeps_its_position() -> None:
+    """Past ``stuck_after`` a group's position passes what it has not settled, which it
+    then owes, only while that backlog is small: a lagging group owes nothing."""
+    from cmdbus_trio.bus._owed import MAX_OWED, SettledPosition
+
+    settled = SettledPosition(stuck_after=1.0)
+    assert settled.at(0.0, seen=100, low_water=5, backlog=95) == (5, 0)
+    assert settled.at(2.0, seen=100, low_water=5, backlog=MAX_OWED + 1) == (5, 0)
+    assert settled.at(3.0, seen=100, low_water=5, backlog=MAX_OWED) == (101, 100)

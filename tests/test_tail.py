@@ -97,7 +97,7 @@ async def _same_answers(ops: list[Any]) -> None:
             if op[0] == "expire":
                 await trio.sleep(6)  # past ack_wait: every lease ends
             assert answers[:1] == answers[1:], op
-            assert queues.lag() == cursor.lag()
+            assert queues.lag() == await cursor.backlog()
             assert queues.total == cursor.total
             assert queues.low_water() == cursor.low_water()
         nursery.cancel_scope.cancel()
@@ -247,3 +247,24 @@ async def test_ten_thousand_event_types_and_a_hundred_groups_cost_little(log: Bu
     assert all(claims.total == 10_000 for claims in created)
     assert grown <= 60, f"100 groups over 10,000 event types grew RSS by {grown:.0f} MiB"
     assert elapsed < 5, f"100 groups took {elapsed:.1f} s to create"
+
+
+def test_a_group_from_tail_never_gets_a_record_at_or_below_its_start() -> None:
+    """Issue 38: a group created ``from: tail`` starts after the newest sort key handed
+    out; records committed just before (up to that key) can reach the tail only after
+    the group attached. They are not the group's: never delivered, never its backlog."""
+
+    async def main() -> None:
+        tail = _tail()
+        tail([Committed(n, "events.a", "{}") for n in (1, 2)])
+        claims = Claims("late", ack_wait=30.0, tail=tail)
+        claims.attach(4, [])  # created after sort key 4, which the tail has not seen yet
+        tail([Committed(n, "events.a", "{}") for n in (3, 4, 5)])
+        assert claims.total == 1
+        owner = object()
+        assert claims.next_nowait(parse_filter(">"), owner) == Delivery(5, "events.a", False, 1)
+        assert claims.next_nowait(parse_filter(">"), owner) is None
+        tail([Committed(6, "events.b", "{}")])
+        assert claims.total == 2  # 5 leased and 6 fresh
+
+    trio.run(main)

@@ -18,8 +18,8 @@ ADMITTED_OPS: Mapping[str, tuple[str, ...]] = {
     "tier": ("append", "append_batch", "read_execution", "scan"),
     "cmd_ingest": ("publish", "publish_batch"),
     "evt_ingest": ("publish", "publish_batch"),
-    "cmd_claim": ("next", "dead", "requeue", "purge"),
-    "evt_claim": ("next", "dead", "requeue", "purge"),
+    "cmd_claim": ("next", "dead", "requeue", "purge", "lag"),
+    "evt_claim": ("next", "dead", "requeue", "purge", "lag"),
     "evt_subscribe": ("subscribe",),
 }
 """The ops that ask each face's Gate for a slot (their shed counters start at 0)."""

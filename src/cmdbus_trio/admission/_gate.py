@@ -143,6 +143,7 @@ class Gate:
         self._thread_limiter = trio.CapacityLimiter(self.max_threads)
         self._room = trio.lowlevel.ParkingLot()  # connections holding a client back
         self._intake = 0
+        self._when_free: dict[Callable[[], None], None] = {}  # see when_free()
         self._closed = False
         self._admitted_total = 0
         self._shed_total: _Tally[str] = _Tally({reason.value: 0 for reason in ShedReason})
@@ -288,12 +289,24 @@ class Gate:
         at least once); 0 for ``deadline``, whose budget is gone anyway."""
         return 0 if reason is ShedReason.DEADLINE else max(1, round(self.shed_after * 1000))
 
+    def when_free(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once, on the loop, when a slot is next freed with nobody
+        queued for it (a callback already waiting is not added again). A claim face
+        offers the records its shed consumers gave back then: a slot frees as surely as
+        one was taken when they were shed. ``callback`` must not raise: it runs inside
+        whatever released the slot."""
+        self._when_free[callback] = None
+
     def _release(self, slot: Slot) -> None:
         metrics.child(metrics.SERVICE, self.face, slot.op).observe(
             trio.current_time() - slot.admitted_at
         )
         if not self._queue:
             self._inflight -= 1
+            if self._when_free:
+                callbacks, self._when_free = self._when_free, {}
+                for callback in callbacks:
+                    callback()
             return
         waiter, _ = self._queue.popitem(last=False)  # the slot passes to the first in line
         self._admit(waiter.slot)

@@ -23,15 +23,27 @@ class TailCursor:
         self.tail = tail
         self.position = 0
         self.taken: set[int] = set()
+        self.floor = 0
+        """The group starts after this sort key: records at or below it are not its."""
 
     def attach(self, after: int, settled: Iterable[int]) -> int:
         """Start after sort key ``after``; ``settled``: the records after it that are
         settled already. Returns how many records after it are not."""
+        self.floor = after
         self.position = self.tail.position(after)
         self.taken = {key for key in settled if key > after}
         untaken = self.tail.end - self.position - len(self.taken)
         self._advance()
         return untaken
+
+    def skip_below_floor(self, start: int) -> int:
+        """Records arrived from position ``start`` on: move past those at or below the
+        floor (committed before the group was created ``from: tail``, but fed to the tail
+        only after it attached); returns how many."""
+        tail = self.tail
+        if start >= tail.end or tail.keys[start - tail.base] > self.floor:
+            return 0  # the usual case, at the cost of one comparison
+        return self.drop_through(self.floor)
 
     def head(self) -> int | None:
         """The sort key at the position (the oldest record maybe not taken), if any."""

@@ -5,9 +5,14 @@ from __future__ import annotations
 
 from collections import deque
 
+from cmdbus_trio.protocol.subjects import matches
+
 STUCK_AFTER = 60.0
 """Seconds a record may stay unsettled before it stops holding its group's settled
 position back (CMDBUS_STUCK_AFTER_MS)."""
+MAX_OWED = 1024
+"""A group with a larger backlog keeps its settled position at its oldest unsettled
+record: it owes nothing (see :class:`SettledPosition`)."""
 
 
 class BacklogCount:
@@ -47,15 +52,24 @@ class SettledPosition:
     delay) would hold the mark back for ever: the acks table would never be pruned and
     every restart would rescan everything after it. So the position never trails what
     the group had seen ``stuck_after`` ago: the records it passes that are still
-    unsettled are recorded as owed (and reloaded from there)."""
+    unsettled are recorded as owed (and reloaded from there).
+
+    Only while the group's backlog is at most :data:`MAX_OWED`, so that it owes at most
+    that many: a group that lags (no consumer, or too few) would otherwise owe a row
+    for every record it has not consumed, written in the group commit every publish
+    and ack waits for, and all loaded at a restart: a cost of groups x records, and
+    clients create groups. A lagging group keeps its position where its backlog
+    starts, which costs nothing: its records are read at a restart whatever the
+    position, and it has no acks to prune."""
 
     def __init__(self, stuck_after: float) -> None:
         self.stuck_after = stuck_after
         self._frontiers: deque[tuple[float, int]] = deque()  # (when, newest seen then)
 
-    def at(self, now: float, seen: int, low_water: int) -> tuple[int, int]:
+    def at(self, now: float, seen: int, low_water: int, *, backlog: int = 0) -> tuple[int, int]:
         """The position, and the newest sort key it passes unsettled (0: none);
-        ``seen``: the newest record the group has been offered."""
+        ``seen``: the newest record the group has been offered; ``backlog``: the
+        group's records not settled."""
         frontiers = self._frontiers
         frontiers.append((now, seen))
         old: tuple[float, int] | None = None
@@ -64,6 +78,15 @@ class SettledPosition:
         if old is not None:
             frontiers.appendleft(old)  # the newest one old enough, kept for next time
         stuck_through = old[1] if old is not None else 0
-        if low_water > stuck_through:
+        if low_water > stuck_through or backlog > MAX_OWED:
             return low_water, 0
         return stuck_through + 1, stuck_through
+
+
+def matching(backlog: dict[str, int], filter_tokens: tuple[str, ...] | None) -> dict[str, int]:
+    """The backlog of the subjects ``filter_tokens`` matches (all: None), sorted."""
+    return {
+        subject: count
+        for subject, count in sorted(backlog.items())
+        if filter_tokens is None or matches(filter_tokens, subject)
+    }

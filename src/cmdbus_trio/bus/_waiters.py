@@ -24,6 +24,7 @@ class Parked:
         self._seq = 0
         self.count = 0
         """Waiters parked now (not yet handed a record, nor gone)."""
+        self._held: set[str] = set()  # subjects with records not offered (see hold)
 
     def park(self, index: FilterIndex, owner: object) -> Waiter:
         self._seq += 1
@@ -56,6 +57,17 @@ class Parked:
             self.count -= 1
             oldest.delivery = delivery
             oldest.woken.set()
+
+    def hold(self, subject: str) -> None:
+        """A record of ``subject`` was queued again without being offered to the waiters
+        (its consumer was shed while the Gate was full): :meth:`offer_held` offers it."""
+        self._held.add(subject)
+
+    def offer_held(self, take: Take) -> None:
+        """Offer the held subjects' records to the waiters (the Gate has room now)."""
+        held, self._held = self._held, set()
+        for subject in held:
+            self.hand_over(subject, take)
 
     def wake_all(self) -> None:
         """Wake every waiter empty-handed (the group closed)."""

@@ -27,11 +27,10 @@ import trio
 from cmdbus_trio import metrics
 from cmdbus_trio.admission import GateClosed
 from cmdbus_trio.protocol.claim import Delivery
-from cmdbus_trio.protocol.subjects import matches
 
 from ._cursor import TailCursor
 from ._leases import Leases
-from ._owed import STUCK_AFTER, BacklogCount, SettledPosition
+from ._owed import STUCK_AFTER, BacklogCount, SettledPosition, matching
 from ._queues import FilterIndex, SubjectQueues
 from ._waiters import Parked
 
@@ -145,12 +144,14 @@ class Claims:
 
     def delete(self) -> None:
         """The group is gone (``delete_group``): its waiters are told so, its timers
-        stop, and the tail no longer feeds it (nor waits for it to trim)."""
+        stop, its leases end (their connections hold nothing: they may idle out), and
+        the tail no longer feeds it (nor waits for it to trim)."""
         self.deleted = True
         self.close("the group was deleted")
         if self._cursor is not None:
             self._cursor.tail.groups.pop(self, None)
         self._leases.wake()
+        self._leases = Leases()
 
     def evict_through(self, through: int) -> int:
         """Every record up to ``through`` is being deleted from the store whatever this
@@ -176,15 +177,14 @@ class Claims:
     def arrived(self, start: int) -> None:
         """The tail has new records from position ``start``."""
         cursor = self._require_cursor()
-        self._backlog.total += cursor.tail.end - start
+        self._backlog.total += cursor.tail.end - start - cursor.skip_below_floor(start)
         if self._parked.count:
             for subject in cursor.subjects_from(start):
                 self._hand_over(subject)
 
     @property
     def cursor(self) -> int:
-        """On a tail: every record before this position has been taken (the tail keeps
-        what the group's cursor has not passed)."""
+        """On a tail: every record before this position has been taken (and is kept)."""
         return 0 if self._cursor is None else self._cursor.position
 
     def _require_cursor(self) -> TailCursor:
@@ -265,18 +265,29 @@ class Claims:
     def _hand_over(self, subject: str) -> None:
         self._parked.hand_over(subject, self.next_nowait)
 
-    def give_back(self, sort_key: int, owner: object) -> bool:
+    def give_back(self, sort_key: int, owner: object, *, offer: bool = True) -> bool:
         """Undo a :meth:`next_nowait` whose record never reached its consumer (no Gate slot for
-        it, its body could not be read, its consumer left): the record is offered again,
-        and that delivery does not count."""
+        it, its body could not be read, its consumer left): the record is queued again,
+        and that delivery does not count. ``offer=False`` (its consumer was shed): a new
+        ``next`` may take it, but parked consumers are offered it only by
+        :meth:`offer_held`, once the Gate has room (offered now, it would go to the next
+        parked consumer, be shed again, and so on: every one answered ``busy``)."""
         lease = self._leases.end(sort_key, owner)
         if lease is None:
             return False
         deliveries = self._deliveries.pop(sort_key, 1) - 1
         if deliveries:
             self._deliveries[sort_key] = deliveries
-        self._redeliver(sort_key, lease.subject)
+        self._queues.add_again(sort_key, lease.subject)
+        if offer:
+            self._hand_over(lease.subject)
+        else:
+            self._parked.hold(lease.subject)
         return True
+
+    def offer_held(self) -> None:
+        """Offer the records given back with ``offer=False`` to the parked consumers."""
+        self._parked.offer_held(self.next_nowait)
 
     @property
     def closed(self) -> bool:
@@ -370,16 +381,11 @@ class Claims:
 
     def lag(self, filter_tokens: tuple[str, ...] | None = None) -> dict[str, int]:
         """Backlog per subject: undelivered + leased-unacked (dead letters are not
-        backlog), for the subjects that have one, sorted. On a tail this walks the
-        group's backlog: see :meth:`backlog`."""
+        backlog), for the subjects that have one, sorted, as kept; on a tail, where it
+        is not kept, :meth:`backlog` walks it."""
         if self._cursor is not None:
-            counts = self._in_flight()
-            for _ in self._cursor.walk(counts, max(1, len(self._cursor.tail.keys))):
-                pass
-            backlog = counts
-        else:
-            backlog = self._backlog.by_subject
-        return _matching(backlog, filter_tokens)
+            raise TypeError(f"{self.group}: an event group's lag is walked: backlog()")
+        return matching(self._backlog.by_subject, filter_tokens)
 
     async def backlog(
         self, filter_tokens: tuple[str, ...] | None = None, *, step: int = 20_000
@@ -392,7 +398,7 @@ class Claims:
         counts = self._in_flight()
         for _ in self._cursor.walk(counts, step):
             await trio.lowlevel.checkpoint()
-        return _matching(counts, filter_tokens)
+        return matching(counts, filter_tokens)
 
     def _in_flight(self) -> dict[str, int]:
         counts = Counter(self._leases.subjects())
@@ -423,7 +429,7 @@ class Claims:
         """The settled position to make durable, and the newest sort key it passes
         unsettled (0: none): see :class:`SettledPosition`. Called about once a second."""
         seen = self._last_added if self._cursor is None else self._cursor.tail.newest
-        return self._settled.at(now, seen, self.low_water())
+        return self._settled.at(now, seen, self.low_water(), backlog=self.total)
 
     def low_water(self) -> int:
         """The lowest sort key not yet settled (acked or dead) by this group: every record
@@ -439,11 +445,3 @@ class Claims:
                 pending.append(head)
             last_seen = self._cursor.tail.newest
         return min(pending, default=last_seen + 1)
-
-
-def _matching(backlog: dict[str, int], filter_tokens: tuple[str, ...] | None) -> dict[str, int]:
-    return {
-        subject: count
-        for subject, count in sorted(backlog.items())
-        if filter_tokens is None or matches(filter_tokens, subject)
-    }

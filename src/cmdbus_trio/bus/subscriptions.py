@@ -3,7 +3,8 @@
 The committer hands every committed batch to the :class:`Hub`, which puts each record
 (encoded once) into the buffer of every subscriber whose filter matches. A buffer is
 bounded (``CMDBUS_SUBSCRIBER_BUFFER`` records and ``CMDBUS_SUBSCRIBER_BUFFER_BYTES``): a
-subscriber that falls that far behind is cut off — it never makes the writer buffer without bound, nor slows the others.
+subscriber that falls that far behind is cut off — it never makes the writer buffer
+without bound, nor slows the others.
 """
 
 from __future__ import annotations

@@ -93,7 +93,9 @@ class Subscribed:
 
 
 def _published(reply: dict[str, Any]) -> Published:
-    return Published(reply["sort_key"], reply["subject"], reply["duplicate"])
+    return Published(
+        reply["sort_key"], reply["subject"], reply["duplicate"], reply.get("evicted", False)
+    )
 
 
 def delivery(value: dict[str, Any]) -> Delivery:

@@ -267,9 +267,7 @@ class Config:
         "10000", int_range(1), "records buffered per subscriber before cut"
     )
     subscriber_buffer_bytes: int = _setting(
-        str(32 << 20),
-        int_range(1),
-        "bytes of records buffered per subscriber before cut (a record alone may be larger)",
+        str(32 << 20), int_range(1), "bytes of records buffered per subscriber before cut"
     )
     liveness_threshold_ms: int = _setting(
         "5000",

@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 
 
 class ClaimHandler:
-    gated_ops = frozenset({"dead", "requeue", "purge"})
+    gated_ops = frozenset({"dead", "requeue", "purge", "lag"})
     """``next`` is not among them: it takes its Gate slot only once a record is there,
     so a consumer parked in ``next`` holds no intake place (see :meth:`_next`)."""
     large_reply_ops = frozenset({"dead"})
@@ -158,7 +158,10 @@ class ClaimHandler:
                 body["deleted_through"] = deleted  # the group starts at the oldest kept
             return _next_reply(request_id, body, result)
         if isinstance(op, codec.Lag):
-            subjects = await claims.backlog(op.filter)
+            # An event group's lag walks its backlog: work, so it waits for a slot (the
+            # command bus's is a copy of counts kept as they change, but goes the same way).
+            with await self.gate.acquire("lag", budget=budget, arrival=arrival):
+                subjects = await claims.backlog(op.filter)
             return encode_ok(request_id, {"subjects": subjects, "total": sum(subjects.values())})
         if isinstance(op, codec.Dead):
             return await self._dead(request_id, claims, op, budget, arrival)
@@ -191,7 +194,8 @@ class ClaimHandler:
         and the request's budget see the request only once a record is handed to it, so
         a parked consumer holds no slot, and its budget is not spent by waiting. A
         ``next`` that is then shed gives its record back as if it had never been
-        delivered (its delivery count restored, not ``redelivered``).
+        delivered (its delivery count restored, not ``redelivered``), offered to the parked
+        consumers once the Gate frees a slot (see :meth:`Claims.give_back`).
 
         Error handling: :class:`Shed` when admission refuses, unless ``patient`` (v1,
         which has no way to say ``busy``): then it waits ``retry_after`` and tries again.
@@ -201,7 +205,8 @@ class ClaimHandler:
             try:
                 slot = await self.gate.acquire("next", budget=budget)
             except Shed as shed:
-                claims.give_back(delivery.sort_key, self)
+                claims.give_back(delivery.sort_key, self, offer=False)
+                self.gate.when_free(claims.offer_held)
                 if not patient:
                     raise
                 await trio.sleep((shed.retry_after_ms or 1000 * self.gate.shed_after) / 1000)

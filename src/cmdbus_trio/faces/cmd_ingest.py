@@ -101,10 +101,10 @@ def _reply_body(
 ) -> bytes:
     if isinstance(op, codec.Publish):
         first = published[0]
-        return encode_ok(
-            request_id,
-            {"sort_key": first.sort_key, "subject": first.subject, "duplicate": first.duplicate},
-        )
+        body = {"sort_key": first.sort_key, "subject": first.subject, "duplicate": first.duplicate}
+        if first.evicted:  # only then: the common reply stays as it was
+            body["evicted"] = True
+        return encode_ok(request_id, body)
     return encode_ok(request_id, {"sort_keys": [p.sort_key for p in published]})
 
 

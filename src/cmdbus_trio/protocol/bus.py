@@ -37,11 +37,14 @@ class BusKind(enum.Enum):
 @attrs.frozen
 class Published:
     """A published record's place, as a publish is answered: ``duplicate`` when its
-    ``msg_id`` was seen within the dedup window (the first record's sort key)."""
+    ``msg_id`` was seen within the dedup window (the first record's sort key);
+    ``evicted`` when that first record was then evicted by the event log's byte cap
+    (``CMDBUS_EVT_MAX_BYTES``), maybe before every group consumed it."""
 
     sort_key: int
     subject: str
     duplicate: bool
+    evicted: bool = False
 
 
 @attrs.frozen

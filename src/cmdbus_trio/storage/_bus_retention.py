@@ -108,6 +108,13 @@ def evict(connection: sqlite3.Connection, through: int) -> Evicted:
             [(consumer, through) for consumer in consumers],
         )
     raise_floor(connection, through)
+    # Apart from the retention floor: a msg_id retry of an evicted record must say so,
+    # one of a record retention deleted (settled by every group) need not.
+    connection.execute(
+        "INSERT INTO eviction_floor VALUES (0, ?) ON CONFLICT (only) DO UPDATE "
+        "SET evicted_through = max(evicted_through, excluded.evicted_through)",
+        (through,),
+    )
     return Evicted(records=gone, dead_letters=dead, through=through)
 
 

@@ -54,6 +54,10 @@ CREATE TABLE IF NOT EXISTS retention_floor (
     only INTEGER PRIMARY KEY CHECK (only = 0),
     deleted_through INTEGER NOT NULL
 );
+CREATE TABLE IF NOT EXISTS eviction_floor (
+    only INTEGER PRIMARY KEY CHECK (only = 0),
+    evicted_through INTEGER NOT NULL
+);
 CREATE TABLE IF NOT EXISTS marks (
     at REAL PRIMARY KEY,
     newest INTEGER NOT NULL,

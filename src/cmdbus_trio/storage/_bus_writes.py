@@ -141,7 +141,8 @@ def append(
     dedup_window: float,
 ) -> list[Published]:
     """Append ``entries`` in order; an entry whose ``msg_id`` was seen within the window
-    appends nothing and answers with the first record's sort key."""
+    appends nothing and answers with the first record's sort key (and whether it was
+    evicted since)."""
     oldest = now - dedup_window
     connection.execute(
         "DELETE FROM msg_ids WHERE msg_id IN "
@@ -156,7 +157,9 @@ def append(
                 (entry.msg_id, oldest),
             ).fetchone()
             if seen:
-                results.append(Published(seen[0], seen[1], duplicate=True))
+                floor = connection.execute("SELECT evicted_through FROM eviction_floor").fetchone()
+                evicted = floor is not None and seen[0] <= floor[0]
+                results.append(Published(seen[0], seen[1], duplicate=True, evicted=evicted))
                 continue
         cursor = connection.execute(
             "INSERT INTO records (subject, record) VALUES (?, ?)", (entry.subject, entry.record)
