@@ -234,7 +234,40 @@ class NatsClient:
         return record
 
 
+class Scraper:
+    """A Prometheus server gone wrong: one keep-alive HTTP/1.1 connection asking for
+    ``path`` again as soon as each answer is in (the scrape flood)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: Any, request: bytes) -> None:
+        self.reader, self.writer, self.request = reader, writer, request
+
+    @classmethod
+    async def open(cls, address: str) -> Scraper:
+        host_port, path = address.split("/", 1)
+        host, port = host_port.rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        request = f"GET /{path} HTTP/1.1\r\nHost: {host_port}\r\n\r\n".encode()
+        return cls(reader, writer, request)
+
+    async def scrape(self) -> None:
+        self.writer.write(self.request)
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        lengths = [
+            int(line.split(b":", 1)[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        ]
+        if lengths:
+            await self.reader.readexactly(lengths[0])
+            return
+        while size := int((await self.reader.readuntil(b"\r\n")).strip(), 16):  # chunked
+            await self.reader.readexactly(size + 2)
+        await self.reader.readuntil(b"\r\n")
+
+
 async def open_client(target: str, address: str, index: int, kind: str) -> Any:
+    if target == "http":  # address: HOST:PORT/PATH, one of them a client
+        return await Scraper.open(address.split(",")[index % len(address.split(","))])
     if target == "redis":
         return await RedisClient.open(address, f"c{index}-{time.monotonic_ns()}")
     if target == "nats":
@@ -266,6 +299,10 @@ async def run(
             return
         await asyncio.sleep(max(0.0, start_at - time.monotonic()))
         while time.monotonic() < end_at:
+            if kind == "scrape":
+                await c.scrape()
+                ops[index] += 1
+                continue
             if kind in ("publish", "batched"):
                 await c.publish(n, int(count), kind == "batched", None)
                 ops[index] += int(count)

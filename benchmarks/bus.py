@@ -10,10 +10,12 @@ Workloads (each --duration seconds): durable publish with 1 and 16 producers, on
 (ack-each), 32 in flight (pipelined: 32 single-record requests) and 32 records per round
 trip (batched: cmdbus-trio's publish_batch; Redis and NATS have no multi-record publish, so
 for them this is their pipelined workload again); claim+ack cycles with 1 and 16 consumers
-over a preloaded backlog. --rate R adds, first, on an empty bus, the steady end-to-end
-workload: 16 producers publishing R records a second between them (an open loop, each
-record stamped with its publish time), 16 consumers claiming and acking, and the latency
-of each record from its publish to its delivery.
+over a preloaded backlog; and, on cmdbus-trio only, publish x16 again beside a scrape
+flood (32 keep-alive HTTP clients asking for /metrics, and the lag port's, as fast as
+they are answered), against publish x16 alone. --rate R adds, first, on an empty bus,
+the steady end-to-end workload: 16 producers publishing R records a second between them
+(an open loop, each record stamped with its publish time), 16 consumers claiming and
+acking, and the latency of each record from its publish to its delivery.
 
 For every workload and server: ops/s; latency p50/p99 (claim+ack: the next and the ack;
 steady: publish to delivery); the server's CPU (utime + stime of its process, all
@@ -110,7 +112,7 @@ def start_cmdbus(workdir: Path, source: Path | None = None) -> tuple[subprocess.
         env["PYTHONPATH"] = str(source / "src")
     for face in ("TIER", "EVT_INGEST", "EVT_CLAIM", "EVT_SUBSCRIBE"):
         env[f"CMDBUS_{face}_BIND"] = ""
-    for face in ("CONTROL", "CMD_INGEST", "CMD_CLAIM"):
+    for face in ("CONTROL", "CMD_INGEST", "CMD_CLAIM", "CMD_LAG"):
         env[f"CMDBUS_{face}_BIND"] = "127.0.0.1:0"
     log = (workdir / "cmdbus.log").open("w")
     command = [sys.executable, "-m", "cmdbus_trio", "serve", "--data-dir", str(workdir / "data")]
@@ -266,6 +268,9 @@ class Server:
     address: str
     control: str | None = None
     """The control face (cmdbus-trio only): /healthz is probed during each workload."""
+    scraped: str | None = None
+    """Where the scrape flood asks (cmdbus-trio only): ``HOST:PORT/PATH``, comma-separated,
+    the control face's /metrics and the command bus's lag port."""
 
 
 def run_workload(
@@ -276,10 +281,17 @@ def run_workload(
     and its /healthz probed throughout when it has a control face."""
     start_at = time.monotonic() + 2.0  # the workers have connected by then
     protocol = server.name.split("@")[0]  # a baseline writer speaks as the writer does
+
+    def target(kind: str) -> tuple[str, str]:
+        if kind == "scrape":
+            assert server.scraped is not None, "only cmdbus-trio has a control face"
+            return "http", server.scraped
+        return protocol, server.address
+
     workers = [
         (index, w)
         for index, (kind, clients, count) in enumerate(loads)
-        for w in generators(protocol, server.address, kind, clients, count, start_at, duration)
+        for w in generators(*target(kind), kind, clients, count, start_at, duration)
     ]
     probes: list[float] = []
     prober = None
@@ -296,8 +308,10 @@ def run_workload(
     results = [(i, json.loads(w.communicate(timeout=duration + 120)[0])) for i, w in workers]
     # The last load's operations count: with producers and consumers, the deliveries.
     ops = sum(r["ops"] for i, r in results if i == len(loads) - 1)
+    scrapes = sum(r["ops"] for i, r in results if loads[i][0] == "scrape")
     return {
         "rate": ops / duration,
+        "scrapes": scrapes / duration,
         "latency": percentiles([x for _, r in results for x in r["latencies"]]),
         "server_cores": server_cpu / duration,
         "server_us": server_cpu / max(ops, 1) * 1e6,
@@ -356,8 +370,11 @@ def start(name: str, workdir: Path, baseline: Path | None) -> Server:
         process, address = start_cmdbus(workdir, baseline)
     else:
         process, address = STARTERS[name](workdir)
-    control = json.loads(address)["control"] if name.startswith("cmdbus-trio") else None
-    return Server(name, process, address, control)
+    if not name.startswith("cmdbus-trio"):
+        return Server(name, process, address)
+    ports = json.loads(address)
+    scraped = [f"{ports['control']}/metrics"] * 3 + [f"{ports['cmd_lag']}/"]
+    return Server(name, process, address, ports["control"], ",".join(scraped))
 
 
 def workloads(rate: float | None) -> list[tuple[str, list[tuple[str, int, float]]]]:
@@ -369,7 +386,14 @@ def workloads(rate: float | None) -> list[tuple[str, list[tuple[str, int, float]
         name = f"{mode} x{clients}" + ("" if style == "single" else f" {style}")
         kind = {"single": mode, "pipelined": "publish"}.get(style, style)
         runs.append((name, [(kind, clients, 1 if style == "single" else PIPELINE)]))
+    # The scrape flood, on cmdbus-trio only: 32 keep-alive clients asking as fast as they
+    # are answered, 24 for the control face's /metrics and 8 for the lag port's.
+    runs.append((SCRAPE_FLOOD, [("scrape", 32, 1), ("publish", 16, 1)]))
     return runs
+
+
+SCRAPE_FLOOD = "publish x16 +scrapes"
+"""The workload run beside a scrape flood; compared with ``publish x16`` alone."""
 
 
 def median_result(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -405,6 +429,8 @@ def report(names: list[str], rounds: list[dict[str, dict[str, Any]]], duration: 
     )
     for key in results[names[0]]:
         for name in names:
+            if key not in results[name]:
+                continue  # not run on this server (the scrape flood)
             r = results[name][key]
             latency = r["latency"]
             lat = f"{latency['p50']:.1f}/{latency['p99']:.1f}" if key[0] in "cs" else ""
@@ -413,6 +439,13 @@ def report(names: list[str], rounds: list[dict[str, dict[str, Any]]], duration: 
             print(
                 f"{key:<24}{name:<18}{r['rate']:>9.0f}{lat:>15}{r['server_cores']:>7.2f}"
                 f"{r['server_us']:>8.0f}{r['generator_cores']:>6.2f}{probed:>18}"
+            )
+    for name in names:
+        flood, alone = results[name].get(SCRAPE_FLOOD), results[name].get("publish x16")
+        if flood is not None and alone is not None:
+            print(
+                f"{name}: beside {flood['scrapes']:.0f} scrapes/s, publish x16 at "
+                f"{flood['rate'] / max(alone['rate'], 1e-9):.2f}x of its rate alone"
             )
     others = names[1:]
     if not others:
@@ -426,6 +459,9 @@ def report(names: list[str], rounds: list[dict[str, dict[str, Any]]], duration: 
     for key in results[names[0]]:
         cells = []
         for other, width in zip(others, widths, strict=True):
+            if key not in results[other]:
+                cells.append(f"{'':>{width}}")
+                continue
             ratios = [r[names[0]][key]["rate"] / max(r[other][key]["rate"], 1e-9) for r in rounds]
             cell = f"{statistics.median(ratios):.2f}x"
             if len(rounds) > 1:
@@ -492,6 +528,8 @@ def main() -> None:
             server = start(name, where, baseline)
             try:
                 for key, loads in runs:
+                    if key == SCRAPE_FLOOD and server.scraped is None:
+                        continue  # no control face
                     if key.startswith("claim+ack x1"):
                         preload(server, args.backlog)
                     results[name][key] = run_workload(server, loads, args.duration)

@@ -194,10 +194,22 @@ def test_a_flooded_control_face_is_saturated_and_kubelet_probes_are_not() -> Non
     findings = assess(({}, {}), before, flooded, 3.0)
     assert [f.verdict for f in findings] == ["saturated"]
     assert findings[0].summary.startswith("control face: its requests went first for 20%")
-    assert findings[0].evidence == ("cmdbus_loop_control_first_seconds_total +0.60 in 3.0 s",)
+    assert findings[0].evidence[0] == "cmdbus_loop_control_first_seconds_total +0.60 in 3.0 s"
     for favoured in (1.003, 1.44):  # a kubelet's probes; just under the threshold (14%)
         after = Scrape(f"cmdbus_loop_control_first_seconds_total {favoured}\n")
         assert [f.verdict for f in assess(({}, {}), before, after, 3.0)] == ["healthy"]
+
+
+def test_a_control_face_paced_for_its_share_is_saturated() -> None:
+    """Once the control face has spent its share of the loop its requests wait: any wait
+    in the interval names a flood, whatever the favoured share (it stops while paced)."""
+    before = Scrape("cmdbus_control_paced_seconds_total 2\n")
+    paced = Scrape("cmdbus_control_paced_seconds_total 2.9\n")
+    findings = assess(({}, {}), before, paced, 3.0)
+    assert [f.verdict for f in findings] == ["saturated"]
+    assert findings[0].summary.startswith("control face: its requests waited 0.90 s")
+    assert findings[0].evidence[1] == "cmdbus_control_paced_seconds_total +0.90 in 3.0 s"
+    assert [f.verdict for f in assess(({}, {}), before, before, 3.0)] == ["healthy"]
 
 
 FLOOD = """

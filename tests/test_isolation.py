@@ -168,3 +168,57 @@ def _rows(tmp_path: Path, sql: str) -> int:
 
     with sqlite3.connect(tmp_path / "data" / "events.sqlite3") as connection:
         return int(connection.execute(sql).fetchone()[0])
+
+
+@pytest.mark.slow  # a load measured in a subprocess: see noxfile.SYSTEM_ONCE
+async def test_a_scrape_flood_gets_its_share_of_the_loop_and_no_more(tmp_path: Path) -> None:
+    """32 keep-alive clients loop ``GET /metrics`` (and the lag port's) as fast as they
+    are answered, beside a publisher: the control face's time on the loop stays within
+    its share (after the burst), the flood waits for it, a probe is answered, and the
+    publisher is served. The control face used to take all but 3% of the loop."""
+    from cmdbus_trio import turns
+
+    from .helpers import http_connection
+
+    settings = {"CMDBUS_TIER_BIND": "", "CMDBUS_CMD_LAG_BIND": "127.0.0.1:0"}
+    seconds = 3.0
+    with trio.fail_after(60), serving(tmp_path, **settings) as (_, ports):
+        before = await trio.to_thread.run_sync(metrics_text, ports)
+        scrapes = [0]
+        published = [0]
+
+        async def scraper(address: str, path: str) -> None:
+            async with http_connection(address) as connection:
+                while True:
+                    assert (await connection.request("GET", path)).status == 200
+                    scrapes[0] += 1
+
+        async def publisher() -> None:
+            async with frame_client(ports["cmd_ingest"]) as client:
+                while True:
+                    record = {"execution_id": 1, "payload": "{}"}
+                    assert (await client.request("publish", record=record))["ok"]
+                    published[0] += 1
+
+        async with trio.open_nursery() as nursery:
+            for n in range(32):
+                if n % 4:
+                    nursery.start_soon(scraper, ports["control"], "/metrics")
+                else:
+                    nursery.start_soon(scraper, ports["cmd_lag"], "/")
+            nursery.start_soon(publisher)
+            await trio.sleep(seconds)
+            async with http_connection(ports["control"]) as prober:
+                probe = await prober.request("GET", "/readyz")
+            nursery.cancel_scope.cancel()
+        await trio.sleep(1.2)  # a heartbeat syncs the loop's counters
+        after = await trio.to_thread.run_sync(metrics_text, ports)
+    assert probe.status == 200
+    assert scrapes[0] > 32 and published[0] > 0
+
+    def spent(name: str) -> float:
+        return metric_sum(after, name) - metric_sum(before, name)
+
+    control = spent("cmdbus_loop_control_seconds_total")
+    assert 0 < control <= turns.CONTROL_SHARE * (seconds + 1.5) + turns.CONTROL_BURST + 0.05
+    assert spent("cmdbus_control_paced_seconds_total") > 0

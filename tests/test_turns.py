@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import pytest
 import trio
+import trio.testing
 
 from cmdbus_trio import turns
 from cmdbus_trio.config import Config
@@ -17,6 +18,11 @@ from cmdbus_trio.turns import TurnBudget
 from .helpers import frame_client, get, metric_sum, running_writer
 
 RECORD = {"execution_id": 1, "payload": "{}"}
+
+
+@pytest.fixture
+def autojump_clock() -> trio.testing.MockClock:
+    return trio.testing.MockClock(autojump_threshold=0)
 
 
 def installed(share: float) -> TurnBudget:
@@ -304,3 +310,97 @@ def use_budget(kind: type[TurnBudget], monkeypatch: pytest.MonkeyPatch) -> None:
         return made[0]
 
     monkeypatch.setattr(turns, "current", current)
+
+
+# --- the control face's own share (issue 38) ------------------------------------------------
+
+
+async def test_the_budget_times_every_step_of_a_control_task() -> None:
+    budget = installed(60.0)
+
+    async def control_work() -> None:
+        budget.put_first(trio.lowlevel.current_task())  # counted from its next step on
+        await trio.lowlevel.checkpoint()
+        for _ in range(3):
+            spend(0.01)
+            await trio.lowlevel.checkpoint()
+
+    async def data_work() -> None:
+        for _ in range(3):
+            spend(0.01)
+            await trio.lowlevel.checkpoint()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(control_work)
+        nursery.start_soon(data_work)
+    control = budget.statistics().control
+    assert 0.03 <= control < 0.045  # its three steps of work, not the data plane's
+
+
+class _Steps:
+    """A budget stand-in whose control time the test sets."""
+
+    def __init__(self) -> None:
+        self.control_time = 0.0
+        self._clock = trio.current_time
+
+
+async def test_a_control_flood_waits_for_its_share_and_probes_go_first(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Once the control face has spent its burst, each request waits until the share
+    refills what the last one cost; a probe is let through at once (within its
+    overdraft), and a probe that has to wait goes before the scrapes waiting."""
+    steps = _Steps()
+    share = turns.ControlShare(steps)  # type: ignore[arg-type]
+    admitted: list[tuple[str, float]] = []
+
+    async def request(name: str, cost: float, first: bool = False) -> None:
+        await share.admit(first=first)
+        admitted.append((name, trio.current_time()))
+        steps.control_time += cost
+
+    start = trio.current_time()
+    await request("burst", turns.CONTROL_BURST + 0.01)  # the burst, and 10 ms of debt
+    assert not share.pacing and share.pressed
+    async with trio.open_nursery() as nursery:
+        for n in range(3):
+            nursery.start_soon(request, f"scrape{n}", 0.01)
+            await trio.testing.wait_all_tasks_blocked()
+        assert share.pacing  # no turn favours the control face meanwhile
+        await request("probe", 0.001, first=True)  # overdraft: at once
+        assert admitted[-1] == ("probe", start)
+        steps.control_time += turns.PROBE_OVERDRAFT  # probes spent their overdraft
+        nursery.start_soon(request, "late probe", 0.001, True)
+    names = [name for name, _ in admitted]
+    assert names[:3] == ["burst", "probe", "scrape0"]
+    assert names.index("late probe") < names.index("scrape2")  # ahead of those still waiting
+    waits = [at - start for _, at in admitted]
+    # Each request after the burst waits until the share has refilled the debt: the
+    # 10 ms of the burst's debt and 10 ms of each scrape, at CONTROL_SHARE a second.
+    assert waits[-1] >= (0.01 * 3 + turns.PROBE_OVERDRAFT) / turns.CONTROL_SHARE
+    assert not share.pacing and share.waited > 0
+
+
+async def test_a_cancelled_control_wait_lets_the_next_one_through(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    steps = _Steps()
+    share = turns.ControlShare(steps)  # type: ignore[arg-type]
+    steps.control_time = turns.CONTROL_BURST + 1.0  # a second of debt: every request waits
+    done: list[str] = []
+    scopes = {name: trio.CancelScope() for name in ("owner", "parked", "last")}
+
+    async def request(name: str) -> None:
+        with scopes[name]:
+            await share.admit()
+            done.append(name)
+
+    async with trio.open_nursery() as nursery:
+        for name in scopes:
+            nursery.start_soon(request, name)
+            await trio.testing.wait_all_tasks_blocked()
+        scopes["parked"].cancel()  # while waiting its turn
+        scopes["owner"].cancel()  # while waiting for the share
+    assert done == ["last"]
+    assert not share.pacing

@@ -37,16 +37,33 @@ MAX_BLOCK_SECONDS = 600.0
 _JSON = b"application/json"
 
 
+PROBES = frozenset({"/livez", "/readyz", "/healthz"})
+"""Paths answered ahead of the others when the control face's share is spent."""
+REUSE_FOR = 1.0
+"""Seconds a rendered exposition is served again while scrapes come faster than the
+control face's share (a render of every family takes ~6 ms of the loop); otherwise each
+scrape renders anew."""
+
+
 class _PlainApp:
     """An ASGI application answering each HTTP request whole, from :meth:`_route`'s
-    ``(status, content type, body)`` (no body for HEAD), never cached."""
+    ``(status, content type, body)`` (no body for HEAD), never cached by a client.
+    Requests are paced to the control face's share of the loop (``turns.ControlShare``),
+    probes first."""
+
+    share: turns.ControlShare
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             await self._lifespan(receive, send)
         elif scope["type"] == "http":
+            await self.share.admit(first=scope["path"] in PROBES)
             status, content_type, body = await self._route(scope)
-            headers = [(b"content-type", content_type), (b"cache-control", b"no-store")]
+            headers = [
+                (b"content-type", content_type),
+                (b"cache-control", b"no-store"),
+                (b"content-length", b"%d" % len(body)),  # not chunked: less to parse
+            ]
             await send({"type": "http.response.start", "status": status, "headers": headers})
             if scope["method"] == "HEAD":
                 body = b""
@@ -69,10 +86,11 @@ class _PlainApp:
 class ControlApp(_PlainApp):
     """The ASGI application of the control face."""
 
-    def __init__(self, health: Health, *, nursery: trio.Nursery, debug_hooks: bool = False) -> None:
+    def __init__(self, health: Health, *, debug_hooks: bool = False) -> None:
         self.health = health
-        self.nursery = nursery
         self.debug_hooks = debug_hooks
+        self.share = turns.current().control
+        self._exposition = _Exposition(self.share)
 
     async def _route(self, scope: Scope) -> tuple[int, bytes, bytes]:
         path, method = scope["path"], scope["method"]
@@ -113,8 +131,7 @@ class ControlApp(_PlainApp):
         return _json(200, summary)
 
     async def _metrics(self) -> tuple[int, bytes, bytes]:
-        body, content_type = metrics.exposition()
-        return 200, content_type.encode(), body
+        return self._exposition.render()
 
     _GET: ClassVar = {
         "/livez": _livez,
@@ -133,7 +150,9 @@ class ControlApp(_PlainApp):
         if not 0 < seconds <= MAX_BLOCK_SECONDS:
             return _json(400, {"error": f"seconds must be in (0, {MAX_BLOCK_SECONDS}]"})
         event(log, logging.WARNING, "debug_block_loop", seconds=seconds)
-        self.nursery.start_soon(_block, seconds)
+        # Not a task of the control face's (its nursery's would be): the stall it makes
+        # is the loop's, not the control face's work to pace.
+        trio.lowlevel.spawn_system_task(_block, seconds)
         return _json(202, {"blocking_s": seconds})
 
     def _fail_writes(self, scope: Scope) -> tuple[int, bytes, bytes]:
@@ -206,18 +225,42 @@ def _json(status: int, document: dict[str, Any]) -> tuple[int, bytes, bytes]:
     return status, _JSON, json.dumps(document).encode()
 
 
+class _Exposition:
+    """One registry's Prometheus text, rendered anew for each scrape unless scrapes come
+    faster than the control face's share: then one render serves for :data:`REUSE_FOR`."""
+
+    def __init__(self, share: turns.ControlShare, port: str | None = None) -> None:
+        self._share = share
+        self._port = port
+        self._rendered: tuple[int, bytes, bytes] | None = None
+        self._rendered_at = -REUSE_FOR
+
+    def render(self) -> tuple[int, bytes, bytes]:
+        started = time.perf_counter()
+        if (
+            self._rendered is not None
+            and started - self._rendered_at < REUSE_FOR
+            and self._share.pressed
+        ):
+            return self._rendered
+        body, content_type = metrics.exposition(self._port)
+        self._rendered, self._rendered_at = (200, content_type.encode(), body), started
+        return self._rendered
+
+
 class LagPortApp(_PlainApp):
     """The ASGI application of a NoETL lag port: its bus's lag series for any GET (the
     NoETL writer answered every path with them), read from memory like /metrics."""
 
     def __init__(self, port: str) -> None:
         self.port = port
+        self.share = turns.current().control
+        self._exposition = _Exposition(self.share, port)
 
     async def _route(self, scope: Scope) -> tuple[int, bytes, bytes]:
         if scope["method"] not in ("GET", "HEAD"):
             return _json(405, {"error": "use GET"})
-        body, content_type = metrics.exposition(self.port)
-        return 200, content_type.encode(), body
+        return self._exposition.render()
 
 
 async def serve(
@@ -235,7 +278,7 @@ async def serve(
     Cancellation: in-flight probe requests are abandoned; they hold nothing.
     """
     await _serve_http(
-        lambda nursery: ControlApp(health, nursery=nursery, debug_hooks=debug_hooks),
+        lambda: ControlApp(health, debug_hooks=debug_hooks),
         bind,
         keepalive=keepalive,
         shutdown=shutdown,
@@ -256,7 +299,7 @@ async def serve_lag_port(
 
     Cancellation: as :func:`serve`."""
     await _serve_http(
-        lambda _: LagPortApp(port),
+        lambda: LagPortApp(port),
         bind,
         keepalive=keepalive,
         shutdown=shutdown,
@@ -265,7 +308,7 @@ async def serve_lag_port(
 
 
 async def _serve_http(
-    app_for: Callable[[trio.Nursery], _PlainApp],
+    app_for: Callable[[], _PlainApp],
     bind: Bind,
     *,
     keepalive: float,
@@ -287,7 +330,7 @@ async def _serve_http(
     # a probe's ~17 turns then each hold one unit of the data plane, not 1 ms of it.
     turns.current().put_first(trio.lowlevel.current_task())
     async with trio.open_nursery() as nursery:
-        app = app_for(nursery)
+        app = app_for()
         urls = await nursery.start(
             lambda task_status: hypercorn_serve(
                 app,  # type: ignore[arg-type]  # hypercorn's Framework union is narrower

@@ -39,7 +39,9 @@ class Heartbeat:
         self._stall_at = -float("inf")  # when the latest over-threshold beat ended
         self._stall_lag = 0.0
         # The turn budget's counts as last added to the metrics (which only count up).
-        self._turns_synced = turns.TurnStatistics(turns=0, deferred=0, busy=0.0, control_first=0.0)
+        self._turns_synced = turns.TurnStatistics(
+            turns=0, deferred=0, busy=0.0, control_first=0.0, control=0.0, control_waited=0.0
+        )
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self._last_beat = trio.current_time()
@@ -56,6 +58,8 @@ class Heartbeat:
         metrics.LOOP_TURNS_DEFERRED.inc(now_turns.deferred - synced.deferred)
         metrics.LOOP_BUSY.inc(now_turns.busy - synced.busy)
         metrics.LOOP_CONTROL_FIRST.inc(now_turns.control_first - synced.control_first)
+        metrics.LOOP_CONTROL.inc(now_turns.control - synced.control)
+        metrics.CONTROL_PACED.inc(now_turns.control_waited - synced.control_waited)
         self._turns_synced = now_turns
         self._last_beat = now
         self._last_lag = lag

@@ -168,6 +168,18 @@ LOOP_CONTROL_FIRST = Counter(
     "time. Synced with each heartbeat.",
     registry=REGISTRY,
 )
+LOOP_CONTROL = Counter(
+    "cmdbus_loop_control_seconds",
+    "Seconds the control face's tasks (probes, scrapes, the lag ports) ran on the event "
+    "loop; paced to at most a tenth of it once a burst is spent. Synced with each heartbeat.",
+    registry=REGISTRY,
+)
+CONTROL_PACED = Counter(
+    "cmdbus_control_paced_seconds",
+    "Seconds control-face requests waited because the control face had used its share of "
+    "the event loop (a scrape flood; probes wait least). Synced with each heartbeat.",
+    registry=REGISTRY,
+)
 LOOP_BLOCKING_CALLS = Counter(
     "cmdbus_loop_blocking_calls_total",
     "Storage entry points called on the event-loop thread (refused; any non-zero is a bug).",

@@ -20,8 +20,15 @@ turns instead of ~17 full ones: under the overload soak the `/healthz` p99 went 
 37-46 ms to 12-14 ms, and under a pipelined flood from 29-37 ms to 9-13 ms (letting
 each favoured turn run one unit of the data plane still left 24-30 ms there). The
 favour is bounded: at most :data:`CONTROL_FIRST_SHARE` of the loop's busy time goes to
-turns that favour the control face, so a flood of control requests costs the data plane
-at most that (docs/benchmarks.md, "The control face first").
+turns that favour the control face (docs/benchmarks.md, "The control face first").
+
+That bounds the turns in which the data plane waits, not the control face's own work,
+which runs in every turn: 32 clients looping ``GET /metrics`` left the data plane 3% of
+its throughput. So the control face's requests are paced as well
+(:class:`ControlShare`): the budget times every step of a control task, and once the
+control face has used :data:`CONTROL_SHARE` of the loop's time (after a burst), its next
+request waits its turn, probes ahead of scrapes. While requests wait so, no turn favours
+the control face: its flood is not urgent, and a probe is let through ahead of it.
 """
 
 from __future__ import annotations
@@ -44,6 +51,17 @@ CONTROL_FIRST_BURST = 0.1
 """Seconds of favoured turns the control face may take at once, when it has not lately."""
 
 
+CONTROL_SHARE = 0.1
+"""At most this share of the loop's time goes to the control face's requests, once its
+burst (:data:`CONTROL_BURST`) is spent: the buses keep the rest under a scrape flood."""
+CONTROL_BURST = 0.05
+"""Seconds of control-face work taken at once without waiting, when none was lately: a
+kubelet's probes and a Prometheus scrape never wait."""
+PROBE_OVERDRAFT = 0.02
+"""Seconds the control face's share may be overdrawn by probes: a probe is let through
+at once, ahead of a scrape waiting for the share, unless probes alone spent this much."""
+
+
 @attrs.frozen
 class TurnStatistics:
     turns: int
@@ -56,6 +74,10 @@ class TurnStatistics:
     Its rate is how full the loop is: near 1, every further request waits for a turn."""
     control_first: float
     """Seconds of turns in which the data plane gave way to a ready control task."""
+    control: float
+    """Seconds the control face's tasks ran (every step of each timed)."""
+    control_waited: float
+    """Seconds control-face requests waited because the control face's share was spent."""
 
 
 class TurnBudget(trio.abc.Instrument):
@@ -82,6 +104,10 @@ class TurnBudget(trio.abc.Instrument):
         self._favoured = False  # this turn gives way to the control face
         self._favour_left = CONTROL_FIRST_BURST  # seconds of favoured turns it may take now
         self._control_first = 0.0
+        self._control_time = 0.0  # seconds in the control tasks' steps
+        self._stepping: trio.lowlevel.Task | None = None  # the control task in its step
+        self._step_began = 0.0
+        self.control = ControlShare(self)
 
     def before_io_wait(self, timeout: float) -> None:
         now = self._clock()
@@ -98,7 +124,11 @@ class TurnBudget(trio.abc.Instrument):
         self._began = self._clock()
         self._admitted = 0
         self._turns += 1
-        self._favoured = self._control_scheduled >= self._turns - 1 and self._favour_left > 0
+        self._favoured = (
+            self._control_scheduled >= self._turns - 1
+            and self._favour_left > 0
+            and not self.control.pacing
+        )
         if self._next_turn and not self._favoured:
             # Woken now, before trio takes this turn's batch: they run in this turn. In a
             # favoured turn no unit does: woken, they would only park again.
@@ -131,8 +161,24 @@ class TurnBudget(trio.abc.Instrument):
         # to see it run, about doubled what following costs each step of every task.
         if task in self._control:
             self._control_scheduled = self._turns
-            if self._favour_left > 0:
+            if self._favour_left > 0 and not self.control.pacing:
                 self._favoured = True  # woken by I/O: it runs in this turn
+
+    # A set lookup and, for the control face's tasks, a clock read each step: measured
+    # within the noise of the data plane's throughput (docs/benchmarks.md).
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        if task in self._control:
+            self._stepping, self._step_began = task, self._clock()
+
+    def after_task_step(self, task: trio.lowlevel.Task) -> None:
+        if task is self._stepping:  # not one made a control task during its step
+            self._control_time += self._clock() - self._step_began
+            self._stepping = None
+
+    @property
+    def control_time(self) -> float:
+        """Seconds the control face's tasks have run."""
+        return self._control_time
 
     async def wait(self) -> None:
         """Wait until this turn may run one more unit of data-plane work.
@@ -165,7 +211,76 @@ class TurnBudget(trio.abc.Instrument):
             deferred=self._deferred,
             busy=self._busy,
             control_first=self._control_first,
+            control=self._control_time,
+            control_waited=self.control.waited,
         )
+
+
+class ControlShare:
+    """Paces the control face's requests to :data:`CONTROL_SHARE` of the loop's time.
+
+    A token bucket of loop seconds: it fills at that share a second, up to
+    :data:`CONTROL_BURST`, and empties by what the control face's tasks ran (its budget
+    times each of their steps: hypercorn's parsing and writing as much as a handler's
+    work). While it is empty, requests wait (:meth:`admit`), one at a time, probes
+    (``first``) ahead of the others; a probe is let through at once while the bucket is
+    less than :data:`PROBE_OVERDRAFT` in debt, so under a scrape flood a kubelet's probe
+    does not wait. A client looping on a keep-alive connection sends its next
+    request only once answered, so pacing the answers paces all of its cost.
+    """
+
+    def __init__(self, budget: TurnBudget) -> None:
+        self._budget = budget
+        self._clock = budget._clock
+        self._tokens = CONTROL_BURST
+        self._filled_at = self._clock()
+        self._spent = 0.0  # the budget's control time when last counted
+        self._admitting = False  # a request is being admitted (maybe waiting for tokens)
+        self._probes = trio.lowlevel.ParkingLot()
+        self._others = trio.lowlevel.ParkingLot()
+        self.pacing = False
+        """Requests wait for their share (no turn favours the control face meanwhile)."""
+        self.waited = 0.0
+        """Seconds requests have waited for their share, in all."""
+
+    @property
+    def pressed(self) -> bool:
+        """Requests wait, or the share is spent: a render may be reused (``/metrics``)."""
+        return self._admitting or self._fill() < 0
+
+    async def admit(self, *, first: bool = False) -> None:
+        """Wait until the control face may run one more request.
+
+        Cancellation: a cancelled wait takes nothing and lets the next one through.
+        """
+        if first and not self._probes and self._fill() > -PROBE_OVERDRAFT:
+            return  # a probe goes ahead of the scrapes waiting (their debt grows a little)
+        if self._admitting:
+            self.pacing = True
+            await (self._probes if first else self._others).park()  # handed the turn
+        else:
+            self._admitting = True
+        try:
+            while (deficit := -self._fill()) > 0:
+                self.pacing = True
+                started = self._clock()
+                # At least a millisecond: a debt of a rounding error must not spin.
+                await trio.sleep(max(deficit / CONTROL_SHARE, 0.001))
+                self.waited += self._clock() - started
+        finally:  # the turn passes on: a probe first
+            if self._probes:
+                self._probes.unpark()
+            elif self._others:
+                self._others.unpark()
+            else:
+                self._admitting = self.pacing = False
+
+    def _fill(self) -> float:
+        now, spent = self._clock(), self._budget.control_time
+        refill = (now - self._filled_at) * CONTROL_SHARE
+        self._tokens = min(CONTROL_BURST, self._tokens + refill) - (spent - self._spent)
+        self._filled_at, self._spent = now, spent
+        return self._tokens
 
 
 _BUDGET: trio.lowlevel.RunVar[TurnBudget] = trio.lowlevel.RunVar("cmdbus_turn_budget")

@@ -1,11 +1,19 @@
 """What a group owes: its backlog counted as it changes, and the settled position it
-makes durable."""
+makes durable; and a group's reports of both (:class:`Owing`)."""
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
+from typing import TYPE_CHECKING
+
+import trio
 
 from cmdbus_trio.protocol.subjects import matches
+
+if TYPE_CHECKING:
+    from ._cursor import TailCursor
+    from ._leases import Leases
+    from ._queues import SubjectQueues
 
 STUCK_AFTER = 60.0
 """Seconds a record may stay unsettled before it stops holding its group's settled
@@ -90,3 +98,84 @@ def matching(backlog: dict[str, int], filter_tokens: tuple[str, ...] | None) -> 
         for subject, count in sorted(backlog.items())
         if filter_tokens is None or matches(filter_tokens, subject)
     }
+
+
+class Owing:
+    """What a consumer group (:class:`~cmdbus_trio.bus.claims.Claims`) owes, read from
+    its state: its backlog, per subject and in all, and its settled position."""
+
+    group: str
+    _cursor: TailCursor | None
+    _leases: Leases
+    _settling: dict[int, str]
+    _queues: SubjectQueues
+    _backlog: BacklogCount
+    _settled: SettledPosition
+    _last_added: int
+
+    def lag(self, filter_tokens: tuple[str, ...] | None = None) -> dict[str, int]:
+        """Backlog per subject: undelivered + leased-unacked (dead letters are not
+        backlog), for the subjects that have one, sorted, as kept; on a tail, where it
+        is not kept, :meth:`backlog` walks it."""
+        if self._cursor is not None:
+            raise TypeError(f"{self.group}: an event group's lag is walked: backlog()")
+        return matching(self._backlog.by_subject, filter_tokens)
+
+    async def backlog(
+        self, filter_tokens: tuple[str, ...] | None = None, *, step: int = 20_000
+    ) -> dict[str, int]:
+        """:meth:`lag` for a request: an event group's walk of its backlog lets the loop
+        run every ``step`` records (records settled meanwhile may count or not: it is
+        a sample, like the gauges)."""
+        if self._cursor is None:
+            return self.lag(filter_tokens)
+        counts = self._in_flight()
+        for _ in self._cursor.walk(counts, step):
+            await trio.lowlevel.checkpoint()
+        return matching(counts, filter_tokens)
+
+    def _in_flight(self) -> dict[str, int]:
+        counts = Counter(self._leases.subjects())
+        counts.update(self._settling.values())
+        for subject, heap in self._queues.again.items():
+            counts[subject] += len(heap)
+        return counts
+
+    @property
+    def total(self) -> int:
+        """The whole backlog (kept as it changes: no walk of the subjects)."""
+        return self._backlog.total
+
+    def changed_backlog(self) -> dict[str, int]:
+        """The backlog of each subject whose backlog changed since the last call (a
+        sampler sets only those gauges)."""
+        return self._backlog.changed()
+
+    def backlog_of(self, subject: str) -> int:
+        """One subject's backlog (0 on a tail, where it is not kept: see :meth:`lag`)."""
+        return self._backlog.by_subject.get(subject, 0)
+
+    @property
+    def leased(self) -> int:
+        return len(self._leases)
+
+    def position(self, now: float) -> tuple[int, int]:
+        """The settled position to make durable, and the newest sort key it passes
+        unsettled (0: none): see :class:`SettledPosition`. Called about once a second."""
+        seen = self._last_added if self._cursor is None else self._cursor.tail.newest
+        return self._settled.at(now, seen, self.low_water(), backlog=self.total)
+
+    def low_water(self) -> int:
+        """The lowest sort key not yet settled (acked or dead) by this group: every record
+        below it is settled. Only known records count, so it never passes a record the
+        group has not seen."""
+        pending = self._queues.heads()
+        pending += self._leases.keys()
+        pending += self._settling.keys()
+        last_seen = self._last_added
+        if self._cursor is not None:
+            head = self._cursor.head()
+            if head is not None:
+                pending.append(head)
+            last_seen = self._cursor.tail.newest
+        return min(pending, default=last_seen + 1)

@@ -18,7 +18,6 @@ after ``max_deliver`` deliveries is parked as *dead* instead.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
@@ -28,9 +27,9 @@ from cmdbus_trio import metrics
 from cmdbus_trio.admission import GateClosed
 from cmdbus_trio.protocol.claim import Delivery
 
-from ._cursor import TailCursor
+from ._cursor import SCAN_STEP, TailCursor
 from ._leases import Leases
-from ._owed import STUCK_AFTER, BacklogCount, SettledPosition, matching
+from ._owed import STUCK_AFTER, BacklogCount, Owing, SettledPosition
 from ._queues import FilterIndex, SubjectQueues
 from ._waiters import Parked
 
@@ -40,7 +39,7 @@ if TYPE_CHECKING:
 __all__ = ["STUCK_AFTER", "Claims", "Delivery"]
 
 
-class Claims:
+class Claims(Owing):
     """One consumer group's view of a bus. ``on_dead`` is called with
     ``(sort_key, subject, deliveries)`` for each record parked as dead, to make it durable;
     ``on_count`` with ``(sort_key, deliveries)`` for each delivery that ended without an
@@ -154,11 +153,9 @@ class Claims:
         self._leases = Leases()
 
     def evict_through(self, through: int) -> int:
-        """Every record up to ``through`` is being deleted from the store whatever this
-        group did with it (``CMDBUS_EVT_MAX_BYTES``): forget each, delivered or not, so
-        none is leased from now on. Returns how many the group had not settled (fresh,
-        leased, or waiting to be redelivered); an ack under way completes as usual, and
-        an ack of a lease dropped here answers as for an expired one."""
+        """Forget every record up to ``through``, delivered or not (the store deletes them
+        for ``CMDBUS_EVT_MAX_BYTES``); returns how many were not settled. An ack under
+        way completes as usual; one of a lease dropped here answers as for an expired one."""
         if through <= self.evicted_through:
             return 0
         self.evicted_through = through
@@ -195,12 +192,12 @@ class Claims:
     def _index(self, filter_tokens: tuple[str, ...]) -> FilterIndex:
         return self._queues.index(filter_tokens, self.cursor)
 
-    def _oldest(self, index: FilterIndex) -> tuple[int, str, bool] | None:
+    def _oldest(self, index: FilterIndex, scan: int | None) -> tuple[int, str, bool] | None:
         """The oldest record the index's filter matches, redeliveries first:
-        ``(sort_key, subject, again)``."""
+        ``(sort_key, subject, again)``; on a tail, looking through ``scan`` records."""
         found = self._queues.oldest(index)
         if found is None and self._cursor is not None:
-            fresh = self._cursor.oldest(index)
+            fresh = self._cursor.oldest(index, scan)
             if fresh is not None:
                 return fresh[0], fresh[1], False
         return found
@@ -208,14 +205,17 @@ class Claims:
     # --- delivering ----------------------------------------------------------------------
 
     def has(self, filter_tokens: tuple[str, ...]) -> bool:
-        """A record matching the filter can be taken now."""
-        return self._oldest(self._index(filter_tokens)) is not None
+        """A record matching the filter can be taken now (found within a scan step)."""
+        return self._oldest(self._index(filter_tokens), SCAN_STEP) is not None
 
-    def next_nowait(self, filter_tokens: tuple[str, ...], owner: object) -> Delivery | None:
+    def next_nowait(
+        self, filter_tokens: tuple[str, ...], owner: object, scan: int | None = SCAN_STEP
+    ) -> Delivery | None:
         """Lease the next matching record to ``owner``: records to redeliver first (oldest
-        first), then fresh ones (oldest first). ``None`` when none matches."""
+        first), then fresh ones (oldest first), found on a tail within ``scan`` records
+        (all: None). ``None`` when none matches (or none within them)."""
         index = self._index(filter_tokens)
-        oldest = self._oldest(index)
+        oldest = self._oldest(index, scan)
         if oldest is None:
             return None
         sort_key, subject, again = oldest
@@ -248,6 +248,14 @@ class Claims:
         if self._closed:
             raise GateClosed(f"{self.group}: {self._why_closed}")
         delivery = self.next_nowait(filter_tokens, owner)
+        with trio.CancelScope(shield=True):  # a look under way ends: "none now" is true
+            while (
+                delivery is None
+                and self._cursor
+                and not self._cursor.scanned(self._index(filter_tokens))
+            ):
+                await trio.lowlevel.checkpoint()  # a step of a long backlog per turn
+                delivery = self.next_nowait(filter_tokens, owner)
         if delivery is not None:
             return delivery
         waiter = self._parked.park(self._index(filter_tokens), owner)
@@ -263,7 +271,12 @@ class Claims:
         return waiter.delivery
 
     def _hand_over(self, subject: str) -> None:
-        self._parked.hand_over(subject, self.next_nowait)
+        self._parked.hand_over(subject, self._take)
+
+    def _take(self, filter_tokens: tuple[str, ...], owner: object) -> Delivery | None:
+        # For a parked waiter, whose look went through the tail before it parked: what is
+        # left to look through came since, so the look is not bounded.
+        return self.next_nowait(filter_tokens, owner, None)
 
     def give_back(self, sort_key: int, owner: object, *, offer: bool = True) -> bool:
         """Undo a :meth:`next_nowait` whose record never reached its consumer (no Gate slot for
@@ -287,7 +300,7 @@ class Claims:
 
     def offer_held(self) -> None:
         """Offer the records given back with ``offer=False`` to the parked consumers."""
-        self._parked.offer_held(self.next_nowait)
+        self._parked.offer_held(self._take)
 
     @property
     def closed(self) -> bool:
@@ -376,72 +389,3 @@ class Claims:
             for sort_key, subject in self._leases.due(trio.current_time()):
                 self._end_delivery(sort_key, subject)
             await self._leases.wait_due()
-
-    # --- what is owed ----------------------------------------------------------------------
-
-    def lag(self, filter_tokens: tuple[str, ...] | None = None) -> dict[str, int]:
-        """Backlog per subject: undelivered + leased-unacked (dead letters are not
-        backlog), for the subjects that have one, sorted, as kept; on a tail, where it
-        is not kept, :meth:`backlog` walks it."""
-        if self._cursor is not None:
-            raise TypeError(f"{self.group}: an event group's lag is walked: backlog()")
-        return matching(self._backlog.by_subject, filter_tokens)
-
-    async def backlog(
-        self, filter_tokens: tuple[str, ...] | None = None, *, step: int = 20_000
-    ) -> dict[str, int]:
-        """:meth:`lag` for a request: an event group's walk of its backlog lets the loop
-        run every ``step`` records (records settled meanwhile may count or not: it is
-        a sample, like the gauges)."""
-        if self._cursor is None:
-            return self.lag(filter_tokens)
-        counts = self._in_flight()
-        for _ in self._cursor.walk(counts, step):
-            await trio.lowlevel.checkpoint()
-        return matching(counts, filter_tokens)
-
-    def _in_flight(self) -> dict[str, int]:
-        counts = Counter(self._leases.subjects())
-        counts.update(self._settling.values())
-        for subject, heap in self._queues.again.items():
-            counts[subject] += len(heap)
-        return counts
-
-    @property
-    def total(self) -> int:
-        """The whole backlog (kept as it changes: no walk of the subjects)."""
-        return self._backlog.total
-
-    def changed_backlog(self) -> dict[str, int]:
-        """The backlog of each subject whose backlog changed since the last call (a
-        sampler sets only those gauges)."""
-        return self._backlog.changed()
-
-    def backlog_of(self, subject: str) -> int:
-        """One subject's backlog (0 on a tail, where it is not kept: see :meth:`lag`)."""
-        return self._backlog.by_subject.get(subject, 0)
-
-    @property
-    def leased(self) -> int:
-        return len(self._leases)
-
-    def position(self, now: float) -> tuple[int, int]:
-        """The settled position to make durable, and the newest sort key it passes
-        unsettled (0: none): see :class:`SettledPosition`. Called about once a second."""
-        seen = self._last_added if self._cursor is None else self._cursor.tail.newest
-        return self._settled.at(now, seen, self.low_water(), backlog=self.total)
-
-    def low_water(self) -> int:
-        """The lowest sort key not yet settled (acked or dead) by this group: every record
-        below it is settled. Only known records count, so it never passes a record the
-        group has not seen."""
-        pending = self._queues.heads()
-        pending += self._leases.keys()
-        pending += self._settling.keys()
-        last_seen = self._last_added
-        if self._cursor is not None:
-            head = self._cursor.head()
-            if head is not None:
-                pending.append(head)
-            last_seen = self._cursor.tail.newest
-        return min(pending, default=last_seen + 1)

@@ -236,20 +236,26 @@ def _loop_saturated(before: Scrape, after: Scrape, interval: float) -> list[Find
 
 
 def _control_flooded(before: Scrape, after: Scrape, interval: float) -> list[Finding]:
-    """The control face goes first in the loop's turns (bounded): a flood of probes or
-    scrapes takes that share from the client work."""
+    """The control face goes first in the loop's turns, and takes a share of the loop
+    (both bounded): a flood of probes or scrapes takes those from the client work, and
+    once its share is spent its requests wait."""
     favoured = sum(delta(before, after, "cmdbus_loop_control_first_seconds_total").values())
-    if favoured < CONTROL_FLOODED * interval:
+    paced = sum(delta(before, after, "cmdbus_control_paced_seconds_total").values())
+    if favoured < CONTROL_FLOODED * interval and paced <= 0:
         return []
-    return [
-        Finding(
-            "saturated",
-            f"control face: its requests went first for {favoured / interval:.0%} of the "
-            "event loop (at most 25%), ahead of client work: something floods the control "
-            "port (a scraper in a loop, a probe period in milliseconds)",
-            (f"cmdbus_loop_control_first_seconds_total +{favoured:.2f} in {interval:.1f} s",),
-        )
-    ]
+    flood = "something floods the control port (a scraper in a loop, a probe period in ms)"
+    said = (
+        f"control face: its requests waited {paced:.2f} s for their share of the event loop "
+        f"(a tenth of it): {flood}"
+        if paced > 0
+        else f"control face: its requests went first for {favoured / interval:.0%} of the "
+        f"event loop (at most 25%), ahead of client work: {flood}"
+    )
+    evidence = (
+        f"cmdbus_loop_control_first_seconds_total +{favoured:.2f} in {interval:.1f} s",
+        f"cmdbus_control_paced_seconds_total +{paced:.2f} in {interval:.1f} s",
+    )
+    return [Finding("saturated", said, evidence)]
 
 
 def _saturated(before: Scrape, after: Scrape, interval: float) -> list[Finding]:
