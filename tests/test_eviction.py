@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sqlite3
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -318,3 +319,61 @@ def test_a_msg_id_retry_of_an_evicted_record_says_so(tmp_path: Path) -> None:
     [after] = reopened.publish([BusEntry("events.e", "{}", msg_id="first")])
     assert after.evicted
     reopened.close()
+
+
+async def test_requeues_dead_letters_and_an_eviction_at_once_leave_no_phantom(
+    groups: ConsumerGroups,
+) -> None:
+    """Issue 38: a requeue committed between an eviction's forget and its delete put the
+    deleted record back at the head of the redeliveries (with max_deliver=0 for ever:
+    its body gone, its lag never 0). A dead letter parked just before an eviction could
+    commit after the delete, leaving a row for a record that no longer exists, counted
+    nowhere: the eviction now waits for what was settled before it (that ordering is
+    not forced here: this checks that nothing is left behind and each evicted unsettled
+    record is counted once)."""
+    group = "phantoms"
+    before = evicted_unconsumed(group)
+    worker = object()
+    with trio.fail_after(20):
+        await publish_events(groups.committer, 12)
+        claims = await groups.get(group, "beginning")
+        claims.max_deliver = 1
+        for key in (1, 2):  # two dead letters, durable
+            assert claims.next_nowait(EVENTS, worker) is not None
+            assert claims.nack(key, worker)
+        settled = Ticket()
+        groups.committer.enqueue(settled)
+        await settled.settled.wait()
+        # A requeue of dead letter 1 whose commit settles after the groups forgot it.
+        requeued = Ticket(dead_moves=[(group, 1, True)])
+        groups.committer.enqueue(requeued)
+        await requeued.settled.wait()
+        assert groups.evict_through(4) == {group: 2}  # 3 and 4, fresh
+        assert claims.requeue([(1, "events.e")]) == 1  # evicted meanwhile: not queued
+        groups.count_evicted(group, 1)  # as the claim face does with what requeue says
+        # A dead letter parked (its ticket queued) just before an eviction: the eviction
+        # waits for what was settled before it, so its delete takes and counts the row.
+        used = await trio.to_thread.run_sync(groups.log.used_bytes)
+        delivery = claims.next_nowait(EVENTS, worker)
+        assert delivery is not None and delivery.sort_key == 5
+        assert claims.nack(5, worker)  # dead: its ticket is queued, not committed
+        bodies = BodyReader(groups.log)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(bodies.run)
+            eviction = Eviction(groups.log, groups, bodies, max_bytes=1)
+            eviction.low_water = used  # evicts one batch: up to what the floor says
+            while groups.log.deleted_through < 5:
+                assert await eviction.step(trio.CapacityLimiter(1))
+            nursery.cancel_scope.cancel()
+        with sqlite3.connect(groups.log.path) as connection:
+            orphans = connection.execute(
+                "SELECT sort_key FROM dead WHERE sort_key NOT IN (SELECT sort_key FROM records)"
+            ).fetchall()
+        assert orphans == []  # no dead row for a record the store deleted
+        floor = groups.log.deleted_through
+        assert claims.total == 12 - floor  # what is left, fresh; no phantom counted
+        delivery = claims.next_nowait(EVENTS, worker)
+        assert delivery is None or delivery.sort_key > floor
+    # 3 and 4 (fresh), 1 (requeued as it went), 2 and 5 (dead letters), and every other
+    # record up to the floor: each counted once.
+    assert evicted_unconsumed(group) - before == groups.log.deleted_through

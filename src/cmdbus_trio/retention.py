@@ -33,6 +33,7 @@ import trio
 from cmdbus_trio import metrics
 from cmdbus_trio.admission import run_in_thread
 from cmdbus_trio.bus.bodies import BodyReader
+from cmdbus_trio.bus.committer import Ticket
 from cmdbus_trio.bus.groups import ConsumerGroups
 from cmdbus_trio.config import Config
 from cmdbus_trio.logs import event
@@ -124,6 +125,12 @@ class Eviction:
         self._burst_unconsumed.update(self.groups.evict_through(through))
         self.bodies.forget_through(through)
         await self.bodies.caught_up()
+        # What the groups settled before they forgot (a dead letter parked, a requeue) is
+        # in the store before the delete: the delete counts the dead letters it takes,
+        # and leaves no row behind for a record it deleted.
+        settled_before = Ticket()
+        self.groups.committer.enqueue(settled_before)
+        await settled_before.settled.wait()
         evicted = await run_in_thread(self.log.evict, through, limiter=limiter)
         for group, letters in evicted.dead_letters.items():
             self.groups.count_evicted(group, letters)

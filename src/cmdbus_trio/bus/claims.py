@@ -112,14 +112,20 @@ class Claims(Owing):
         for subject in arrived:
             self._hand_over(subject)
 
-    def requeue(self, records: Iterable[tuple[int, str]]) -> None:
+    def requeue(self, records: Iterable[tuple[int, str]]) -> int:
         """Dead letters back in the backlog (``requeue``, durable already), as
         ``(sort_key, subject)``: delivered again before fresh records, with a fresh
-        delivery count."""
+        delivery count. Returns how many of them were evicted meanwhile (forgotten, their
+        requeue committed before the store deleted them): those are not queued."""
+        gone = 0
         for sort_key, subject in records:
+            if sort_key <= self.evicted_through:
+                gone += 1
+                continue
             self._deliveries.pop(sort_key, None)
             self._backlog.count(subject, +1)
             self._redeliver(sort_key, subject)
+        return gone
 
     def restore_owed(self, owed: Iterable[tuple[int, str, int]]) -> None:
         """Records owed below the settled position, as ``(sort_key, subject,

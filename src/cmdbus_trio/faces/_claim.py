@@ -369,9 +369,10 @@ class ClaimHandler:
                     await ticket.wait()
                     done = set(ticket.moved)
                     if requeue:
-                        claims.requeue(
+                        evicted = claims.requeue(
                             (key, subject) for key, subject in chosen if (claims.group, key) in done
                         )
+                        self.groups.count_evicted(claims.group, evicted)
                 moved += len(done)
                 if op.sort_keys is not None:
                     break  # all of them were in the one query
