@@ -154,6 +154,69 @@ async def mass_disconnect(ports: dict[str, str]) -> Callable[[], Awaitable[None]
     return disconnect
 
 
+async def pipelined(client: Client, requests: list[dict[str, Any]]) -> None:
+    """Send every request at once, then read every reply (each must be ``ok``)."""
+    frames = bytearray()
+    for request in requests:
+        client.next_id += 1
+        body = json.dumps({"id": client.next_id, **request}).encode()
+        frames += len(body).to_bytes(4, "big") + body
+    await client.stream.send_all(bytes(frames))
+    for _ in requests:
+        reply = json.loads(await client.receive())
+        assert reply["ok"], reply
+
+
+async def timed_out_nexts(ports: dict[str, str]) -> None:
+    """Issue 38: 20,000 `next`s that time out at once, each on a filter of its own."""
+    client = await Client.connect(ports["cmd_claim"])
+    for first in range(0, 20_000, 1000):
+        await pipelined(
+            client,
+            [
+                {"op": "next", "filter": f"commands.gone{n}.>", "timeout_ms": 0}
+                for n in range(first, first + 1000)
+            ],
+        )
+    await client.aclose()
+
+
+async def lagging_groups(ports: dict[str, str]) -> None:
+    """Issue 38: 100 groups from the tail that never consume, 15,000 events behind,
+    past the stuck window (the writer runs with CMDBUS_STUCK_AFTER_MS=500)."""
+    await groups(ports)
+    await publish_many(
+        ports["evt_ingest"],
+        [{"execution_id": n, "payload": json.dumps({"event_type": "lag"})} for n in range(15_000)],
+    )
+    await trio.sleep(2.5)  # the groups' sampler, every second, past the stuck window
+
+
+BEHIND = 500_000
+"""Records a group is behind for the crowd of new filters."""
+
+
+async def new_filters_far_behind(ports: dict[str, str]) -> Callable[[], Awaitable[None]]:
+    """Issue 38: a group BEHIND records behind; returns what names 120 new filters on it
+    (none matches, so each looks through the whole backlog)."""
+    await publish_many(
+        ports["evt_ingest"],
+        [{"execution_id": n, "payload": json.dumps({"event_type": "old"})} for n in range(BEHIND)],
+    )
+    client = await Client.connect(ports["evt_claim"])
+    fields = {"group": "behind", "timeout_ms": 0}
+    await pipelined(
+        client, [{"op": "next", "filter": "events.none", "from": "beginning", **fields}]
+    )
+
+    async def name_filters() -> None:
+        await pipelined(
+            client, [{"op": "next", "filter": f"events.new_{n}", **fields} for n in range(120)]
+        )
+
+    return name_filters
+
+
 CROWDS: dict[str, tuple[Setup, bool]] = {
     "1,000 waiters on 1,000 other pools": (other_pools, False),
     "1,000 waiters on one other filter": (one_other_filter, False),
@@ -161,6 +224,9 @@ CROWDS: dict[str, tuple[Setup, bool]] = {
     "100 more consumer groups": (groups, True),
     "100,000 subjects with a backlog": (subjects, True),
     "1,000 consumers, 50k leases, all leave": (mass_disconnect, False),  # type: ignore[dict-item]
+    "20,000 nexts timed out, 20,000 filters": (timed_out_nexts, False),
+    "100 groups never consuming, 15k behind": (lagging_groups, True),
+    "120 new filters, a group 500k behind": (new_filters_far_behind, True),  # type: ignore[dict-item]
 }
 
 
@@ -174,6 +240,7 @@ async def one_crowd(
     action = await setup(ports)
     await trio.sleep(1.0)  # every parked request read and parked
     livez: list[int] = []
+    livez_seconds: list[float] = []
     if action is None:
         crowded = percentiles(await worker.round_trips(requests))
     else:
@@ -182,7 +249,9 @@ async def one_crowd(
 
             async def probe() -> None:
                 while True:
+                    began = time.perf_counter()
                     livez.append(await http_get(ports["control"], "/livez"))
+                    livez_seconds.append(time.perf_counter() - began)
                     await trio.sleep(0.05)
 
             nursery.start_soon(probe)
@@ -191,7 +260,8 @@ async def one_crowd(
             nursery.cancel_scope.cancel()
         crowded = percentiles(samples)
     ratio = {q: crowded[q] / alone[q] for q in ("p50", "p99")}
-    return {"alone": alone, "crowd": crowded, "ratio": ratio, "livez": livez}
+    probed = percentiles(livez_seconds) if livez_seconds else None
+    return {"alone": alone, "crowd": crowded, "ratio": ratio, "livez": livez, "probed": probed}
 
 
 def raise_fd_limit() -> None:
@@ -199,7 +269,7 @@ def raise_fd_limit() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(max(soft, 8192), hard), hard))
 
 
-def run_crowds(requests: int) -> None:
+def run_crowds(requests: int, only: str = "") -> None:
     raise_fd_limit()
     print(
         f"\npublish + next + ack round trip, {requests} each, ms (p50 / p99); a fresh writer"
@@ -208,11 +278,17 @@ def run_crowds(requests: int) -> None:
     print(f"  {'crowd':40} {'alone':>15} {'beside it':>15}   ratio (target <= {TARGET}x)")
     results = {}
     for name, (setup, events) in CROWDS.items():
+        if not name.startswith(only):
+            continue
         workdir = Path(tempfile.mkdtemp(prefix="cmdbus-crowd-"))
         process, ports = spawn_writer(
             workdir,
             FACES,
-            env={"CMDBUS_MAX_CONNECTIONS": "2000", "CMDBUS_SYNC": "normal"},
+            env={
+                "CMDBUS_MAX_CONNECTIONS": "2000",
+                "CMDBUS_SYNC": "normal",
+                "CMDBUS_STUCK_AFTER_MS": "500",  # lagging groups: past it in seconds
+            },
             preexec_fn=raise_fd_limit,
         )
         try:
@@ -224,6 +300,9 @@ def run_crowds(requests: int) -> None:
         verdict = "ok" if max(ratio.values()) <= TARGET else "OVER"
         livez = result["livez"]
         probes = f"; /livez {livez.count(200)}/{len(livez)} 200" if livez else ""
+        if result["probed"]:
+            probed = result["probed"]
+            probes += f", p50/p99 {probed['p50']:.0f}/{probed['p99']:.0f} ms"
         print(
             f"  {name:40} {alone['p50']:6.2f} / {alone['p99']:6.2f} "
             f"{crowd['p50']:6.2f} / {crowd['p99']:6.2f}   "

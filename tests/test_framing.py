@@ -67,6 +67,18 @@ def test_wanted_counts_down_to_the_end_of_the_frame() -> None:
     assert decoder.wanted == 7
 
 
+def test_partial_length_is_known_once_the_header_is_in() -> None:
+    decoder = FrameDecoder(max_bytes=100)
+    assert decoder.partial_length is None
+    decoder.receive_data(b"\x00\x00\x00")
+    assert decoder.partial_length is None  # part of a header
+    decoder.receive_data(b"\x0a12")
+    assert decoder.partial_length == 10
+    decoder.receive_data(b"34567890")
+    assert decoder.next_frame() == b"1234567890"
+    assert decoder.partial_length is None
+
+
 def test_frame_at_the_cap_is_accepted_one_over_is_refused() -> None:
     decoder = FrameDecoder(max_bytes=8)
     decoder.receive_data(encode_frame(b"12345678"))

@@ -222,3 +222,64 @@ async def test_a_scrape_flood_gets_its_share_of_the_loop_and_no_more(tmp_path: P
     control = spent("cmdbus_loop_control_seconds_total")
     assert 0 < control <= turns.CONTROL_SHARE * (seconds + 1.5) + turns.CONTROL_BURST + 0.05
     assert spent("cmdbus_control_paced_seconds_total") > 0
+
+
+@pytest.mark.slow  # a load measured in a subprocess: see noxfile.SYSTEM_ONCE
+async def test_frames_being_read_count_against_the_face_budget(tmp_path: Path) -> None:
+    """200 clients each send two frames of ~1 MiB while the disk is slow: a face takes in
+    ``CMDBUS_FACE_PENDING_BYTES`` (8 MiB) of requests, and a connection reads a frame
+    larger than one read only once that frame's bytes are lent to it. Each connection
+    used to read up to two whole frames first, outside the budget (RSS +270-330 MiB)."""
+    from .helpers import get
+    from .test_memory_bounds import watch_peak
+
+    settings = {"CMDBUS_TIER_BIND": "", "CMDBUS_DEBUG_HOOKS": "true"}
+    record = {"execution_id": 1, "payload": json.dumps({"pad": "x" * 1_000_000})}
+    with trio.fail_after(120), serving(tmp_path, **settings) as (writer, ports):
+        slow = await get(ports["control"], "/debug/slow-commits?store=commands&seconds=0.5", "POST")
+        assert slow.status == 202
+        await trio.sleep(0.5)
+        idle = rss_mib(writer)
+        clients = [await FrameClient.connect(ports["cmd_ingest"]) for _ in range(200)]
+        for client in clients:
+            await client.hello()
+
+        async def send_two(client: FrameClient) -> None:
+            for n in (1, 2):  # a client held back waits in its socket
+                body = json.dumps({"id": n, "op": "publish_batch", "records": [record]})
+                await client.send(body.encode())
+
+        async with trio.open_nursery() as nursery:
+            for client in clients:
+                nursery.start_soon(send_two, client)
+            peak = await watch_peak(writer, 4.0)
+            nursery.cancel_scope.cancel()  # the clients held back are still sending
+        for client in clients:
+            await client.aclose()
+    # What the face's 8 MiB of requests weigh parsed and committed, and a read's worth
+    # per connection (measured 85-105 MiB); two frames per connection would be 400.
+    grown = peak - idle
+    assert grown < 160, f"RSS grew {grown:.0f} MiB"
+
+
+async def test_a_client_gone_mid_frame_gives_its_loan_back(tmp_path: Path) -> None:
+    """A large frame's bytes are lent before it is read whole; a client that leaves
+    half-way leaves nothing lent (``cmdbus_pending_bytes`` back to 0), and a client
+    after it is served."""
+    from cmdbus_trio.protocol import encode_frame
+
+    record = {"execution_id": 1, "payload": json.dumps({"pad": "x" * 500_000})}
+    frame = encode_frame(json.dumps({"id": 1, "op": "publish", "record": record}).encode())
+    with trio.fail_after(30), serving(tmp_path, CMDBUS_TIER_BIND="") as (_, ports):
+        leaving = await FrameClient.connect(ports["cmd_ingest"])
+        await leaving.hello()
+        await leaving.stream.send_all(frame[: len(frame) // 2])
+        await trio.sleep(0.3)
+        text = await trio.to_thread.run_sync(metrics_text, ports)
+        assert metric_sum(text, 'cmdbus_pending_bytes{face="cmd_ingest"}') >= 500_000
+        await leaving.aclose()
+        await trio.sleep(0.3)
+        text = await trio.to_thread.run_sync(metrics_text, ports)
+        assert metric_sum(text, 'cmdbus_pending_bytes{face="cmd_ingest"}') == 0
+        async with frame_client(ports["cmd_ingest"]) as client:
+            assert (await client.request("publish", record=record))["ok"]

@@ -303,7 +303,7 @@ def test_a_new_filter_looks_through_a_long_backlog_a_step_per_turn() -> None:
                 delivery = await claims.next(wanted, owner)
             nursery.cancel_scope.cancel()
         assert delivery == Delivery(backlog + 1, "events.b", False, 1)
-        assert turns >= 18  # the other task ran between the steps
+        assert turns >= 10  # the other task ran between the steps (about 18 of them)
 
     trio.run(main)
 

@@ -334,7 +334,7 @@ async def test_the_budget_times_every_step_of_a_control_task() -> None:
         nursery.start_soon(control_work)
         nursery.start_soon(data_work)
     control = budget.statistics().control
-    assert 0.03 <= control < 0.045  # its three steps of work, not the data plane's
+    assert 0.03 <= control < 0.055  # its three steps of work, not the data plane's
 
 
 class _Steps:

@@ -334,9 +334,10 @@ SUBJECT_FOLDS = Counter(
 OTHER_SUBJECTS = "_other"
 PENDING_BYTES = Gauge(
     "cmdbus_pending_bytes",
-    "Request bytes a data face has taken in and not yet finished with (parsed, queued for "
-    "or in its work), by face; at most CMDBUS_FACE_PENDING_BYTES: a flood of big frames "
-    "waits in its sockets instead of in memory.",
+    "Request bytes a data face has taken in and not yet finished with (frames larger than "
+    "a read from when their header is in, parsed, queued for or in their work), by face; "
+    "at most CMDBUS_FACE_PENDING_BYTES: a flood of big frames waits in its sockets instead "
+    "of in memory.",
     ["face"],
     registry=REGISTRY,
 )

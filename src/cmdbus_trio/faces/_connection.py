@@ -95,6 +95,8 @@ class Connection:
             self.outbox,
             holding=lambda: self.handler.holding(),
             end=self._end,
+            lend=self._lend_from_budget,
+            give_back=lambda lent: self._give_back(lent, None),
         )
 
     @classmethod
@@ -251,8 +253,16 @@ class Connection:
         return True
 
     async def _lend(self, size: int) -> int:
-        """Lend ``size`` bytes of the face's budget for a frame; at once when free, as a
-        wait is a pass of the loop and the dispatcher yields once per batch anyway."""
+        """Lend ``size`` bytes of the face's budget for a frame, unless the reader lent
+        them before reading it (a large frame)."""
+        loan = self.reader.take_loan(size)
+        if loan is not None:
+            return loan
+        return await self._lend_from_budget(size)
+
+    async def _lend_from_budget(self, size: int) -> int:
+        """Lend ``size`` bytes of the face's budget; at once when free, as a wait is a
+        pass of the loop and the dispatcher yields once per batch anyway."""
         budget = self.ctx.pending_bytes
         if budget is None:
             return 0

@@ -5,14 +5,15 @@ events out to the connection's dispatcher, and the two timers that end a connect
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Awaitable, Callable
 
 import attrs
 import trio
 
 from cmdbus_trio import turns
 from cmdbus_trio.protocol import NEED_DATA
-from cmdbus_trio.protocol.server import Closed, Event, ServerConnection
+from cmdbus_trio.protocol.server import Closed, Event, FrameReceived, ServerConnection
 
 from . import FaceContext
 from ._outbox import Outbox
@@ -38,10 +39,33 @@ class Reader:
     outbox: Outbox
     _holding: Callable[[], bool] = attrs.field(kw_only=True)
     _end: Callable[[str], None] = attrs.field(kw_only=True)
+    _lend: Callable[[int], Awaitable[int]] = attrs.field(kw_only=True)
+    """Lend bytes of the face's budget (see :meth:`take_loan`)."""
+    _give_back: Callable[[int], None] = attrs.field(kw_only=True)
+    _reading_loan: int = attrs.field(default=0, init=False)
+    """Bytes lent for the large frame being read."""
+    _loans: deque[int] = attrs.field(factory=deque, init=False)
+    """Bytes lent for the large frames read whole and not yet taken, in order."""
     _asked: int = attrs.field(default=0, init=False)
     """Requests being answered (the idle timeout waits for none)."""
     _quiet_since: float = attrs.field(factory=trio.current_time, init=False)
     """The last read or answer (see :meth:`asking`)."""
+
+    def take_loan(self, size: int) -> int | None:
+        """The bytes already lent for a frame of ``size`` bytes, if it is a large one
+        (larger than a read): the dispatcher takes them instead of lending again. Large
+        frames are taken in the order they were read, so the oldest loan is its."""
+        if size > RECEIVE_CHUNK and self._loans:
+            return self._loans.popleft()
+        return None
+
+    def _return_loans(self) -> None:
+        """The connection reads no more: what was lent for frames not taken goes back."""
+        for lent in (self._reading_loan, *self._loans):
+            if lent:
+                self._give_back(lent)
+        self._reading_loan = 0
+        self._loans.clear()
 
     def asking(self, change: int) -> None:
         """Count the requests being answered. The idle timeout runs only while there are
@@ -55,12 +79,15 @@ class Reader:
     async def run(self, out: trio.MemorySendChannel[Batch], requests: trio.CancelScope) -> None:
         """Read until the end; then, if the peer is gone, cancel ``requests`` (the
         connection's read work: nobody is left to answer; started writes finish)."""
-        async with out, trio.open_nursery() as reading:
-            reading.start_soon(self._stop_on_drain, reading.cancel_scope)
-            # BrokenResourceError: the dispatcher takes no more (it met the end).
-            with contextlib.suppress(trio.BrokenResourceError):
-                await self._read(out, self.ctx.config.read_timeout_ms / 1000)
-            reading.cancel_scope.cancel()
+        try:
+            async with out, trio.open_nursery() as reading:
+                reading.start_soon(self._stop_on_drain, reading.cancel_scope)
+                # BrokenResourceError: the dispatcher takes no more (it met the end).
+                with contextlib.suppress(trio.BrokenResourceError):
+                    await self._read(out, self.ctx.config.read_timeout_ms / 1000)
+                reading.cancel_scope.cancel()
+        finally:
+            self._return_loans()
         if self.outbox.peer_gone:
             requests.cancel()
 
@@ -100,6 +127,12 @@ class Reader:
                         waiting_since = trio.current_time()
                     next_event = protocol.next_event()
                     if next_event is not NEED_DATA:
+                        if self._reading_loan:  # the large frame it was lent for
+                            if isinstance(next_event, FrameReceived):
+                                self._loans.append(self._reading_loan)
+                            else:
+                                self._give_back(self._reading_loan)
+                            self._reading_loan = 0
                         batch.append((next_event, trio.current_time()))
                         if isinstance(next_event, Closed):
                             handing_over, closed = True, next_event
@@ -114,6 +147,11 @@ class Reader:
                     if batch:
                         handing_over = True
                         continue
+                    length = protocol.partial_length
+                    if length is not None and length > RECEIVE_CHUNK and not self._reading_loan:
+                        # A large frame is lent its bytes before it is read whole (a flood
+                        # of them waits in the clients' sockets), not once it is in memory.
+                        self._reading_loan = await self._lend(length)
                     reading = True
                     try:
                         data = await self.stream.receive_some(RECEIVE_CHUNK)

@@ -68,6 +68,15 @@ class FrameDecoder:
         return self.buffered > 0
 
     @property
+    def partial_length(self) -> int | None:
+        """The body length of the frame being received, once its header is in (None
+        before: nothing, or part of a header, is buffered)."""
+        if self.buffered < HEADER_SIZE:
+            return None
+        length: int = HEADER.unpack_from(self._buffer, self._start)[0]
+        return length
+
+    @property
     def wanted(self) -> int:
         """How many more bytes would complete the current header or frame (at least 1)."""
         available = self.buffered

@@ -117,6 +117,13 @@ class ServerConnection:
         return self._decoder.in_partial_frame
 
     @property
+    def partial_length(self) -> int | None:
+        """The body length of the frame being received, once its header is in: a
+        connection lends that many bytes of its face's budget before it reads a large
+        frame whole."""
+        return self._decoder.partial_length
+
+    @property
     def closed(self) -> Closed | None:
         """Why the connection takes nothing more, or None while it does."""
         return self._closed
