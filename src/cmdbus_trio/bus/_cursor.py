@@ -13,9 +13,10 @@ if TYPE_CHECKING:
     from .tail import Tail
 
 SCAN_STEP = 4096
-"""Records a filter's look for its oldest record goes through at a time (~1 ms): a new
-filter on a group far behind looks through its backlog a step per turn of the loop,
-where one look through a million records held the loop 0.18 s."""
+"""Records a filter's look for its oldest record goes through at a time (under a
+millisecond): a new filter on a group far behind looks through its backlog within the
+data plane's share of each turn, where one look through a million records held the loop
+0.18 s."""
 
 
 class TailCursor:

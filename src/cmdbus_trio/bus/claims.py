@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from cmdbus_trio import metrics
+from cmdbus_trio import metrics, turns
 from cmdbus_trio.admission import GateClosed
 from cmdbus_trio.protocol.claim import Delivery
 
@@ -260,7 +260,7 @@ class Claims(Owing):
                 and self._cursor
                 and not self._cursor.scanned(self._index(filter_tokens))
             ):
-                await trio.lowlevel.checkpoint()  # a step of a long backlog per turn
+                await turns.current().wait()  # the data plane's share of a turn
                 delivery = self.next_nowait(filter_tokens, owner)
         if delivery is not None:
             return delivery
