@@ -482,7 +482,7 @@ async def test_a_waiter_that_leaves_is_skipped_and_the_next_oldest_served(
     second: list[Delivery] = []
     async with trio.open_nursery() as nursery:
         leaving = trio.CancelScope()
-        nursery.start_soon(_next_in, leaving, claims, first)
+        nursery.start_soon(_wait_in, claims, leaving, first)
         await trio.testing.wait_all_tasks_blocked()
         await park(claims, nursery, "commands.>", second)
         await trio.testing.wait_all_tasks_blocked()
@@ -493,8 +493,3 @@ async def test_a_waiter_that_leaves_is_skipped_and_the_next_oldest_served(
         assert first == [] and [d.sort_key for d in second] == [1]
         assert claims.leased == 1  # the one that left leased nothing
         nursery.cancel_scope.cancel()
-
-
-async def _next_in(scope: trio.CancelScope, claims: Claims, got: list[Delivery]) -> None:
-    with scope:
-        got.append(await claims.next(parse_filter("commands.>"), object()))
