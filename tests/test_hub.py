@@ -83,14 +83,25 @@ def test_a_subscriber_is_cut_off_by_bytes_as_well_as_records() -> None:
         assert alone.overflowed
 
 
-async def test_batches_fit_their_byte_room_and_a_large_record_goes_alone() -> None:
+async def test_frames_fit_their_byte_room_and_a_large_record_goes_alone() -> None:
+    """The live records, taken a batch at a time, go out in frames that fit the reply
+    cap's room, as the catch-up pages do (one packing for both)."""
+    from cmdbus_trio.faces.evt_subscribe import _runs
+
     hub = Hub(capacity=1000, max_bytes=1 << 30)
     sizes = [100, 100, 100, 5000, 100, 100]
     with hub.subscribe(None) as live:
         hub.feed([_record(n, pad) for n, pad in enumerate(sizes, 1)])
         live.end()
         room = 2 * len(subscriptions.fragment(1, "events.b", '"' + "x" * 100 + '"')) + 1
-        batches = [[p.sort_key for p in batch] async for batch in live.batches(1000, room)]
-        assert batches == [[1, 2], [3], [4], [5, 6]]
+        batches = [batch async for batch in live.batches(4)]
+        assert [len(batch) for batch in batches] == [4, 2]
         assert live.buffered_bytes == 0
-        assert [len(b) async for b in live.batches(1000, room)] == []  # ended, drained
+        assert [len(b) async for b in live.batches(4)] == []  # ended, drained
+    keys = {p.fragment: p.sort_key for batch in batches for p in batch}
+    frames = [
+        [keys[piece] for piece in run]
+        for batch in batches
+        for run in _runs([p.fragment for p in batch], room)
+    ]
+    assert frames == [[1, 2], [3], [4], [5, 6]]

@@ -297,10 +297,10 @@ class Claims(Owing):
         deliveries = self._deliveries.pop(sort_key, 1) - 1
         if deliveries:
             self._deliveries[sort_key] = deliveries
-        self._queues.add_again(sort_key, lease.subject)
         if offer:
-            self._hand_over(lease.subject)
-        else:
+            self._redeliver(sort_key, lease.subject)
+        else:  # queued for a new ``next``; the parked consumers wait for offer_held
+            self._queues.add_again(sort_key, lease.subject)
             self._parked.hold(lease.subject)
         return True
 

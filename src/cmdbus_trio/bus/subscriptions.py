@@ -79,9 +79,9 @@ class Subscription:
         self._ended = True
         self._more.unpark_all()
 
-    async def batches(self, most: int, most_bytes: int) -> AsyncIterator[list[Pushed]]:
-        """Everything buffered, up to ``most`` records and ``most_bytes`` of fragments at
-        a time (a record alone may be larger), until the subscription ends."""
+    async def batches(self, most: int) -> AsyncIterator[list[Pushed]]:
+        """Everything buffered, up to ``most`` records at a time, until the subscription
+        ends."""
         while True:
             if self._buffer:
                 await trio.lowlevel.checkpoint()
@@ -89,14 +89,7 @@ class Subscription:
                 if self._ended:
                     return
                 await self._more.park()
-            first = self._buffer.popleft()
-            batch, size = [first], len(first.fragment)
-            while self._buffer and len(batch) < most:
-                more = len(self._buffer[0].fragment) + 1  # and its comma
-                if size + more > most_bytes:
-                    break
-                batch.append(self._buffer.popleft())
-                size += more
+            batch = [self._buffer.popleft() for _ in range(min(most, len(self._buffer)))]
             self._bytes -= sum(len(pushed.fragment) for pushed in batch)
             yield batch
 

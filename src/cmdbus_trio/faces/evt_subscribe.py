@@ -116,28 +116,32 @@ class SubscribeHandler:
         # buffer), then register and catch up what was committed meanwhile: a record
         # committed before the registration is in the store, one after it in the buffer,
         # and one in both is skipped by its sort key.
-        last = await self._catch_up(after, tokens, frame_of, gaps)
+        room = self.ctx.config.max_reply_bytes - len(frame_of([]))  # for records, a frame
+        last = await self._catch_up(after, tokens, frame_of, room, gaps)
         with self.hub.subscribe(tokens) as live:
-            last = await self._catch_up(last, tokens, frame_of, gaps)
-            async for batch in live.batches(MOST_PER_FRAME, self._room(frame_of)):
+            last = await self._catch_up(last, tokens, frame_of, room, gaps)
+            async for batch in live.batches(MOST_PER_FRAME):
                 fresh = [pushed for pushed in batch if pushed.sort_key > last]
-                if fresh:
-                    if not await self.send(encode_frame(frame_of([p.fragment for p in fresh]))):
+                for run in _runs([pushed.fragment for pushed in fresh], room):
+                    if not await self.send(encode_frame(frame_of(run))):
                         return False
+                if fresh:
                     last = fresh[-1].sort_key
             return not live.overflowed
 
-    def _room(self, frame_of: FrameOf) -> int:
-        """The bytes of records a frame may carry within ``CMDBUS_MAX_REPLY_BYTES``."""
-        return self.ctx.config.max_reply_bytes - len(frame_of([]))
-
     async def _catch_up(
-        self, after: int, tokens: tuple[str, ...] | None, frame_of: FrameOf, gaps: _Gaps | None
+        self,
+        after: int,
+        tokens: tuple[str, ...] | None,
+        frame_of: FrameOf,
+        room: int,
+        gaps: _Gaps | None,
     ) -> int:
-        """Push stored records after ``after`` until the end of the store; returns the last
-        sort key read. Before a page, a subscriber whose cursor is below what retention
-        deleted is told so (before anything else, so one replaying from an old cursor
-        knows it starts at the oldest kept)."""
+        """Push stored records after ``after`` until the end of the store, in frames
+        carrying at most ``room`` bytes of records; returns the last sort key read.
+        Before a page, a subscriber whose cursor is below what retention deleted is told
+        so (before anything else, so one replaying from an old cursor knows it starts at
+        the oldest kept)."""
         while True:
             notice = None if gaps is None else gaps.notice(after)
             if notice is not None and not await self.send(notice):
@@ -146,7 +150,7 @@ class SubscribeHandler:
                 page = await slot.run_cancellable(self.bus.log.read_after, after, CATCH_UP_PAGE)
             chosen = [r for r in page if tokens is None or matches(tokens, r.subject)]
             fragments = [fragment(r.sort_key, r.subject, r.record) for r in chosen]
-            for run in _runs(fragments, self._room(frame_of)):
+            for run in _runs(fragments, room):
                 if not await self.send(encode_frame(frame_of(run))):
                     raise CloseConnection("write_error")
             if page:
