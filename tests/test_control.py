@@ -175,3 +175,53 @@ def test_counters_exist_at_zero_from_the_start(tmp_path: Path) -> None:
             'cmdbus_face_crashes_total{face="cmd_claim"} 0.0',
         ):
             assert sample in text.splitlines(), sample
+
+
+def crowded_out(port: str) -> float:
+    from cmdbus_trio.metrics import REGISTRY
+
+    value = REGISTRY.get_sample_value(
+        "cmdbus_control_connections_crowded_out_total", {"port": port}
+    )
+    return value or 0.0
+
+
+async def test_a_port_at_its_cap_closes_the_connection_quiet_the_longest() -> None:
+    """Cap 4: six connections that never speak, then a scraper, then a probe. Each one
+    past the cap closes the one quiet the longest, so the probe and the scraper get in,
+    the first four silent ones are closed, and the port never holds more than four."""
+    from functools import partial
+
+    from cmdbus_trio import control
+    from cmdbus_trio.config import Bind
+    from cmdbus_trio.metrics import REGISTRY
+
+    def held() -> float:
+        return REGISTRY.get_sample_value("cmdbus_control_connections", {"port": "cmd_lag"}) or 0
+
+    async def until(condition: Callable[[], bool]) -> None:
+        while not condition():
+            await trio.sleep(0.01)
+
+    stop = trio.Event()
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            serve = partial(control.serve_lag_port, "cmd_lag", Bind("127.0.0.1", 0))
+            address = await nursery.start(partial(serve, max_connections=4, shutdown=stop))
+            host, port = address.rsplit(":", 1)
+            before = crowded_out("cmd_lag")
+            silent = []
+            for n in range(6):
+                silent.append(await trio.open_tcp_stream(host, int(port)))
+                await until(lambda n=n: crowded_out("cmd_lag") - before == max(0, n - 3))
+            async with http_connection(address) as scraper:
+                assert (await scraper.request("GET", "/")).status == 200
+                assert (await get(address, "/")).status == 200  # the probe
+                assert (await scraper.request("GET", "/")).status == 200  # still open
+                assert crowded_out("cmd_lag") - before == 4
+                assert held() <= 4
+                for closed in silent[:4]:
+                    assert await closed.receive_some(1) == b""
+                for stream in silent:
+                    await stream.aclose()
+            stop.set()

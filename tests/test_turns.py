@@ -404,3 +404,18 @@ async def test_a_cancelled_control_wait_lets_the_next_one_through(
         scopes["owner"].cancel()  # while waiting for the share
     assert done == ["last"]
     assert not share.pacing
+
+
+async def test_a_flood_that_no_request_admitted_holds_the_probes_back_briefly(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Two seconds of control work that waited for no admission (a flood of connections
+    accepted and closed) leave the share owing MAX_DEBT, not two seconds: a probe then
+    waits half a second at most, where it used to wait twenty seconds."""
+    steps = _Steps()
+    share = turns.ControlShare(steps)  # type: ignore[arg-type]
+    steps.control_time = turns.CONTROL_BURST + 2.0
+    start = trio.current_time()
+    await share.admit(first=True)
+    waited = trio.current_time() - start
+    assert 0 < waited <= turns.MAX_DEBT / turns.CONTROL_SHARE + 0.002

@@ -24,7 +24,7 @@ from typing import Any
 
 import trio
 
-from . import __version__, control, metrics
+from . import __version__, control, descriptors, metrics
 from .admission import ByteBudget, Gate, run_in_thread
 from .bus import Bus
 from .config import DATA_FACE_NAMES, LAG_PORT_NAMES, Bind, Config
@@ -63,14 +63,6 @@ DATA_FACES: Mapping[str, FaceServe] = {
     "evt_subscribe": evt_subscribe.serve,
 }
 """The data faces this build implements: all of PROTOCOL.md's."""
-
-STORE_FACES = {
-    "tier": {"tier"},
-    "commands": {"cmd_ingest", "cmd_claim"},
-    "events": {"evt_ingest", "evt_claim", "evt_subscribe"},
-}
-"""Which faces use each store: a store is open while an enabled face needs it. Its file
-is ``<data dir>/<name>.sqlite3``."""
 
 
 class StartupError(Exception):
@@ -264,20 +256,30 @@ class Writer:
 
     async def _open_stores(self, faces: list[str]) -> None:
         config = self.config
-        for name, users in STORE_FACES.items():
+        for name, users in descriptors.STORE_FACES.items():
             if not users & {face for face in faces if face in self._faces}:
                 continue
             if name == "tier":
                 path = config.data_dir / "tier.sqlite3"
                 tier = await run_in_thread(
-                    partial(TierStore.open, path, synchronous=config.sync),
+                    partial(
+                        TierStore.open,
+                        path,
+                        synchronous=config.sync,
+                        pool_size=descriptors.store_pool_size(config, name),
+                    ),
                     limiter=self._maintenance,
                 )
                 self._stores[name] = Tier.of(tier)
                 self.health.add_store(name, tier)
                 metrics.RETAINED.labels(store=name, kind="records")  # 0 from the start
                 continue
-            bus = await Bus.open(BusKind(name), config, limiter=self._maintenance)
+            bus = await Bus.open(
+                BusKind(name),
+                config,
+                limiter=self._maintenance,
+                pool_size=descriptors.store_pool_size(config, name),
+            )
             self._stores[name] = bus
             self.health.add_store(name, bus.log)
 

@@ -2,9 +2,12 @@
 Prometheus; and NoETL's old lag ports (:9102, :9106), which serve one bus's lag series
 to any GET, as the NoETL writer's did.
 
-A plain ASGI app served by hypercorn in the control nursery (docs/architecture.md says
-why it is not a quart-trio app). Handlers read in-memory state only: they never await a
-data-plane lock, limiter or store, so they answer however saturated the data plane is.
+A plain ASGI app served by hypercorn's connection handler in the control nursery
+(docs/architecture.md says why it is not a quart-trio app), behind an accept loop of our
+own: hypercorn's takes every connection, and a flood of them took descriptors the data
+faces' caps were fitted around (``descriptors.py``). Handlers read in-memory state only:
+they never await a data-plane lock, limiter or store, so they answer however saturated
+the data plane is.
 """
 
 from __future__ import annotations
@@ -13,15 +16,20 @@ import json
 import logging
 import sqlite3
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, MutableMapping
+from functools import partial
 from typing import Any, ClassVar
 from urllib.parse import parse_qs
 
 import trio
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve as hypercorn_serve
+from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.worker_context import WorkerContext
+from hypercorn.typing import ConnectionState
+from hypercorn.utils import wrap_app
 
-from . import metrics, turns
+from . import descriptors, metrics, turns
 from .config import Bind
 from .health import Health
 from .logs import event
@@ -269,17 +277,20 @@ async def serve(
     *,
     keepalive: float = 5.0,
     debug_hooks: bool = False,
+    max_connections: int = descriptors.CONTROL_CONNECTIONS,
     shutdown: trio.Event | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the control face on ``bind`` until ``shutdown`` is set (or cancelled);
-    reports the bound ``host:port``.
+    reports the bound ``host:port``. At most ``max_connections`` are held (see
+    :class:`_Connections`).
 
     Cancellation: in-flight probe requests are abandoned; they hold nothing.
     """
     await _serve_http(
-        lambda: ControlApp(health, debug_hooks=debug_hooks),
+        ControlApp(health, debug_hooks=debug_hooks),
         bind,
+        _Connections("control", max_connections),
         keepalive=keepalive,
         shutdown=shutdown,
         task_status=task_status,
@@ -291,6 +302,7 @@ async def serve_lag_port(
     bind: Bind,
     *,
     keepalive: float = 5.0,
+    max_connections: int = descriptors.LAG_PORT_CONNECTIONS,
     shutdown: trio.Event | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -299,24 +311,70 @@ async def serve_lag_port(
 
     Cancellation: as :func:`serve`."""
     await _serve_http(
-        lambda: LagPortApp(port),
+        LagPortApp(port),
         bind,
+        _Connections(port, max_connections),
         keepalive=keepalive,
         shutdown=shutdown,
         task_status=task_status,
     )
 
 
+class _Connections:
+    """The open connections of one HTTP port, at most ``cap`` of them.
+
+    A connection accepted at the cap closes the one quiet the longest: accepted, or done
+    with its last request, longest ago. Connections held idle, or trickling a request's
+    headers, are then the first to go, and a probe always gets in (refusing it, or
+    waiting for a free place, would hold the kubelet out for as long as a flood lasts).
+    A request in flight is made the most recent, so it is closed last."""
+
+    def __init__(self, port: str, cap: int) -> None:
+        if cap < 1:
+            raise ValueError(f"max_connections must be at least 1, got {cap}")
+        self.port = port
+        self.cap = cap
+        self._quietest_first: OrderedDict[object, trio.CancelScope] = OrderedDict()
+        metrics.CONTROL_CONNECTIONS.labels(port=port).set_function(
+            lambda: len(self._quietest_first)
+        )
+
+    def __len__(self) -> int:
+        return len(self._quietest_first)
+
+    def heard_from(self, peer: object) -> None:
+        if peer in self._quietest_first:
+            self._quietest_first.move_to_end(peer)
+
+    async def handle(
+        self, serve_one: Callable[[trio.SocketStream], Awaitable[None]], stream: trio.SocketStream
+    ) -> None:
+        peer = tuple(stream.socket.getpeername()[:2])
+        while len(self._quietest_first) >= self.cap:
+            _, quietest = self._quietest_first.popitem(last=False)
+            quietest.cancel()
+            metrics.CONTROL_CONNECTIONS_CLOSED.labels(port=self.port).inc()
+        scope = self._quietest_first[peer] = trio.CancelScope()
+        try:
+            with scope:
+                await serve_one(stream)
+        finally:
+            if self._quietest_first.get(peer) is scope:
+                del self._quietest_first[peer]
+            # The socket closes before any checkpoint, cancelled or not.
+            await trio.aclose_forcefully(stream)
+
+
 async def _serve_http(
-    app_for: Callable[[], _PlainApp],
+    app: _PlainApp,
     bind: Bind,
+    connections: _Connections,
     *,
     keepalive: float,
     shutdown: trio.Event | None,
     task_status: trio.TaskStatus[str],
 ) -> None:
     config = HypercornConfig()
-    config.bind = [str(bind)]
     config.keep_alive_timeout = keepalive
     config.graceful_timeout = 1.0
     config.accesslog = None
@@ -326,17 +384,43 @@ async def _serve_http(
     config.errorlog = http_log
     config.include_server_header = False
     stop = shutdown if shutdown is not None else trio.Event()
+
+    async def heard(scope: Scope, receive: Receive, send: Send) -> None:
+        peer = tuple(scope.get("client") or ())
+        connections.heard_from(peer)  # a request in flight is closed last
+        try:
+            await app(scope, receive, send)
+        finally:
+            connections.heard_from(peer)  # quiet from here
+
+    # hypercorn's typed ASGI union is narrower than our plain mappings.
+    asgi = wrap_app(heard, config.wsgi_max_body_size, "asgi")  # type: ignore[arg-type]
+    context = WorkerContext(None)
+
+    async def serve_one(stream: trio.SocketStream) -> None:
+        state = ConnectionState({})
+        # Typed as an SSL stream in hypercorn 0.18; it takes a plain one as its serve does.
+        await TCPServer(asgi, config, context, state, stream).run()  # type: ignore[arg-type]
+
     # Every task serving HTTP here goes first in the loop's turns (bounded; turns.py):
     # a probe's ~17 turns then each hold one unit of the data plane, not 1 ms of it.
     turns.current().put_first(trio.lowlevel.current_task())
-    async with trio.open_nursery() as nursery:
-        app = app_for()
-        urls = await nursery.start(
-            lambda task_status: hypercorn_serve(
-                app,  # type: ignore[arg-type]  # hypercorn's Framework union is narrower
-                config,
-                shutdown_trigger=stop.wait,
-                task_status=task_status,
+    listeners = await trio.open_tcp_listeners(bind.port, host=bind.host or None)
+    async with trio.open_nursery() as handlers:
+        async with trio.open_nursery() as accepting:
+            accepting.start_soon(
+                partial(
+                    trio.serve_listeners,
+                    partial(connections.handle, serve_one),
+                    listeners,
+                    handler_nursery=handlers,
+                )
             )
-        )
-        task_status.started(urls[0].split("://", 1)[1])
+            host, port = listeners[0].socket.getsockname()[:2]
+            task_status.started(str(Bind(host, port)))
+            await stop.wait()
+            accepting.cancel_scope.cancel()
+        # As hypercorn's own serve: connections finish the request they are on, then
+        # close; whatever is left after the graceful timeout is cancelled.
+        await context.terminated.set()
+        handlers.cancel_scope.deadline = trio.current_time() + config.graceful_timeout

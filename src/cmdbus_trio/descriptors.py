@@ -1,13 +1,16 @@
-"""Open files: the writer's descriptors, shared out so that a flood of connections never
-takes the probes or the stores down.
+"""Open files: the writer's descriptors, shared out so that a flood of connections to any
+face never takes the probes, the stores or the other faces down.
 
 Many container runtimes start a process with a soft limit of 1,024 open files, below the
 per-face cap of ``CMDBUS_MAX_CONNECTIONS`` (1,024): one client opening 1,200 idle
 connections then ran the writer out of descriptors; ``/healthz`` stopped answering (a
 kubelet restarts the pod), the other faces stopped accepting, and every accept failed
 with EMFILE. So, at start: the soft limit is raised to the hard one (as Go's runtime
-does), a reserve is kept for the control face, the stores and the listeners, and the
-per-face caps are made to fit in the rest.
+does), a reserve is counted out for everything but the data faces' connections, and the
+per-face caps are made to fit in the rest. Each user of the reserve is bounded on its own:
+the stores open every descriptor they will use at start (a pool of fixed size,
+``storage/_sqlite.py``), the control face and each lag port hold at most a fixed number
+of connections (``control.py``).
 """
 
 from __future__ import annotations
@@ -18,17 +21,70 @@ from typing import Final
 
 import attrs
 
-from .config import DATA_FACE_NAMES, SETTINGS_BY_NAME, Config, ConfigError
+from .config import (
+    DATA_FACE_NAMES,
+    LAG_PORT_NAMES,
+    SETTINGS_BY_NAME,
+    Config,
+    ConfigError,
+    cpu_quota,
+)
 from .logs import event
 
 log = logging.getLogger(__name__)
 
-RESERVED: Final = 256
-"""Descriptors kept out of the data faces' reach: the control face's connections (probes,
-scrapes), the stores (three files per SQLite connection in WAL mode, one connection per
-thread at work), the listeners, the log."""
+STORE_FACES = {
+    "tier": {"tier"},
+    "commands": {"cmd_ingest", "cmd_claim"},
+    "events": {"evt_ingest", "evt_claim", "evt_subscribe"},
+}
+"""Which faces use each store: a store is open while an enabled face needs it. Its file
+is ``<data dir>/<name>.sqlite3``."""
+
+CONTROL_CONNECTIONS: Final = 64
+"""Connections the control face holds at once (probes and scrapers need a few); past it,
+a new connection closes the one quiet the longest."""
+LAG_PORT_CONNECTIONS: Final = 16
+"""Connections each NoETL lag port holds at once, as :data:`CONTROL_CONNECTIONS`."""
+SPARE: Final = 64
+"""Descriptors for the rest: the listeners, the log, the data directory, the runtime's own
+(epoll, wake-up pipes)."""
 MIN_PER_FACE: Final = 16
 """Below this many connections a face is of no use: the writer refuses to start."""
+
+
+def store_pool_size(config: Config, store: str) -> int:
+    """SQLite connections of ``store``'s pool: as many as calls may run on it at once.
+
+    The tier: its Gate's reads (``tier_max_inflight``), the appends' committer, retention
+    and the writer's own calls (open, sizes). A bus: its claim face's and subscribe face's
+    threads (a CPU quota each), its committer, body reader, retention and the writer's
+    own. A call past these waits for a connection (``cmdbus_store_connection_waits_total``)."""
+    if store == "tier":
+        return config.tier_max_inflight + 3
+    return 2 * cpu_quota() + 4
+
+
+def open_stores(config: Config) -> list[str]:
+    """The stores an enabled data face needs (each ``<data dir>/<name>.sqlite3``)."""
+    enabled = {face for face in DATA_FACE_NAMES if config.bind(face) is not None}
+    return [store for store, users in STORE_FACES.items() if users & enabled]
+
+
+def reserved(config: Config) -> int:
+    """Descriptors kept out of the data faces' reach: each store's pool (a database and
+    a WAL file per connection, one shared-memory file), the control face's and the lag
+    ports' connections and listeners, and :data:`SPARE`."""
+    stores = sum(2 * store_pool_size(config, store) + 1 for store in open_stores(config))
+    http = sum(
+        cap + 1
+        for cap, bind in (
+            (CONTROL_CONNECTIONS, config.control_bind),
+            *((LAG_PORT_CONNECTIONS, config.bind(port)) for port in LAG_PORT_NAMES),
+        )
+        if bind is not None
+    )
+    return stores + http + SPARE
 
 
 def raise_soft_limit() -> tuple[int, int]:
@@ -46,9 +102,9 @@ def raise_soft_limit() -> tuple[int, int]:
 
 def fit(config: Config, *, limit: int | None = None) -> Config:
     """``config`` with ``max_connections`` lowered, if need be, so that every enabled data
-    face at its cap, plus :data:`RESERVED`, fits in the open-files limit (the current
-    soft limit after :func:`raise_soft_limit`, unless ``limit`` is given). Logs one line
-    for what it changed.
+    face at its cap, plus the :func:`reserved` descriptors, fits in the open-files limit
+    (the current soft limit after :func:`raise_soft_limit`, unless ``limit`` is given).
+    Logs one line for what it changed.
 
     Error handling: raises :class:`ConfigError` when not even :data:`MIN_PER_FACE`
     connections a face fit."""
@@ -59,7 +115,8 @@ def fit(config: Config, *, limit: int | None = None) -> Config:
     faces = sum(1 for face in DATA_FACE_NAMES if config.bind(face) is not None)
     if not faces or limit == resource.RLIM_INFINITY:
         return config
-    per_face = (limit - RESERVED) // faces
+    kept = reserved(config)
+    per_face = (limit - kept) // faces
     if per_face >= config.max_connections:
         return config
     if per_face < MIN_PER_FACE:
@@ -67,9 +124,9 @@ def fit(config: Config, *, limit: int | None = None) -> Config:
             SETTINGS_BY_NAME["max_connections"],
             str(config.max_connections),
             f"the open-files limit is {limit}, which leaves {max(0, per_face)} connections "
-            f"for each of {faces} data faces after {RESERVED} kept for the control face and "
-            f"the stores; at least {MIN_PER_FACE} are needed: raise the limit (ulimit -n) or "
-            f"turn faces off",
+            f"for each of {faces} data faces after {kept} kept for the stores, the control "
+            f"face and the lag ports; at least {MIN_PER_FACE} are needed: raise the limit "
+            f"(ulimit -n) or turn faces off",
         )
     event(
         log,
@@ -77,7 +134,7 @@ def fit(config: Config, *, limit: int | None = None) -> Config:
         "connection_caps_lowered",
         open_files_limit=limit,
         data_faces=faces,
-        reserved=RESERVED,
+        reserved=kept,
         max_connections_wanted=config.max_connections,
         max_connections=per_face,
     )

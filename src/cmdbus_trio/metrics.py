@@ -180,6 +180,21 @@ CONTROL_PACED = Counter(
     "the event loop (a scrape flood; probes wait least). Synced with each heartbeat.",
     registry=REGISTRY,
 )
+CONTROL_CONNECTIONS = Gauge(
+    "cmdbus_control_connections",
+    "Open connections of the control face (port=control) or a NoETL lag port "
+    "(cmd_lag, evt_lag); each holds at most a fixed number (64, 16 for a lag port).",
+    ["port"],
+    registry=REGISTRY,
+)
+CONTROL_CONNECTIONS_CLOSED = Counter(
+    "cmdbus_control_connections_crowded_out",
+    "Connections of the control face or a lag port closed to make room for a new one at "
+    "the port's cap: the one quiet the longest (idle, or trickling a request) goes first. "
+    "Above 0: something holds many connections to the port.",
+    ["port"],
+    registry=REGISTRY,
+)
 LOOP_BLOCKING_CALLS = Counter(
     "cmdbus_loop_blocking_calls_total",
     "Storage entry points called on the event-loop thread (refused; any non-zero is a bug).",
@@ -194,6 +209,14 @@ STORE_STATE = Gauge(
     "poisoned (a write failed leaving the disk state unknown: writes are refused until "
     "restart). Read from memory; a scrape never waits for the store.",
     ["store", "state"],
+    registry=REGISTRY,
+)
+STORE_CONNECTION_WAITS = Counter(
+    "cmdbus_store_connection_waits",
+    "Calls on a store that found every SQLite connection of its pool in use and waited for "
+    "one. The pool is fixed at start (the stores open no file later); a steady rate means "
+    "the store's calls outnumber its connections: CPU or the disk is the limit.",
+    ["store"],
     registry=REGISTRY,
 )
 RETAINED = Counter(

@@ -60,6 +60,11 @@ kubelet's probes and a Prometheus scrape never wait."""
 PROBE_OVERDRAFT = 0.02
 """Seconds the control face's share may be overdrawn by probes: a probe is let through
 at once, ahead of a scrape waiting for the share, unless probes alone spent this much."""
+MAX_DEBT = 0.05
+"""Seconds the control face's share may owe, at most. Work that no request admitted
+(accepting and closing a flood of connections, parsing a request before it is admitted)
+runs whatever the share says: owing more for it would hold the probes back long after a
+flood ends, and take nothing more from it (at most MAX_DEBT / CONTROL_SHARE of waiting)."""
 
 
 @attrs.frozen
@@ -278,7 +283,8 @@ class ControlShare:
     def _fill(self) -> float:
         now, spent = self._clock(), self._budget.control_time
         refill = (now - self._filled_at) * CONTROL_SHARE
-        self._tokens = min(CONTROL_BURST, self._tokens + refill) - (spent - self._spent)
+        tokens = min(CONTROL_BURST, self._tokens + refill) - (spent - self._spent)
+        self._tokens = max(-MAX_DEBT, tokens)
         self._filled_at, self._spent = now, spent
         return self._tokens
 

@@ -44,9 +44,17 @@ class Bus:
     """The event bus's live subscriptions (the command bus has no subscribe face)."""
 
     @classmethod
-    async def open(cls, kind: BusKind, config: Config, *, limiter: trio.CapacityLimiter) -> Bus:
-        """Open ``<data dir>/<kind>.sqlite3`` and load its consumer groups (the command
-        bus's one group from its position, the event bus's named groups).
+    async def open(
+        cls,
+        kind: BusKind,
+        config: Config,
+        *,
+        limiter: trio.CapacityLimiter,
+        pool_size: int = 4,
+    ) -> Bus:
+        """Open ``<data dir>/<kind>.sqlite3`` with ``pool_size`` SQLite connections and
+        load its consumer groups (the command bus's one group from its position, the event
+        bus's named groups).
 
         Error handling: the store's errors (the file cannot be opened, or is corrupt)."""
         name = kind.value
@@ -57,6 +65,7 @@ class Bus:
                 name=name,
                 synchronous=config.sync,
                 dedup_window=config.dedup_window_ms / 1000,
+                pool_size=pool_size,
             ),
             limiter=limiter,
         )

@@ -1,13 +1,16 @@
 """What every SQLite store of the writer shares: a connection pool, one measured write
 lock, explicit transactions, and poisoning.
 
-Thread-safe and synchronous. Each call checks a connection out of a small pool and puts
-it back (WAL lets readers run beside the one writer), so connections are bounded by how
-many calls ever ran at once, not by how many threads came and went (trio retires idle
-worker threads). Writes are serialized by a lock whose wait is measured, so a contended
-store is visible. A write that fails leaving the disk state unknown (I/O error, disk full,
-corruption, any failure of COMMIT) *poisons* the store: writes then raise
-:class:`StoreUnavailable` until the process restarts and reopens it cleanly.
+Thread-safe and synchronous. Each call checks a connection out of a fixed pool and puts
+it back (WAL lets readers run beside the one writer); a call that finds every connection
+out waits for one. The whole pool is opened with the store, and temporary tables and
+indexes live in memory, so a store takes every file descriptor it will use at start: a
+flood of connections to any face cannot leave it short of one later (a store that could
+not open its journal would be poisoned). Writes are serialized by a lock whose wait is
+measured, so a contended store is visible. A write that fails leaving the disk state
+unknown (I/O error, disk full, corruption, any failure of COMMIT) *poisons* the store:
+writes then raise :class:`StoreUnavailable` until the process restarts and reopens it
+cleanly.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Final, Self, TypeVar
+
+from cmdbus_trio.metrics import STORE_CONNECTION_WAITS
 
 from ._common import StoreState, StoreUnavailable
 from ._guard import refuses_loop_thread
@@ -51,13 +56,17 @@ class SqliteStore:
         path: Path,
         *,
         synchronous: str = "full",
+        pool_size: int = 4,
         contention_threshold: float = 0.1,
         contention_memory: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if synchronous not in ("full", "normal"):
             raise ValueError(f"synchronous must be full or normal, got {synchronous!r}")
+        if pool_size < 1:
+            raise ValueError(f"pool_size must be at least 1, got {pool_size}")
         self.path = path
+        self.pool_size = pool_size
         self._synchronous = synchronous.upper()
         self._contention_threshold = contention_threshold
         self._contention_memory = contention_memory
@@ -65,6 +74,9 @@ class SqliteStore:
         self._idle: list[sqlite3.Connection] = []
         self._open_connections = 0
         self._pool_lock = threading.Lock()
+        self._connection_returned = threading.Condition(self._pool_lock)
+        self.connection_waits = 0
+        """Calls that found every connection of the pool out and waited for one."""
         self._write_lock = threading.Lock()
         self._closed = False
         self._poisoned: str | None = None
@@ -80,12 +92,23 @@ class SqliteStore:
     @classmethod
     @refuses_loop_thread
     def open(cls, path: Path, **options: object) -> Self:
-        """Open (creating if needed) the store at ``path``."""
+        """Open (creating if needed) the store at ``path``, with its whole pool.
+
+        Error handling: SQLite's errors (the file cannot be opened or is not a database,
+        no descriptor is left for the pool); the store is closed again before they
+        propagate."""
         store = cls(path, **options)  # type: ignore[arg-type]
         path.parent.mkdir(parents=True, exist_ok=True)
-        with store._connection() as connection:
-            store._setup(connection)
-            store.returns_space = connection.execute("PRAGMA auto_vacuum").fetchone()[0] == 2
+        try:
+            with store._connection() as connection:
+                store._setup(connection)
+                store.returns_space = connection.execute("PRAGMA auto_vacuum").fetchone()[0] == 2
+            with contextlib.ExitStack() as checked_out:  # all out at once: all opened
+                for _ in range(store.pool_size):
+                    checked_out.enter_context(store._connection())
+        except BaseException:
+            store.close()
+            raise
         return store
 
     def _setup(self, connection: sqlite3.Connection) -> None:
@@ -98,13 +121,23 @@ class SqliteStore:
             self._closed = True
             idle, self._idle = self._idle, []
             self._open_connections -= len(idle)
+            self._connection_returned.notify_all()  # waiters see the store closed
         for connection in idle:
             connection.close()
 
     @contextmanager
     def _connection(self) -> Iterator[sqlite3.Connection]:
-        """A connection for this call (autocommit mode; transactions are explicit)."""
+        """A connection for this call (autocommit mode; transactions are explicit).
+
+        Blocks while every connection of the pool is out. No call takes a second one
+        while it holds one, so the wait always ends."""
         with self._pool_lock:
+            while not self._idle and self._open_connections >= self.pool_size:
+                if self._closed:
+                    break
+                self.connection_waits += 1
+                STORE_CONNECTION_WAITS.labels(store=self.name).inc()
+                self._connection_returned.wait()
             if self._closed:
                 raise StoreUnavailable(f"{self.name} store is closed")
             connection = self._idle.pop() if self._idle else None
@@ -112,19 +145,11 @@ class SqliteStore:
                 self._open_connections += 1
         if connection is None:
             try:
-                connection = sqlite3.connect(
-                    self.path, isolation_level=None, check_same_thread=False, timeout=30
-                )
-                # Only a new file takes it (before its first table, and before WAL): freed
-                # pages can then go back to the file system (`vacuum_step`).
-                connection.execute("PRAGMA auto_vacuum=INCREMENTAL")
-                connection.execute("PRAGMA journal_mode=WAL")
-                # A checkpointed WAL is cut back to this, not kept at its largest.
-                connection.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT}")
-                connection.execute(f"PRAGMA synchronous={self._synchronous}")
+                connection = self._new_connection()
             except BaseException:
                 with self._pool_lock:
                     self._open_connections -= 1
+                    self._connection_returned.notify()
                 raise
         try:
             yield connection
@@ -133,10 +158,32 @@ class SqliteStore:
                 keep = not self._closed
                 if keep:
                     self._idle.append(connection)
+                    self._connection_returned.notify()
                 else:
                     self._open_connections -= 1
             if not keep:
                 connection.close()
+
+    def _new_connection(self) -> sqlite3.Connection:
+        connection = sqlite3.connect(
+            self.path, isolation_level=None, check_same_thread=False, timeout=30
+        )
+        try:
+            # Only a new file takes it (before its first table, and before WAL): freed
+            # pages can then go back to the file system (`vacuum_step`).
+            connection.execute("PRAGMA auto_vacuum=INCREMENTAL")
+            connection.execute("PRAGMA journal_mode=WAL")
+            # A checkpointed WAL is cut back to this, not kept at its largest.
+            connection.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT}")
+            connection.execute(f"PRAGMA synchronous={self._synchronous}")
+            # Sorts and statement journals in memory, never in a temp file: no file is
+            # opened after start (see the module's docstring).
+            connection.execute("PRAGMA temp_store=MEMORY")
+            connection.execute("SELECT count(*) FROM sqlite_schema").fetchone()  # opens the WAL
+        except BaseException:
+            connection.close()
+            raise
+        return connection
 
     # --- state -----------------------------------------------------------------------
 

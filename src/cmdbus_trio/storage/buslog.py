@@ -322,21 +322,25 @@ class BusLog(SqliteStore):
         """``consumer``'s dead letters with a sort key greater than ``after`` whose subject
         matches ``filter`` (a NATS filter; None: all), ascending, in pages of
         :data:`DEAD_PAGE_ROWS`: filtered in the query, so paging reaches every one. One
-        short query per page: no read transaction stays open between pages."""
-        with self._connection() as connection:
-            _with_subject_matches(connection)
-            while page := [
-                DeadRecord(*row)
-                for row in connection.execute(
-                    "SELECT r.sort_key, r.subject, r.record, d.deliveries FROM dead d "
-                    "JOIN records r ON r.sort_key = d.sort_key WHERE d.consumer = ? "
-                    "AND d.sort_key > ? AND subject_matches(?, r.subject) "
-                    "ORDER BY d.sort_key LIMIT ?",
-                    (consumer, after, filter, DEAD_PAGE_ROWS),
-                )
-            ]:
-                yield page
-                after = page[-1].sort_key
+        short query per page, on a connection taken for that page: neither a read
+        transaction nor a connection of the pool is held between pages."""
+        while True:
+            with self._connection() as connection:
+                _with_subject_matches(connection)
+                page = [
+                    DeadRecord(*row)
+                    for row in connection.execute(
+                        "SELECT r.sort_key, r.subject, r.record, d.deliveries FROM dead d "
+                        "JOIN records r ON r.sort_key = d.sort_key WHERE d.consumer = ? "
+                        "AND d.sort_key > ? AND subject_matches(?, r.subject) "
+                        "ORDER BY d.sort_key LIMIT ?",
+                        (consumer, after, filter, DEAD_PAGE_ROWS),
+                    )
+                ]
+            if not page:
+                return
+            yield page
+            after = page[-1].sort_key
 
     @refuses_loop_thread
     def dead_subjects(

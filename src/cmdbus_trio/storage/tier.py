@@ -370,17 +370,17 @@ class TierStore(SqliteStore):
         """The pages of ``sql`` (parameters ``head``, then the sort key after which a page
         starts, :data:`PAGE_ROWS`, then ``tail``) until one is empty. ``convert`` makes a
         page of the rows, and says its last key (``None``: the page is empty)."""
-        # One short query per page, so no read transaction stays open while the caller
-        # encodes a page (or stops early). The connection goes back to the pool when the
-        # iteration ends or is dropped.
-        with self._connection() as connection:
-            while True:
+        # One short query per page, on a connection taken for that page: neither a read
+        # transaction nor a connection of the (fixed) pool is held while the caller
+        # encodes a page, waits for a slow client, or drops the iteration.
+        while True:
+            with self._connection() as connection:
                 rows = connection.execute(sql, (*head, after, PAGE_ROWS, *tail)).fetchall()
-                page, last = convert(rows)
-                if last is None:
-                    return
-                yield page
-                after = last
+            page, last = convert(rows)
+            if last is None:
+                return
+            yield page
+            after = last
 
 
 def _as_rows(rows: list[Any]) -> tuple[list[Any], int | None]:
