@@ -10,6 +10,7 @@ import logging
 import sqlite3
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -328,9 +329,9 @@ async def test_requeues_dead_letters_and_an_eviction_at_once_leave_no_phantom(
     deleted record back at the head of the redeliveries (with max_deliver=0 for ever:
     its body gone, its lag never 0). A dead letter parked just before an eviction could
     commit after the delete, leaving a row for a record that no longer exists, counted
-    nowhere: the eviction now waits for what was settled before it (that ordering is
-    not forced here: this checks that nothing is left behind and each evicted unsettled
-    record is counted once)."""
+    nowhere: the eviction now waits for what was settled before it (the next test
+    forces that order; this one checks that nothing is left behind and each evicted
+    unsettled record is counted once)."""
     group = "phantoms"
     before = evicted_unconsumed(group)
     worker = object()
@@ -377,3 +378,59 @@ async def test_requeues_dead_letters_and_an_eviction_at_once_leave_no_phantom(
     # 3 and 4 (fresh), 1 (requeued as it went), 2 and 5 (dead letters), and every other
     # record up to the floor: each counted once.
     assert evicted_unconsumed(group) - before == groups.log.deleted_through
+
+
+async def test_a_dead_letter_parked_before_an_eviction_is_deleted_and_counted_with_it(
+    groups: ConsumerGroups,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The order the previous test cannot force: a dead letter's commit is held back
+    (its batch taken by the committer, its transaction not begun) while an eviction of
+    its record runs. The eviction's delete waits for what was settled before it, so it
+    takes the dead letter's row and counts it. Deleting at once, it ran before the dead
+    letter's commit: an orphan row, counted nowhere."""
+    import threading
+
+    group = "held"
+    before = evicted_unconsumed(group)
+    worker = object()
+    log = groups.log
+    with trio.fail_after(20):
+        await publish_events(groups.committer, 12)
+        claims = await groups.get(group, "beginning")
+        claims.max_deliver = 1
+        used = await trio.to_thread.run_sync(log.used_bytes)
+        release, holding = threading.Event(), threading.Event()
+        commit = log.commit
+
+        def held_once(*args: Any) -> Any:
+            monkeypatch.setattr(log, "commit", commit)
+            holding.set()
+            release.wait(timeout=10)
+            return commit(*args)
+
+        monkeypatch.setattr(log, "commit", held_once)
+        delivery = claims.next_nowait(EVENTS, worker)
+        assert delivery is not None and delivery.sort_key == 1
+        assert claims.nack(1, worker)  # dead: its batch is held before its transaction
+        assert await trio.to_thread.run_sync(holding.wait, 10)
+        bodies = BodyReader(log)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(bodies.run)
+            eviction = Eviction(log, groups, bodies, max_bytes=1)
+            eviction.low_water = used  # one batch, through at least record 1
+            nursery.start_soon(eviction.step, trio.CapacityLimiter(1))
+            await trio.sleep(0.2)  # the eviction goes as far as it may
+            release.set()
+            while log.deleted_through < 1:
+                await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+        settled = Ticket()
+        groups.committer.enqueue(settled)
+        await settled.settled.wait()
+        with sqlite3.connect(log.path) as connection:
+            orphans = connection.execute(
+                "SELECT sort_key FROM dead WHERE sort_key NOT IN (SELECT sort_key FROM records)"
+            ).fetchall()
+        assert orphans == []
+    assert evicted_unconsumed(group) - before == log.deleted_through  # 1 among them, once
