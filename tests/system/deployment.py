@@ -55,6 +55,9 @@ TIMERS = {
 }
 GAP = 2.5
 """Seconds of silence between a server's bursts: longer than every timer above."""
+SCRAPE_EVERY = 5
+"""The probing thread scrapes /metrics every this many rounds (about a second): a
+Prometheus with a short interval, beside the kubelet's probes."""
 
 
 @attrs.define
@@ -229,7 +232,8 @@ class Deployment:
 
     @contextmanager
     def probing(self, period: float = 0.2) -> Iterator[None]:
-        """Probe /readyz and /healthz and sample the writer's RSS every ``period``."""
+        """Probe /readyz and /healthz and sample the writer's RSS every ``period``;
+        scrape /metrics every :data:`SCRAPE_EVERY` periods."""
         self._probing.set()
         thread = threading.Thread(target=self._probe, args=(period,), daemon=True)
         thread.start()
@@ -240,8 +244,11 @@ class Deployment:
             thread.join()
 
     def _probe(self, period: float) -> None:
+        rounds = 0
         while self._probing.is_set():
-            for path in ("/readyz", "/healthz"):
+            rounds += 1
+            scrape = ("/metrics",) if rounds % SCRAPE_EVERY == 0 else ()  # a Prometheus
+            for path in ("/readyz", "/healthz", *scrape):
                 started = time.monotonic()
                 try:
                     url = f"http://{self.addresses['control']}{path}"
@@ -584,8 +591,8 @@ def violations(outcome: Outcome) -> list[str]:
     if not outcome.kind("read"):
         out.append("the reader read nothing")
 
-    # The writer: lag 0, nothing blocked its loop, its probes went first, no shed, no error
-    # logged, exit 0.
+    # The writer: lag 0, nothing blocked its loop, its probes went first, no shed, the
+    # control face neither crowded nor paced, no error logged, exit 0.
     text = outcome.metrics
     if any(metric(text, "ehdb_feed_total_lag ") + metric(text, "ehdb_events_group_lag{")):
         out.append("lag is not back to 0")
@@ -595,6 +602,10 @@ def violations(outcome: Outcome) -> list[str]:
         out.append("the probes never went first: cmdbus_loop_control_first_seconds_total is 0")
     if shed := sum(metric(text, "cmdbus_shed_total{")):
         out.append(f"{shed:.0f} requests were shed at this nominal load")
+    if crowded := sum(metric(text, "cmdbus_control_connections_crowded_out_total{")):
+        out.append(f"{crowded:.0f} probe or scrape connections were crowded out")
+    if sum(metric(text, "cmdbus_control_paced_seconds_total")):
+        out.append("a kubelet and a Prometheus were paced as a flood would be")
     errors = [line for line in outcome.writer_log.splitlines() if '"level": "error"' in line]
     if errors:
         out.append(f"the writer logged {len(errors)} error lines, first: {errors[0][:500]}")
@@ -677,7 +688,7 @@ def figures(outcome: Outcome) -> dict[str, Any]:
     claims = {x["sort_key"]: x["t"] for x in outcome.kind("claimed")}  # the last claim
     to_claim = [first_claim[k] - t for k, t in published.items() if k in first_claim]
     to_ack = [acked[k] - claims[k] for k in acked if k in claims and acked[k] >= claims[k]]
-    probes = [p.seconds for p in outcome.probes if p.status == 200]
+    probes = [p.seconds for p in outcome.probes if p.status == 200 and p.path != "/metrics"]
     span = outcome.quiet - outcome.started
     return {
         "seconds": round(span, 1),
