@@ -225,3 +225,28 @@ async def test_a_port_at_its_cap_closes_the_connection_quiet_the_longest() -> No
                 for stream in silent:
                     await stream.aclose()
             stop.set()
+
+
+async def test_a_connection_reset_before_it_was_served_is_closed_and_forgotten() -> None:
+    from cmdbus_trio.control import _Connections
+
+    class Gone:
+        closed = False
+
+        class socket:  # the attribute a trio SocketStream has
+            @staticmethod
+            def getpeername() -> tuple[str, int]:
+                raise OSError(107, "Transport endpoint is not connected")
+
+        async def aclose(self) -> None:
+            self.closed = True
+
+    async def never(stream: object) -> None:
+        raise AssertionError("served a connection that was gone")
+
+    connections = _Connections("cmd_lag", 4)
+    gone = Gone()
+    await connections.handle(never, gone)  # type: ignore[arg-type]
+    assert gone.closed
+    with pytest.raises(ValueError, match="max_connections must be at least 1, got 0"):
+        _Connections("cmd_lag", 0)

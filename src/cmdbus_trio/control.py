@@ -339,9 +339,6 @@ class _Connections:
             lambda: len(self._quietest_first)
         )
 
-    def __len__(self) -> int:
-        return len(self._quietest_first)
-
     def heard_from(self, peer: object) -> None:
         if peer in self._quietest_first:
             self._quietest_first.move_to_end(peer)
@@ -349,7 +346,11 @@ class _Connections:
     async def handle(
         self, serve_one: Callable[[trio.SocketStream], Awaitable[None]], stream: trio.SocketStream
     ) -> None:
-        peer = tuple(stream.socket.getpeername()[:2])
+        try:
+            peer = tuple(stream.socket.getpeername()[:2])
+        except OSError:  # reset before it was accepted: nothing to serve
+            await trio.aclose_forcefully(stream)
+            return
         while len(self._quietest_first) >= self.cap:
             _, quietest = self._quietest_first.popitem(last=False)
             quietest.cancel()
@@ -408,7 +409,7 @@ async def _serve_http(
     listeners = await trio.open_tcp_listeners(bind.port, host=bind.host or None)
     async with trio.open_nursery() as handlers:
         async with trio.open_nursery() as accepting:
-            accepting.start_soon(
+            await accepting.start(
                 partial(
                     trio.serve_listeners,
                     partial(connections.handle, serve_one),
@@ -420,6 +421,8 @@ async def _serve_http(
             task_status.started(str(Bind(host, port)))
             await stop.wait()
             accepting.cancel_scope.cancel()
+        for listener in listeners:  # new connections are refused from here
+            await listener.aclose()
         # As hypercorn's own serve: connections finish the request they are on, then
         # close; whatever is left after the graceful timeout is cancelled.
         await context.terminated.set()
