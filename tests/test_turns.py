@@ -337,6 +337,22 @@ async def test_the_budget_times_every_step_of_a_control_task() -> None:
     assert 0.03 <= control < 0.055  # its three steps of work, not the data plane's
 
 
+async def test_a_control_step_is_charged_its_cpu_time_not_its_wall_time() -> None:
+    """A step off the CPU (the thread preempted, or waiting for the GIL: here, asleep)
+    is not the control face's work: on a busy machine it paced probes as a flood."""
+    budget = installed(60.0)
+
+    async def control_work() -> None:
+        budget.put_first(trio.lowlevel.current_task())
+        await trio.lowlevel.checkpoint()
+        for _ in range(3):
+            time.sleep(0.02)  # noqa: ASYNC251 - a step held off the CPU, on purpose
+            await trio.lowlevel.checkpoint()
+
+    await control_work()
+    assert budget.statistics().control < 0.01  # 60 ms of wall time, next to no CPU
+
+
 class _Steps:
     """A budget stand-in whose control time the test sets."""
 

@@ -170,7 +170,7 @@ LOOP_CONTROL_FIRST = Counter(
 )
 LOOP_CONTROL = Counter(
     "cmdbus_loop_control_seconds",
-    "Seconds the control face's tasks (probes, scrapes, the lag ports) ran on the event "
+    "CPU seconds the control face's tasks (probes, scrapes, the lag ports) ran on the event "
     "loop; paced to at most a tenth of it once a burst is spent. Synced with each heartbeat.",
     registry=REGISTRY,
 )

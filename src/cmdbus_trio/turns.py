@@ -25,7 +25,7 @@ turns that favour the control face (docs/benchmarks.md, "The control face first"
 That bounds the turns in which the data plane waits, not the control face's own work,
 which runs in every turn: 32 clients looping ``GET /metrics`` left the data plane 3% of
 its throughput. So the control face's requests are paced as well
-(:class:`ControlShare`): the budget times every step of a control task, and once the
+(:class:`ControlShare`): the budget times every step of a control task (CPU time), and once the
 control face has used :data:`CONTROL_SHARE` of the loop's time (after a burst), its next
 request waits its turn, probes ahead of scrapes. While requests wait so, no turn favours
 the control face: its flood is not urgent, and a probe is let through ahead of it.
@@ -80,7 +80,7 @@ class TurnStatistics:
     control_first: float
     """Seconds of turns in which the data plane gave way to a ready control task."""
     control: float
-    """Seconds the control face's tasks ran (every step of each timed)."""
+    """CPU seconds the control face's tasks ran (every step of each timed)."""
     control_waited: float
     """Seconds control-face requests waited because the control face's share was spent."""
 
@@ -92,11 +92,23 @@ class TurnBudget(trio.abc.Instrument):
     :meth:`before_io_wait` as it ends, which also gives the time the loop was busy; and
     :meth:`task_scheduled` as a task becomes ready, which shows it the control face's
     (:meth:`put_first`). Get the run's own with :func:`current`.
+
+    A control task's steps are timed by ``step_clock``, the loop thread's CPU time: a
+    step's wall time also holds the time the thread was preempted or waited for the GIL
+    (a worker thread's), which is not the control face's work. Charged for it, a
+    kubelet and a Prometheus were paced on a busy machine as a flood would be.
     """
 
-    def __init__(self, share: float, *, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self,
+        share: float,
+        *,
+        clock: Callable[[], float] = time.perf_counter,
+        step_clock: Callable[[], float] = time.thread_time,
+    ) -> None:
         self.share = share
         self._clock = clock
+        self._step_clock = step_clock
         self._began = clock()
         self._admitted = 0  # units let through in this turn
         self._next_turn = trio.lowlevel.ParkingLot()
@@ -173,16 +185,16 @@ class TurnBudget(trio.abc.Instrument):
     # within the noise of the data plane's throughput (docs/benchmarks.md).
     def before_task_step(self, task: trio.lowlevel.Task) -> None:
         if task in self._control:
-            self._stepping, self._step_began = task, self._clock()
+            self._stepping, self._step_began = task, self._step_clock()
 
     def after_task_step(self, task: trio.lowlevel.Task) -> None:
         if task is self._stepping:  # not one made a control task during its step
-            self._control_time += self._clock() - self._step_began
+            self._control_time += self._step_clock() - self._step_began
             self._stepping = None
 
     @property
     def control_time(self) -> float:
-        """Seconds the control face's tasks have run."""
+        """CPU seconds the control face's tasks have run."""
         return self._control_time
 
     async def wait(self) -> None:
