@@ -274,7 +274,8 @@ def test_a_store_takes_every_descriptor_it_needs_when_it_opens(tmp_path: Path) -
             with ThreadPoolExecutor(8) as pool:
                 assert min(pool.map(work, range(16))) >= 2 * PAGE_ROWS
             assert len(next(half_read)) == PAGE_ROWS
-        assert store.state is StoreState.OK
+        assert store.poisoned_reason is None  # (contended it may be: 8 threads, 4 connections)
+        assert store.state is not StoreState.POISONED
         assert store.connections == 4
         assert store.connection_waits > 0  # 8 threads, 4 connections: some waited
     finally:

@@ -31,11 +31,16 @@ class TailCursor:
         self.taken: set[int] = set()
         self.floor = 0
         """The group starts after this sort key: records at or below it are not its."""
+        self.floor_pending = True
+        """No record above the floor has arrived yet: one at or below it still may
+        (:meth:`skip_below_floor`). Keys arrive ascending, so once one above it has,
+        none below it can."""
 
     def attach(self, after: int, settled: Iterable[int]) -> int:
         """Start after sort key ``after``; ``settled``: the records after it that are
         settled already. Returns how many records after it are not."""
         self.floor = after
+        self.floor_pending = True
         self.position = self.tail.position(after)
         self.taken = {key for key in settled if key > after}
         untaken = self.tail.end - self.position - len(self.taken)
@@ -47,8 +52,11 @@ class TailCursor:
         floor (committed before the group was created ``from: tail``, but fed to the tail
         only after it attached); returns how many."""
         tail = self.tail
-        if start >= tail.end or tail.keys[start - tail.base] > self.floor:
-            return 0  # the usual case, at the cost of one comparison
+        if start >= tail.end:
+            return 0
+        if tail.keys[start - tail.base] > self.floor:
+            self.floor_pending = False  # and so are all that come after it
+            return 0
         return self.drop_through(self.floor)
 
     def head(self) -> int | None:

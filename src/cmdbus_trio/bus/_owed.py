@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from ._cursor import TailCursor
     from ._leases import Leases
     from ._queues import SubjectQueues
+    from .tail import Tail
 
 STUCK_AFTER = 60.0
 """Seconds a record may stay unsettled before it stops holding its group's settled
@@ -50,6 +51,25 @@ class BacklogCount:
         sampler sets only those gauges)."""
         changed, self._changed = self._changed, set()
         return {subject: self.by_subject.get(subject, 0) for subject in changed}
+
+
+class TailBacklog(BacklogCount):
+    """An event group's backlog on the bus's tail, counted from the tail's end: each
+    record the tail takes in is in every group's backlog at once, so the tail need not
+    tell every group of every commit (100 lagging groups made each commit 100 updates).
+    A change counted here moves the point it is counted from."""
+
+    def __init__(self, tail: Tail) -> None:
+        self._tail = tail
+        super().__init__(per_subject=False)  # a total of 0: counted from the end now
+
+    @property
+    def total(self) -> int:
+        return self._tail.end - self._from
+
+    @total.setter
+    def total(self, value: int) -> None:
+        self._from = self._tail.end - value
 
 
 class SettledPosition:

@@ -29,7 +29,7 @@ from cmdbus_trio.protocol.claim import Delivery
 
 from ._cursor import SCAN_STEP, TailCursor
 from ._leases import Leases
-from ._owed import STUCK_AFTER, BacklogCount, Owing, SettledPosition
+from ._owed import STUCK_AFTER, BacklogCount, Owing, SettledPosition, TailBacklog
 from ._queues import FilterIndex, SubjectQueues
 from ._waiters import Parked
 
@@ -77,7 +77,7 @@ class Claims(Owing):
         self._leases = Leases()
         self._settling: dict[int, str] = {}  # acks being made durable: not redeliverable
         self._deliveries: dict[int, int] = {}
-        self._backlog = BacklogCount(per_subject=tail is None)
+        self._backlog = BacklogCount(per_subject=True) if tail is None else TailBacklog(tail)
         self._closed = False
         self._why_closed = "the writer is draining"
         self.deleted = False
@@ -178,9 +178,11 @@ class Claims(Owing):
         return dropped
 
     def arrived(self, start: int) -> None:
-        """The tail has new records from position ``start``."""
+        """The tail has new records from position ``start`` (in the backlog already:
+        it counts from the tail's end)."""
         cursor = self._require_cursor()
-        self._backlog.total += cursor.tail.end - start - cursor.skip_below_floor(start)
+        if cursor.floor_pending:
+            self._backlog.total -= cursor.skip_below_floor(start)
         if self._parked.count:
             for subject in cursor.subjects_from(start):
                 self._hand_over(subject)
