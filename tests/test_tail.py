@@ -124,6 +124,34 @@ async def test_a_waiting_next_on_the_tail_gets_the_first_matching_record() -> No
     assert claims.next_nowait(parse_filter(">"), owner) == Delivery(1, "events.a", False, 1)
 
 
+async def test_only_a_group_with_a_consumer_parked_is_told_of_a_commit() -> None:
+    """Issue 38: a group that lags (no consumer parked) costs a commit nothing: its
+    backlog counts from the tail's end. One whose consumer parks is told again."""
+    tail = _tail()
+    lagging, waiting = (Claims(name, ack_wait=30.0, tail=tail) for name in ("lag", "wait"))
+    for claims in (lagging, waiting):
+        claims.attach(0, [])
+    assert list(tail.listening) == [lagging, waiting]  # until a record above the floor
+    tail([Committed(1, "events.a", "{}")])
+    assert not tail.listening
+    got: list[Delivery] = []
+
+    async def wait() -> None:
+        got.append(await waiting.next(parse_filter("events.b"), object()))
+
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(wait)
+            await trio.testing.wait_all_tasks_blocked()
+            assert list(tail.listening) == [waiting]
+            tail([Committed(2, "events.b", "{}"), Committed(3, "events.a", "{}")])
+    assert got == [Delivery(2, "events.b", False, 1)]
+    assert not tail.listening  # its consumer has its record: none parked
+    assert (lagging.total, waiting.total) == (3, 3)  # 2 is leased, not settled
+    waiting.delete()
+    assert waiting not in tail.groups
+
+
 @pytest.fixture
 async def log(tmp_path: Path) -> AsyncIterator[BusLog]:
     opened = await trio.to_thread.run_sync(BusLog.open, tmp_path / "events.sqlite3")

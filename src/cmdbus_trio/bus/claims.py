@@ -146,6 +146,7 @@ class Claims(Owing):
         cursor = self._require_cursor()
         self._backlog.total = cursor.attach(after, settled)
         cursor.tail.groups[self] = None
+        cursor.tail.listening[self] = None  # until its floor is passed
 
     def delete(self) -> None:
         """The group is gone (``delete_group``): its waiters are told so, its timers
@@ -155,6 +156,7 @@ class Claims(Owing):
         self.close("the group was deleted")
         if self._cursor is not None:
             self._cursor.tail.groups.pop(self, None)
+            self._cursor.tail.listening.pop(self, None)
         self._leases.wake()
         self._leases = Leases()
 
@@ -186,6 +188,8 @@ class Claims(Owing):
         if self._parked.count:
             for subject in cursor.subjects_from(start):
                 self._hand_over(subject)
+        if not cursor.floor_pending and not self._parked.count:
+            cursor.tail.listening.pop(self, None)  # told again once a consumer parks
 
     @property
     def cursor(self) -> int:
@@ -266,6 +270,8 @@ class Claims(Owing):
                 delivery = self.next_nowait(filter_tokens, owner)
         if delivery is not None:
             return delivery
+        if self._cursor is not None:
+            self._cursor.tail.listening[self] = None  # told of what arrives from now
         waiter = self._parked.park(self._index(filter_tokens), owner)
         try:
             await waiter.woken.wait()

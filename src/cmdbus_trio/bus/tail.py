@@ -60,6 +60,10 @@ class Tail:
         self.newest = self.after
         """The newest sort key the tail has been fed."""
         self.groups: dict[Reader, None] = {}  # the groups fed (ordered, for determinism)
+        self.listening: dict[Reader, None] = {}
+        """The groups told of each commit: one of their consumers is parked, or their
+        start floor is pending (:meth:`TailCursor.skip_below_floor`). The others need not
+        be: their backlogs count from the tail's end."""
         self._pins = 0
         self._covering = trio.Lock()
 
@@ -73,7 +77,7 @@ class Tail:
         return self.base + bisect.bisect_right(self.keys, after)
 
     def __call__(self, committed: list[Committed]) -> None:
-        """The committer's listener: append, then tell every group."""
+        """The committer's listener: append, then tell the groups listening."""
         start = self.end
         for record in committed:
             # A record committed just before the tail read ``last_sort_key`` is also in
@@ -83,7 +87,7 @@ class Tail:
                 self.subjects.append(record.subject)
                 self.newest = record.sort_key
         if self.end > start:
-            for group in self.groups:
+            for group in list(self.listening):  # a group told may stop listening
                 group.arrived(start)
 
     @contextmanager
