@@ -62,9 +62,8 @@ class _PlainApp:
     share: turns.ControlShare
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            await self._lifespan(receive, send)
-        elif scope["type"] == "http":
+        # HTTP only: the accept loop runs no ASGI lifespan (hypercorn's serve did).
+        if scope["type"] == "http":
             await self.share.admit(first=scope["path"] in PROBES)
             status, content_type, body = await self._route(scope)
             headers = [
@@ -76,16 +75,6 @@ class _PlainApp:
             if scope["method"] == "HEAD":
                 body = b""
             await send({"type": "http.response.body", "body": body, "more_body": False})
-
-    @staticmethod
-    async def _lifespan(receive: Receive, send: Send) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await send({"type": "lifespan.shutdown.complete"})
-                return
 
     async def _route(self, scope: Scope) -> tuple[int, bytes, bytes]:
         raise NotImplementedError
