@@ -1,6 +1,6 @@
 """The system test's judge (tests/system/deployment.py) is itself held to the facts: a
-redelivery is excused only by what happened before it, whatever order the processes
-noted things in."""
+redelivery, or a command nobody saw acked, is excused only by what happened, whatever
+order the processes noted things in."""
 
 from __future__ import annotations
 
@@ -8,17 +8,19 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from .system.deployment import ACK_WAIT, Outcome, _redelivery_explained
+from .system.deployment import ACK_WAIT, Outcome, _ack_lost_with_the_writer, _redelivery_explained
 
 
-def outcome(lines: list[dict[str, Any]]) -> Outcome:
+def outcome(
+    lines: list[dict[str, Any]], restarts: list[tuple[float, float]] | None = None
+) -> Outcome:
     return Outcome(
         root=Path("."),
         faults=False,
         lines=lines,
         probes=[],
         rss=[],
-        restarts=[],
+        restarts=restarts or [],
         killed=set(),
         started=0.0,
         quiet=60.0,
@@ -29,10 +31,15 @@ def outcome(lines: list[dict[str, Any]]) -> Outcome:
     )
 
 
-def judge(lines: list[dict[str, Any]]) -> bool:
+def by_actor(lines: list[dict[str, Any]]) -> dict[str, dict[int, list[dict[str, Any]]]]:
     events_of: dict[str, dict[int, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
     for x in lines:
         events_of[x["actor"]][x["sort_key"]].append(x)
+    return events_of
+
+
+def judge(lines: list[dict[str, Any]]) -> bool:
+    events_of = by_actor(lines)
     first, second = [x for x in lines if x["kind"] == "claimed"]
     return _redelivery_explained(outcome(lines), first, second, events_of)
 
@@ -76,3 +83,21 @@ def test_an_extension_counts_from_when_it_was_asked() -> None:
     assert not judge(lines)
     lines[2] = line(asked + 0.5, "trio", "extended", ok=False)
     assert judge(lines)
+
+
+def test_an_ack_retried_against_the_restarted_writer_was_durable() -> None:
+    """CI once saw a worker's ack sent just before the writer was killed; its client
+    retried it against the new writer, which answered false: already acked. The record
+    was never delivered again, so the first attempt was durable."""
+    lines = [
+        line(1.0, "trio", "claimed"),
+        line(1.5, "trio", "acking"),
+        line(3.0, "trio", "acked", ok=False),
+    ]
+    claim, events_of = lines[0], by_actor(lines)
+    assert _ack_lost_with_the_writer(outcome(lines, restarts=[(2.0, 2.5)]), claim, events_of)
+    assert not _ack_lost_with_the_writer(outcome(lines), claim, events_of)
+    killed_before_the_ack = outcome(lines, restarts=[(1.2, 1.4)])
+    assert not _ack_lost_with_the_writer(killed_before_the_ack, claim, events_of)
+    lost = [*lines[:2], line(2.1, "trio", "transient", what="command")]
+    assert _ack_lost_with_the_writer(outcome(lost), claim, by_actor(lost))

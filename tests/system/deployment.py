@@ -469,14 +469,29 @@ def _read_tier(deployment: Deployment) -> dict[str, list[str]]:
 
 
 def _ack_lost_with_the_writer(
-    claim: dict[str, Any], events_of: dict[str, dict[int, list[dict[str, Any]]]]
+    outcome: Outcome,
+    claim: dict[str, Any],
+    events_of: dict[str, dict[int, list[dict[str, Any]]]],
 ) -> bool:
-    """The last holder sent its ack and lost the connection before the reply (the writer
-    was killed): the ack was durable, since the record was never delivered again (an ack
-    that was not durable redelivers after the restart, and that claim would be last)."""
+    """The last holder sent its ack and the writer was killed before the reply: the ack
+    was durable, since the record was never delivered again (an ack that was not durable
+    redelivers after the restart, and that claim would be last). The worker saw either
+    the lost connection (``transient``) or, when its client retried the ack against the
+    restarted writer, ``acked: false``: the record was already acked."""
     after = [x for x in events_of[claim["actor"]][claim["sort_key"]] if x["t"] >= claim["t"]]
     kinds = [x["kind"] for x in after]
-    return "acking" in kinds and "transient" in kinds[kinds.index("acking") :]
+    if "acking" not in kinds:
+        return False
+    acking = after[kinds.index("acking")]
+    answers = after[kinds.index("acking") + 1 :]
+    if any(x["kind"] == "transient" for x in answers):
+        return True
+    return any(
+        x["kind"] == "acked"
+        and not x["ok"]
+        and any(acking["t"] <= killed <= x["t"] for killed, _ in outcome.restarts)
+        for x in answers
+    )
 
 
 # --- what a run must show -----------------------------------------------------------------
@@ -537,7 +552,7 @@ def violations(outcome: Outcome) -> list[str]:
         if (
             not acks
             and history[-1]["actor"] not in outcome.killed
-            and not _ack_lost_with_the_writer(history[-1], events_of)
+            and not _ack_lost_with_the_writer(outcome, history[-1], events_of)
         ):
             out.append(f"command {sort_key}: no worker acked it")
         v2_acks = [x for x in acks if x["dialect"] == "v2"]
