@@ -15,6 +15,7 @@ import json
 import sys
 
 import atheris
+import attrs
 
 with atheris.instrument_imports():
     from cmdbus_trio.client import ClientError
@@ -36,6 +37,21 @@ with atheris.instrument_imports():
 
 OPS = ["append", "append_batch", "read_execution", "scan", "health", "publish", "publish_batch",
        *claim.GROUP_OPS, "subscribe"]  # fmt: skip
+
+
+def usable(decoded: object) -> None:
+    """A decoded request a handler can use: every integer fits i64 (SQLite, a float of
+    seconds), every text encodes (a lone surrogate cannot be stored). A claim face's
+    ``group`` and ``from`` are checked later, by the group registry."""
+    fields = attrs.asdict(decoded, recurse=False) if attrs.has(type(decoded)) else {}
+    for name, value in fields.items():
+        for item in value if isinstance(value, tuple) else (value,):
+            if name in ("group", "start"):
+                continue
+            if isinstance(item, int) and not isinstance(item, bool):
+                assert -(1 << 63) <= item < 1 << 63, (name, decoded)
+            elif isinstance(item, str):
+                item.encode()
 
 
 def frames(data: bytes, cap: int) -> None:
@@ -103,11 +119,11 @@ def test_one_input(data: bytes) -> None:
             if isinstance(fields, dict):
                 op = OPS[len(body) % len(OPS)]
                 if target == 3:
-                    tier.decode_op(op, fields, strict=len(body) % 2 == 0)
-                    claim.decode_op(op, fields, named_groups=len(body) % 2 == 0)
+                    usable(tier.decode_op(op, fields, strict=len(body) % 2 == 0))
+                    usable(claim.decode_op(op, fields, named_groups=len(body) % 2 == 0))
                 else:
-                    bus.decode_op(op, fields)
-                    subscribe.decode_op(op, fields)
+                    usable(bus.decode_op(op, fields))
+                    usable(subscribe.decode_op(op, fields))
                     parse_filter(fields.get("filter"))
         elif target == 5:
             client_replies(body)

@@ -127,6 +127,30 @@ def test_bad_values_name_the_setting_the_value_and_what_is_allowed(
     assert allowed in message
 
 
+@pytest.mark.parametrize(
+    ("bind", "token", "allowed"),
+    [
+        ("0.0.0.0:9090", "", False),
+        ("[::]:9090", "", False),
+        ("control.example:9090", "", False),
+        ("0.0.0.0:9090", "sesame", True),
+        ("127.0.0.1:9090", "", True),
+        ("[::1]:9090", "", True),
+        ("localhost:9090", "", True),
+    ],
+)
+def test_debug_hooks_beyond_loopback_need_a_token(bind: str, token: str, allowed: bool) -> None:
+    environ = {"CMDBUS_DEBUG_HOOKS": "true", "CMDBUS_CONTROL_BIND": bind}
+    if token:
+        environ["CMDBUS_AUTH_TOKEN"] = token
+    if allowed:
+        assert load({}, environ=environ).debug_hooks
+    else:
+        with pytest.raises(ConfigError, match="CMDBUS_AUTH_TOKEN") as info:
+            load({}, environ=environ)
+        assert str(info.value).startswith("invalid setting CMDBUS_DEBUG_HOOKS")
+
+
 def test_shard_must_be_below_shard_count() -> None:
     with pytest.raises(ConfigError, match=r"CMDBUS_SHARD .*'2'.*below CMDBUS_SHARD_COUNT=2"):
         load({"shard": "2", "shard_count": "2"}, environ={})

@@ -108,6 +108,27 @@ async def test_block_hook_is_absent_unless_enabled(make_config: Callable[..., Co
             assert response.status == 404
 
 
+async def test_debug_hooks_need_the_token_when_one_is_set(
+    make_config: Callable[..., Config],
+) -> None:
+    """The control port may listen on every interface (the image binds 0.0.0.0): with a
+    token set, a hook without it was answered 202 once."""
+    path = "/debug/block-loop?seconds=0.01"
+    with trio.fail_after(10):
+        async with running_writer(make_config(debug_hooks="true", auth_token="sesame")) as (
+            _,
+            addresses,
+        ):
+            for headers in ({}, {"authorization": "Bearer open"}, {"authorization": "sesame"}):
+                async with http_connection(addresses["control"]) as connection:
+                    refused = await connection.request("POST", path, headers)
+                assert refused.status == 401, headers
+                assert "Authorization: Bearer" in refused.json()["error"]
+            async with http_connection(addresses["control"]) as connection:
+                allowed = await connection.request("POST", path, {"authorization": "Bearer sesame"})
+            assert allowed.status == 202
+
+
 async def test_unknown_path_and_wrong_method(make_config: Callable[..., Config]) -> None:
     with trio.fail_after(10):
         async with running_writer(make_config()) as (_, addresses):

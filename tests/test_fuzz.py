@@ -13,8 +13,9 @@ import struct
 from collections.abc import Iterator
 from typing import Any
 
+import attrs
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
@@ -33,14 +34,26 @@ from cmdbus_trio.protocol import (
     subscribe,
     tier,
 )
+from cmdbus_trio.protocol._fields import FieldError, payload_json
+from cmdbus_trio.protocol._json import MAX_DEPTH
 from cmdbus_trio.protocol.subjects import parse_filter
 
 from .helpers import metric_sum, metrics_text, serving
 
 CAP = 512
 
+# Edges a careless or hostile client reaches: integers past 2^63 (JSON has no limit; they
+# once answered `internal`), floats where integers belong, lone surrogates.
+edge_integers = st.sampled_from([1 << 63, (1 << 63) - 1, 1 << 64, -(1 << 63) - 1, 10**400])
+edge_text = st.text(alphabet=st.characters(min_codepoint=0xD7F0, max_codepoint=0xE010), max_size=4)
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | edge_integers
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=20)
+    | edge_text,
     lambda children: (
         st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=12), children, max_size=4)
     ),
@@ -149,11 +162,29 @@ def test_envelope_and_dialect_decoders_raise_only_protocol_errors(body: bytes) -
             decode(body)
 
 
+def assert_storable(decoded: Any) -> None:
+    """What a decoder lets through, a handler can use: integers fit SQLite's i64 (and a
+    float of seconds), text holds no lone surrogate. (A claim face's ``group`` and
+    ``from`` are Any here: the group registry checks them, tests/test_group_creation.py.)"""
+    if attrs.has(type(decoded)):
+        fields = attrs.asdict(decoded, recurse=False)
+        values = tuple(v for k, v in fields.items() if k not in ("group", "start"))
+    else:
+        values = decoded
+    for value in values if isinstance(values, tuple) else (values,):
+        if isinstance(value, tuple):
+            assert_storable(value)
+        elif isinstance(value, int) and not isinstance(value, bool):
+            assert -(1 << 63) <= value < 1 << 63, decoded
+        elif isinstance(value, str):
+            value.encode()
+
+
 @given(st.sampled_from(["append", "append_batch", "read_execution", "scan", "health", "x"]), fields)
 def test_tier_decoder_raises_only_protocol_errors(op: str, request: dict[str, Any]) -> None:
     for strict in (True, False):
         with contextlib.suppress(RemoteProtocolError):
-            tier.decode_op(op, request, strict=strict)
+            assert_storable(tier.decode_op(op, request, strict=strict))
 
 
 @given(st.sampled_from(["publish", "publish_batch", "x"]), fields, json_values)
@@ -168,13 +199,15 @@ def test_bus_decoders_raise_only_protocol_errors(
 
 
 @given(st.sampled_from([*claim.GROUP_OPS, "subscribe", "x"]), fields, st.booleans())
+@example("nack", {"sort_key": 1, "delay_ms": 1 << 64}, False)
+@example("subscribe", {"from": 10**400}, False)
 def test_claim_and_subscribe_decoders_raise_only_protocol_errors(
     op: str, request: dict[str, Any], named_groups: bool
 ) -> None:
     with contextlib.suppress(RemoteProtocolError):
-        claim.decode_op(op, request, named_groups=named_groups)
+        assert_storable(claim.decode_op(op, request, named_groups=named_groups))
     with contextlib.suppress(RemoteProtocolError):
-        subscribe.decode_op(op, request)
+        assert_storable(subscribe.decode_op(op, request))
     body = json.dumps(request).encode()
     for decode_v1 in (claim.decode_v1, subscribe.decode_v1):
         with contextlib.suppress(RemoteProtocolError):
@@ -302,3 +335,27 @@ def test_payload_and_text_checks_raise_only_protocol_errors(payload: str, text: 
     for decode_v1 in (claim.decode_v1, subscribe.decode_v1, tier.decode_v1):
         with contextlib.suppress(RemoteProtocolError):
             decode_v1(payload.encode("utf-8", "replace"))
+
+
+@given(
+    st.text(alphabet='[]{}"\\ab', max_size=400).map(json.dumps)
+    | st.builds(
+        lambda bracket, n: json.dumps(bracket * n), st.sampled_from("[]{}"), st.integers(0, 700)
+    ),
+    st.integers(0, 700),
+    st.sampled_from(["[]", '{"k":}']),
+)
+@example(json.dumps("]" * 600), 600, "[]")
+def test_payload_depth_is_counted_outside_strings(string: str, depth: int, pair: str) -> None:
+    """Brackets inside strings count for nothing, either way: ``["]]]…", [[[…]]]]`` once
+    passed 600 levels deep (the string's ``]`` hid them), and ``"[[[…"`` must never look
+    deep."""
+    opening, closing = (pair[0], pair[-1]) if pair == "[]" else ('{"k":', "}")
+    nested = opening * depth + ("1" if pair != "[]" else "") + closing * depth
+    text = f"[{string},{nested}]" if depth else f"[{string}]"
+    real_depth = depth + 1
+    if real_depth > MAX_DEPTH:
+        with pytest.raises(FieldError, match="nested deeper than"):
+            payload_json(text)
+    else:
+        assert payload_json(text) is not None

@@ -138,3 +138,81 @@ async def test_lone_surrogates_are_invalid_or_stored_as_json_escapes(
             assert reply["ok"], reply
         text = await trio.to_thread.run_sync(metrics_text, ports)
         assert metric_sum(text, 'cmdbus_request_duration_seconds_count{face="cmd_ingest"') > 0
+
+
+HUGE = 10**400  # JSON has no integer limit; every field that takes one has
+I64_MAX = (1 << 63) - 1
+OUT_OF_RANGE: list[tuple[str, str, dict[str, Any], str]] = [
+    ("cmd_ingest", "publish", {"record": {"execution_id": 1, "payload": "{}"},
+                               "deadline_ms": HUGE}, "deadline_ms"),
+    ("cmd_ingest", "publish", {"record": {"execution_id": 1, "payload": "{}"},
+                               "deadline_ms": 1.5}, "deadline_ms"),
+    ("cmd_claim", "next", {"filter": "commands.>", "timeout_ms": HUGE}, "timeout_ms"),
+    ("cmd_claim", "next", {"filter": "commands.>", "timeout_ms": 1e300}, "timeout_ms"),
+    ("cmd_claim", "next", {"filter": "commands.\ud800"}, "filter"),
+    ("cmd_claim", "nack", {"sort_key": 1, "delay_ms": HUGE}, "delay_ms"),
+    ("cmd_claim", "ack", {"sort_key": 1 << 64}, "sort_key"),
+    ("cmd_claim", "ack", {"sort_key": 1.0}, "sort_key"),
+    ("cmd_claim", "extend", {"sort_key": I64_MAX + 1}, "sort_key"),
+    ("cmd_claim", "dead", {"after": 1 << 64}, "after"),
+    ("cmd_claim", "dead", {"filter": "commands.\udc00"}, "filter"),
+    ("cmd_claim", "lag", {"filter": "\ud800"}, "filter"),
+    ("cmd_claim", "requeue", {"sort_keys": [1 << 64]}, "sort_keys"),
+    ("evt_claim", "next", {"filter": "events.>", "group": "\ud800"}, "group"),
+    ("evt_subscribe", "subscribe", {"from": 1 << 64}, "from"),
+    ("evt_subscribe", "subscribe", {"filter": "events.\ud800"}, "filter"),
+    ("tier", "read_execution", {"execution_id": "x", "after": 1 << 64}, "after"),
+    ("tier", "scan", {"after": HUGE}, "after"),
+    ("tier", "append", {"execution_id": "x", "payload": "{}", "expected_version": 1 << 64},
+     "expected_version"),
+    ("tier", "append", {"execution_id": "x", "payload": '"\ud800"'}, "payload"),
+    ("tier", "append", {"execution_id": "x", "payload": "{}", "transaction_id": "\udfff"},
+     "transaction_id"),
+]  # fmt: skip
+
+
+STILL_SERVING: dict[str, tuple[str, dict[str, Any]]] = {
+    "cmd_ingest": ("publish", {"record": {"execution_id": 1, "payload": "{}"}}),
+    "cmd_claim": ("lag", {}),
+    "tier": ("health", {}),
+}
+
+
+@pytest.fixture(scope="module")
+def guarded_writer(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[Path, dict[str, str]]]:
+    tmp_path = tmp_path_factory.mktemp("guarded")
+    with serving(tmp_path, CMDBUS_AUTH_TOKEN="sesame") as (_, ports):
+        yield tmp_path, ports
+
+
+async def test_numbers_past_any_range_and_lone_surrogates_are_invalid_without_an_error_line(
+    guarded_writer: tuple[Path, dict[str, str]],
+) -> None:
+    """Integers past 2^63-1 (or 10^400), floats where integers belong and lone surrogates
+    where text is kept or compared: each answers `invalid` naming its field, the
+    connection goes on, and the log has no ERROR line (they used to answer `internal`
+    with a traceback; a token of "\\ud800" did so before authentication)."""
+    tmp_path, ports = guarded_writer
+    with trio.fail_after(30):
+        for face, op, fields, field in OUT_OF_RANGE:
+            async with frame_client(ports[face], v2=False) as client:
+                await client.send(
+                    json.dumps({"hello": {"protocol": 2, "token": "sesame"}}).encode()
+                )
+                assert (await client.receive_json())["ok"]
+                reply = await client.request(op, **fields)
+                assert reply["ok"] is False, (op, fields, reply)
+                assert reply["error"]["code"] == "invalid", (op, fields, reply)
+                assert reply["error"]["message"].startswith(field), (op, fields, reply)
+                if face in STILL_SERVING:  # the connection goes on
+                    good_op, good_fields = STILL_SERVING[face]
+                    assert (await client.request(good_op, **good_fields))["ok"]
+        async with frame_client(ports["tier"], v2=False) as client:
+            await client.send(json.dumps({"hello": {"protocol": 2, "token": "\ud800"}}).encode())
+            refused = await client.receive_json()
+            assert refused["error"]["message"].startswith("hello.token")
+            assert await client.receive() is None
+    errors = [line for line in server_log(tmp_path).splitlines() if '"level": "error"' in line]
+    assert not errors, errors[:3]

@@ -179,7 +179,10 @@ async def test_v1_tiers_are_separate(server: dict[str, str]) -> None:
             {"op": "append_batch", "execution_id": "e", "payloads": []},
             b"invalid payloads: expected a list of 1 to 10000 payloads",
         ),
-        ({"op": "scan", "after": -1}, b"invalid after: expected a non-negative integer"),
+        (
+            {"op": "scan", "after": -1},
+            b"invalid after: expected an integer in 0..9223372036854775807",
+        ),
         ([1, 2], b"invalid request: expected a JSON object or the text health"),
     ],
 )

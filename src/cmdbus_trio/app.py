@@ -321,6 +321,7 @@ class Writer:
             self.config.control_bind,
             keepalive=self.config.control_keepalive_ms / 1000,
             debug_hooks=self.config.debug_hooks,
+            auth_token=self.config.auth_token,
             shutdown=self._control_stop,
             task_status=task_status,
         )

@@ -12,6 +12,7 @@ the data plane is.
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import sqlite3
@@ -83,9 +84,12 @@ class _PlainApp:
 class ControlApp(_PlainApp):
     """The ASGI application of the control face."""
 
-    def __init__(self, health: Health, *, debug_hooks: bool = False) -> None:
+    def __init__(
+        self, health: Health, *, debug_hooks: bool = False, auth_token: str | None = None
+    ) -> None:
         self.health = health
         self.debug_hooks = debug_hooks
+        self._debug_credentials = None if auth_token is None else f"Bearer {auth_token}".encode()
         self.share = turns.current().control
         self._exposition = _Exposition(self.share)
 
@@ -94,6 +98,8 @@ class ControlApp(_PlainApp):
         if path in self._DEBUG and self.debug_hooks:
             if method != "POST":
                 return _json(405, {"error": "use POST"})
+            if not self._debug_allowed(scope):
+                return _json(401, {"error": "debug hooks need Authorization: Bearer <token>"})
             return self._DEBUG[path](self, scope)
         handler = self._GET.get(path)
         if handler is None:
@@ -101,6 +107,14 @@ class ControlApp(_PlainApp):
         if method not in ("GET", "HEAD"):
             return _json(405, {"error": "use GET"})
         return await handler(self)
+
+    def _debug_allowed(self, scope: Scope) -> bool:
+        """With an auth token set, a debug hook needs it (the control port may listen on
+        every interface); compared in constant time, as the data faces' hello is."""
+        if self._debug_credentials is None:
+            return True
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        return hmac.compare_digest(given, self._debug_credentials)
 
     async def _livez(self) -> tuple[int, bytes, bytes]:
         loop = self.health.heartbeat.statistics()
@@ -266,18 +280,19 @@ async def serve(
     *,
     keepalive: float = 5.0,
     debug_hooks: bool = False,
+    auth_token: str | None = None,
     max_connections: int = descriptors.CONTROL_CONNECTIONS,
     shutdown: trio.Event | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the control face on ``bind`` until ``shutdown`` is set (or cancelled);
     reports the bound ``host:port``. At most ``max_connections`` are held (see
-    :class:`_Connections`).
+    :class:`_Connections`). With ``debug_hooks``, ``auth_token`` (when set) guards them.
 
     Cancellation: in-flight probe requests are abandoned; they hold nothing.
     """
     await _serve_http(
-        ControlApp(health, debug_hooks=debug_hooks),
+        ControlApp(health, debug_hooks=debug_hooks, auth_token=auth_token),
         bind,
         _Connections("control", max_connections),
         keepalive=keepalive,

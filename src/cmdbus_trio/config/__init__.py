@@ -25,6 +25,7 @@ from ._values import (
     byte_cap,
     choice,
     cidrs,
+    cpu_quota,
     group_names,
     int_range,
     optional_int,
@@ -319,7 +320,8 @@ class Config:
         "false",
         boolean,
         "enable POST /debug/block-loop, /debug/fail-writes and /debug/slow-commits on the "
-        "control face (for tests and drills; never in prod)",
+        "control face (for tests and drills; never in prod); with an auth token set they "
+        "need 'Authorization: Bearer <token>', and a control bind beyond loopback needs one",
     )
 
     def bind(self, face: str) -> Bind | None:
@@ -348,22 +350,6 @@ SETTINGS: tuple[Setting, ...] = tuple(
     Setting(field.name, *field.metadata["setting"]) for field in attrs.fields(Config)
 )
 SETTINGS_BY_NAME = {setting.name: setting for setting in SETTINGS}
-
-
-def cpu_quota(cgroup_root: Path = Path("/sys/fs/cgroup")) -> int:
-    """CPUs this process may use: the cgroup v2 ``cpu.max`` quota rounded up, else the
-    CPU count (affinity-aware), never less than 1."""
-    try:
-        quota, period = (cgroup_root / "cpu.max").read_text().split()[:2]
-        if quota != "max":
-            return max(1, -(-int(quota) // int(period)))
-    except (OSError, ValueError):
-        pass
-    try:
-        count = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        count = os.cpu_count() or 1
-    return max(1, count)
 
 
 def load(
@@ -416,6 +402,13 @@ def _resolve_derived(values: dict[str, Any], cgroup_root: Path, environ: Mapping
             SETTINGS_BY_NAME["tls_key" if values["tls_key"] is None else "tls_cert"],
             "",
             "TLS needs both CMDBUS_TLS_CERT and CMDBUS_TLS_KEY",
+        )
+    control = values["control_bind"]
+    if values["debug_hooks"] and values["auth_token"] is None and control and not control.loopback:
+        raise ConfigError(
+            SETTINGS_BY_NAME["debug_hooks"],
+            "true",
+            f"the control face binds {control}, beyond this host: set CMDBUS_AUTH_TOKEN too",
         )
     seen: dict[Bind, str] = {}
     for face in (*FACE_NAMES, *LAG_PORT_NAMES):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +25,16 @@ class Bind:
     def __str__(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{host}:{self.port}"
+
+    @property
+    def loopback(self) -> bool:
+        """Whether only this host can connect (127.0.0.0/8, ::1, ``localhost``)."""
+        if self.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return False  # a host name: it may resolve to anything
 
 
 # --- parsers: text -> value, raising ValueError with what is allowed -------------------------
@@ -148,3 +159,19 @@ def positive_float(text: str) -> float:
     if not value > 0:
         raise ValueError("expected a positive number")
     return value
+
+
+def cpu_quota(cgroup_root: Path = Path("/sys/fs/cgroup")) -> int:
+    """CPUs this process may use: the cgroup v2 ``cpu.max`` quota rounded up, else the
+    CPU count (affinity-aware), never less than 1."""
+    try:
+        quota, period = (cgroup_root / "cpu.max").read_text().split()[:2]
+        if quota != "max":
+            return max(1, -(-int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass
+    try:
+        count = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        count = os.cpu_count() or 1
+    return max(1, count)

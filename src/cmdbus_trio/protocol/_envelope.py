@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Final, TypeGuard
+from typing import Any, Final
 
 import attrs
 
 from ._errors import ErrorCode, RemoteProtocolError
+from ._fields import I64_MAX, is_int
 from ._json import dumps, loads
 
 PROTOCOL_VERSION: Final = 2
 SUPPORTED_VERSIONS: Final = (2,)
-MAX_REQUEST_ID: Final = (1 << 63) - 1
+MAX_REQUEST_ID: Final = I64_MAX
 
 
 @attrs.frozen
@@ -41,10 +42,6 @@ class Request:
 _LEADING_WHITESPACE = re.compile(rb"[ \t\n\r]*")  # JSON's own, in C (no copy of the frame)
 
 
-def _is_int(value: Any) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def detect_dialect(first_frame: bytes) -> Hello | None:
     """The dialect of a connection from its first frame: a :class:`Hello` for v2, ``None``
     for v1 (the frame is then the first v1 request, to be decoded by the face).
@@ -66,7 +63,7 @@ def detect_dialect(first_frame: bytes) -> Hello | None:
     if not isinstance(hello, dict):
         raise RemoteProtocolError("hello: expected an object", fatal=True)
     version = hello.get("protocol")
-    if not _is_int(version):
+    if not is_int(version):
         raise RemoteProtocolError("hello.protocol: expected an integer", fatal=True)
     if version not in SUPPORTED_VERSIONS:
         raise RemoteProtocolError(
@@ -117,14 +114,15 @@ def parse_request(body: bytes) -> Request:
     if not isinstance(value, dict):
         raise RequestError("request: expected a JSON object", request_id=None)
     request_id = value.get("id")
-    if not _is_int(request_id) or not 0 <= request_id <= MAX_REQUEST_ID:
+    if not is_int(request_id) or not 0 <= request_id <= MAX_REQUEST_ID:
         raise RequestError(f"id: expected an integer in 0..{MAX_REQUEST_ID}", request_id=None)
     op = value.get("op")
     if not isinstance(op, str) or not op:
         raise RequestError("op: expected a non-empty string", request_id=request_id)
     deadline_ms = value.get("deadline_ms")
-    if deadline_ms is not None and (not _is_int(deadline_ms) or deadline_ms < 0):
-        raise RequestError("deadline_ms: expected a non-negative integer", request_id=request_id)
+    if deadline_ms is not None and not (is_int(deadline_ms) and 0 <= deadline_ms <= I64_MAX):
+        hint = f"deadline_ms: expected an integer in 0..{I64_MAX}"
+        raise RequestError(hint, request_id=request_id)
     fields = {key: item for key, item in value.items() if key not in ("id", "op", "deadline_ms")}
     return Request(request_id, op, deadline_ms, fields)
 

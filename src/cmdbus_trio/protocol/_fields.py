@@ -12,6 +12,7 @@ from ._json import MAX_DEPTH, TooDeep, loads
 MAX_TRANSACTION_ID: Final = 256
 _EXECUTION_ID = re.compile(r"[A-Za-z0-9_.:+-]{1,128}")
 _I64 = range(-(1 << 63), 1 << 63)
+I64_MAX: Final = (1 << 63) - 1
 
 
 class FieldError(RemoteProtocolError):
@@ -29,6 +30,15 @@ class UnsupportedOp(FieldError):
 
 def is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def whole_number(value: Any, field: str, *, lowest: int = 0) -> int:
+    """``value`` as an integer in ``lowest`` .. 2^63-1: what SQLite stores and a float of
+    seconds holds. Larger ones (JSON has no limit) once answered ``internal`` from deep
+    in a handler (``OverflowError``); they are now the field's error."""
+    if not (is_int(value) and lowest <= value <= I64_MAX):
+        raise FieldError(field, f"expected an integer in {lowest}..{I64_MAX}")
+    return value
 
 
 def execution_id(value: Any, field: str = "execution_id") -> str | int:

@@ -13,7 +13,7 @@ from typing import Any, Final
 
 import attrs
 
-from ._fields import FieldError, UnsupportedOp, is_int
+from ._fields import I64_MAX, FieldError, UnsupportedOp, is_int, whole_number
 from ._json import loads
 from .subjects import parse_filter
 
@@ -142,16 +142,11 @@ def decode_op(op: str, fields: Mapping[str, Any], *, named_groups: bool) -> Clai
         return (Ack if op == "ack" else Extend)(group, sort_key(fields))
     if op == "nack":
         key = sort_key(fields)
-        delay_ms = fields.get("delay_ms", 0)
-        if not (is_int(delay_ms) and delay_ms >= 0):
-            raise FieldError("delay_ms", "expected a non-negative integer")
-        return Nack(group, key, delay_ms)
+        return Nack(group, key, whole_number(fields.get("delay_ms", 0), "delay_ms"))
     if op == "lag":
         return Lag(group, None if fields.get("filter") is None else parse_filter(fields["filter"]))
     if op == "dead":
-        after = fields.get("after", 0)
-        if not (is_int(after) and after >= 0):
-            raise FieldError("after", "expected a non-negative integer")
+        after = whole_number(fields.get("after", 0), "after")
         limit = fields.get("limit", DEFAULT_DEAD_LIMIT)
         if not is_int(limit):
             raise FieldError("limit", "expected an integer")
@@ -209,17 +204,12 @@ def decode_v1(frame: bytes) -> V1Next | V1Ack | V1Nack:
 
 
 def sort_key(fields: Mapping[str, Any]) -> int:
-    key = fields.get("sort_key")
-    if not (is_int(key) and key >= 1):
-        raise FieldError("sort_key", "expected a positive integer")
-    return key
+    return whole_number(fields.get("sort_key"), "sort_key", lowest=1)
 
 
 def _timeout(fields: Mapping[str, Any]) -> int | None:
     timeout_ms = fields.get("timeout_ms")
-    if timeout_ms is not None and not (is_int(timeout_ms) and timeout_ms >= 0):
-        raise FieldError("timeout_ms", "expected a non-negative integer")
-    return timeout_ms
+    return None if timeout_ms is None else whole_number(timeout_ms, "timeout_ms")
 
 
 def _filter_text(fields: Mapping[str, Any]) -> str | None:
@@ -237,9 +227,10 @@ def _sort_keys(fields: Mapping[str, Any]) -> tuple[int, ...] | None:
     if not (
         isinstance(keys, list)
         and len(keys) <= MAX_SORT_KEYS
-        and all(is_int(key) and key >= 1 for key in keys)
+        and all(is_int(key) and 1 <= key <= I64_MAX for key in keys)
     ):
         raise FieldError(
-            "sort_keys", f"expected a list of at most {MAX_SORT_KEYS} positive integers"
+            "sort_keys",
+            f"expected a list of at most {MAX_SORT_KEYS} integers in 1..{I64_MAX}",
         )
     return tuple(keys)

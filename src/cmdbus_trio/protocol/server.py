@@ -206,8 +206,10 @@ class ServerConnection:
             return True
         token = hello.fields.get("token")
         # Constant time: the comparison must not tell a prober how much of it matched.
+        # surrogatepass: JSON can carry a lone surrogate ("\ud800"), which a strict
+        # encode refused with an error logged for every unauthenticated prober.
         return isinstance(token, str) and hmac.compare_digest(
-            token.encode(), self._auth_token.encode()
+            token.encode("utf-8", "surrogatepass"), self._auth_token.encode()
         )
 
     def _stream_error(self, exc: RemoteProtocolError) -> tuple[str, bytes | None]:

@@ -21,6 +21,7 @@ _I64_TEXT = re.compile(r"[+-]?[0-9]+")
 _I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
 _BAD_POOL = re.compile("[.*>\\s\ud800-\udfff]")  # a lone surrogate cannot be stored as text
 _BAD_EVENT_TYPE = re.compile("[*>\\s\ud800-\udfff]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class SubjectError(RemoteProtocolError):
@@ -85,6 +86,8 @@ def parse_filter(text: Any, field: str = "filter") -> tuple[str, ...]:
     token, or a ``>`` that is not the last token."""
     if not isinstance(text, str) or not text:
         raise SubjectError(f"{field}: expected a non-empty subject filter")
+    if _SURROGATE.search(text):  # matches nothing, and SQLite cannot take it as text
+        raise SubjectError(f"{field}: a lone surrogate (\\ud800-\\udfff) is not Unicode text")
     tokens = tuple(text.split("."))
     if any(token == "" for token in tokens):
         raise SubjectError(f"{field}: {text!r} has an empty token")

@@ -7,7 +7,7 @@ from typing import Any, Final
 
 import attrs
 
-from ._fields import FieldError, UnsupportedOp, is_int
+from ._fields import FieldError, UnsupportedOp, is_int, whole_number
 from ._json import loads
 from .subjects import parse_filter
 
@@ -39,9 +39,7 @@ def decode_op(op: str, fields: Mapping[str, Any]) -> Subscribe:
         raise UnsupportedOp(op, OPS)
     if unknown := sorted(set(fields) - _FIELDS):
         raise FieldError(unknown[0], "unknown field")
-    after = fields.get("from", 0)
-    if not (is_int(after) and after >= 0):
-        raise FieldError("from", "expected a non-negative integer (exclusive sort key)")
+    after = whole_number(fields.get("from", 0), "from")
     tokens = None if fields.get("filter") is None else parse_filter(fields["filter"])
     return Subscribe(after, tokens)
 
@@ -58,6 +56,4 @@ def decode_v1(frame: bytes) -> V1Subscribe:
     shard, cursor = value.get("shard"), value.get("cursor")
     if not is_int(shard):
         raise FieldError("shard", "expected an integer")
-    if not (is_int(cursor) and cursor >= 0):
-        raise FieldError("cursor", "expected a non-negative integer")
-    return V1Subscribe(shard, cursor)
+    return V1Subscribe(shard, whole_number(cursor, "cursor"))

@@ -23,6 +23,7 @@ from ._fields import (
     payload_json,
     payload_text,
     transaction_id,
+    whole_number,
 )
 from ._json import dumps, dumps_str, loads
 
@@ -148,8 +149,8 @@ def decode_op(op: str, fields: Mapping[str, Any], *, strict: bool = True) -> Tie
     transaction = transaction_id(fields.get("transaction_id"))
     if op == "append":
         expected = fields.get("expected_version")
-        if expected is not None and not (is_int(expected) and expected >= 0):
-            raise FieldError("expected_version", "expected a non-negative integer")
+        if expected is not None:
+            expected = whole_number(expected, "expected_version")
         return Append(tier, execution, payload_text(fields.get("payload")), transaction, expected)
     payloads = fields.get("payloads")
     if not isinstance(payloads, list) or not 1 <= len(payloads) <= MAX_BATCH:
@@ -171,9 +172,7 @@ def _after(fields: Mapping[str, Any]) -> int:
     after = fields.get("after", 0)
     if after is None:
         return 0
-    if not (is_int(after) and after >= 0):
-        raise FieldError("after", "expected a non-negative integer")
-    return int(after)
+    return whole_number(after, "after")
 
 
 def _limit(fields: Mapping[str, Any], default: int) -> int:
@@ -383,7 +382,7 @@ def v1_error(code: ErrorCode, message: str, retry_after_ms: int | None = None) -
         if code in (ErrorCode.INVALID, ErrorCode.UNSUPPORTED, ErrorCode.UNAVAILABLE)
         else "error"
     )
-    return f"{word} {message}".encode()
+    return f"{word} {message}".encode("utf-8", "backslashreplace")  # a hint may quote input
 
 
 def too_large_message(size: int, cap: int) -> str:
