@@ -141,6 +141,25 @@ async def test_a_restart_keeps_groups_and_their_acks(tmp_path: Path) -> None:
             assert await drain_group(client, "beta") == keys
 
 
+async def test_a_configured_group_is_the_operators_to_delete(tmp_path: Path) -> None:
+    """A client deleting a CMDBUS_EVT_GROUPS group closed its v1 consumers, and the next
+    restart re-created it from the beginning: every retained event went to the
+    materializers again. It is refused; out of the setting, it may go."""
+    with serving(tmp_path, **EVENTS_ONLY) as (_, ports):
+        keys = await publish(ports, 3)
+        async with frame_client(ports["evt_claim"]) as client:
+            first = await client.request("next", filter="events.>", group="alpha")
+            await client.request("ack", sort_key=first["delivery"]["sort_key"], group="alpha")
+            refused = await client.request("delete_group", group="alpha")
+            assert refused["error"]["code"] == "invalid"
+            assert refused["error"]["message"].startswith("group: 'alpha' is configured")
+            assert "CMDBUS_EVT_GROUPS" in refused["error"]["message"]
+            assert await drain_group(client, "alpha") == keys[1:]  # nothing was forgotten
+    with serving(tmp_path, **{**EVENTS_ONLY, "CMDBUS_EVT_GROUPS": "beta"}) as (_, ports):
+        async with frame_client(ports["evt_claim"]) as client:
+            assert (await client.request("delete_group", group="alpha"))["deleted"]
+
+
 async def test_delete_group_forgets_the_group_and_all_it_recorded(tmp_path: Path) -> None:
     settings = {**EVENTS_ONLY, "CMDBUS_EVT_MAX_GROUPS": "3"}
     with serving(tmp_path, **settings) as (_, ports):

@@ -80,6 +80,7 @@ class ConsumerGroups:
         self._creating: dict[str, _Creation] = {}  # groups whose history is loading
         self._nursery: trio.Nursery | None = None
         self._closed = False
+        self._configured: frozenset[str] = frozenset()  # the operator's: not a client's to delete
         self.evicted_through = 0
         """Records up to this sort key are evicted (see :meth:`evict_through`)."""
 
@@ -104,6 +105,7 @@ class ConsumerGroups:
                 await self.tail.cover(min(persisted.values()))
             for name, start_after in persisted.items():
                 await self._load(name, start_after)
+        self._configured = frozenset(defaults)
         for name in defaults:
             if name not in self.claims:
                 await self.get(name, "beginning")
@@ -230,13 +232,22 @@ class ConsumerGroups:
 
     async def delete(self, name: str) -> bool:
         """Delete the group and all it recorded (acks, dead letters, counts, position),
-        durably before returning; False when there is no such group. Its waiting
+        durably before returning; False when there is no such group, :class:`FieldError`
+        for a configured one (``CMDBUS_EVT_GROUPS``). Its waiting
         consumers are told at once; a request naming it afterwards is ``invalid``
         (unknown group) unless it creates the group anew.
 
         Cancellation: once started, the deletion completes (it is committed in order
         with the group's last acks); only the wait for it stops.
         """
+        if name in self._configured:
+            # A restart would re-create it from the beginning and deliver every retained
+            # event to its consumers again.
+            raise FieldError(
+                "group",
+                f"{name!r} is configured (CMDBUS_EVT_GROUPS): take it out of the setting "
+                "and restart the writer before deleting it",
+            )
         while name in self._creating:  # a creation (or deletion) under way ends first
             await self._creating[name].done.wait()
         claims = self.claims.pop(name, None)
