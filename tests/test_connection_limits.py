@@ -4,6 +4,7 @@ metric labels."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -48,3 +49,39 @@ async def test_made_up_ops_are_counted_under_one_label(tmp_path: Path) -> None:
             'outcome="unsupported"}',
         )
         assert counted == 20, face
+
+
+async def test_the_first_frame_has_a_deadline_from_the_accept(tmp_path: Path) -> None:
+    """A connection that never finishes its first frame (silent, or trickling a byte now
+    and then, which restarts the read timeout each time) held one of the face's
+    CMDBUS_MAX_CONNECTIONS for the 300 s idle timeout without authenticating. It is
+    closed at CMDBUS_HELLO_TIMEOUT_MS; a connection that said hello idles on, as does a
+    v1 one that sent its first request."""
+    timers = {"CMDBUS_HELLO_TIMEOUT_MS": "300", "CMDBUS_IDLE_TIMEOUT_MS": "60000",
+              "CMDBUS_READ_TIMEOUT_MS": "60000"}  # fmt: skip
+    with serving(tmp_path, **timers) as (_, ports), trio.fail_after(30):
+        host, port = ports["tier"].rsplit(":", 1)
+        silent = await trio.open_tcp_stream(host, int(port))
+        trickling = await trio.open_tcp_stream(host, int(port))
+        async with (
+            frame_client(ports["tier"]) as greeted,
+            frame_client(ports["tier"], v2=False) as v1,
+            silent,
+            trickling,
+        ):
+            assert b"ok" in (await v1.v1({"op": "health"}) or b"")
+            started = trio.current_time()
+            with contextlib.suppress(trio.BrokenResourceError):  # closed on the way
+                for byte in b"\x00\x00\x00\x40{":  # a frame begun, a byte every 0.1 s
+                    await trickling.send_all(bytes([byte]))
+                    await trio.sleep(0.1)
+            await trio.sleep(0.5)  # past the deadline for all four
+            assert await silent.receive_some(10) == b""
+            with trio.move_on_after(5), contextlib.suppress(trio.BrokenResourceError):
+                while await trickling.receive_some(10):
+                    pass  # (nothing is answered: the hello never came)
+            assert trio.current_time() - started < 5, "the trickling one was not closed"
+            assert (await greeted.request("health"))["ok"]
+            assert b"ok" in (await v1.v1({"op": "health"}) or b"")
+        text = await trio.to_thread.run_sync(metrics_text, ports)
+    assert metric_sum(text, 'cmdbus_connections_total{face="tier",outcome="hello_timeout"}') == 2

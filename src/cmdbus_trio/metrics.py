@@ -88,7 +88,8 @@ SHED = Counter(
 CONNECTIONS = Counter(
     "cmdbus_connections_total",
     "Data-face connections by outcome: accepted when opened; closed, protocol_error, "
-    "write_error, too_large, idle_timeout, unavailable (v1 only: a store that cannot "
+    "write_error, too_large, idle_timeout, hello_timeout (no first frame within "
+    "CMDBUS_HELLO_TIMEOUT_MS), unavailable (v1 only: a store that cannot "
     "write), unauthorized (no or wrong auth token; v1 when refused), over_capacity "
     "(closed at once: the face had CMDBUS_MAX_CONNECTIONS open) or internal_error (a bug, "
     "logged with its traceback) when they ended.",

@@ -217,6 +217,9 @@ class Config:
     read_timeout_ms: int = _setting(
         "30000", int_range(1), "close a connection stalled mid-frame this long"
     )
+    hello_timeout_ms: int = _setting(
+        "5000", int_range(1), "close a data connection whose first frame (hello) is not in by then"
+    )
     dedup_window_ms: int = _setting(
         "120000", int_range(0), "how long a publish msg_id is remembered"
     )

@@ -1,6 +1,6 @@
 """A data connection's reader: bytes from the socket into its sans-io protocol, the
-events out to the connection's dispatcher, and the two timers that end a connection
-(the read timeout mid-frame, the idle timeout between frames)."""
+events out to the connection's dispatcher, and the timers that end a connection (the
+first frame's deadline, the read timeout mid-frame, the idle timeout between frames)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import trio
 
 from cmdbus_trio import turns
 from cmdbus_trio.protocol import NEED_DATA
-from cmdbus_trio.protocol.server import Closed, Event, FrameReceived, ServerConnection
+from cmdbus_trio.protocol.server import Closed, Dialect, Event, FrameReceived, ServerConnection
 
 from . import FaceContext
 from ._outbox import Outbox
@@ -113,7 +113,11 @@ class Reader:
         handing_over = reading = False
         closed: Closed | None = None
         waiting_since = now = trio.current_time()
-        timer = min(self._quiet_since + idle_timeout, now + horizon)
+        # The first frame (a hello, or v1's first request) by a deadline from the accept:
+        # the read timeout restarts with each byte, so a peer trickling bytes held a
+        # connection of the face's cap for as long as it liked, without authenticating.
+        hello_by = now + self.ctx.config.hello_timeout_ms / 1000
+        timer = min(self._quiet_since + idle_timeout, now + horizon, hello_by)
         while True:
             with trio.CancelScope(deadline=timer):
                 while True:
@@ -165,6 +169,10 @@ class Reader:
                     await budget.wait()
             # The timer's deadline passed (the only way out of the scope but a return).
             now = trio.current_time()
+            undecided = protocol.dialect is Dialect.UNDECIDED
+            if undecided and now >= hello_by:
+                self._end("hello_timeout")
+                return
             if reading and protocol.in_partial_frame:
                 expires = waiting_since + read_timeout
             elif reading:
@@ -179,4 +187,4 @@ class Reader:
                 self._end("idle_timeout")
                 return
             reading = False
-            timer = min(expires, now + horizon)
+            timer = min(expires, now + horizon, hello_by if undecided else expires)
