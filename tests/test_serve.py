@@ -153,3 +153,42 @@ def test_version() -> None:
 
     result = subprocess.run(cli("--version"), capture_output=True, text=True, timeout=30)
     assert result.stdout.strip() == f"cmdbus-trio {__version__}"
+
+
+def test_one_writer_per_data_directory(tmp_path: Path) -> None:
+    """A second writer on the same directory ran beside the first: each delivered only
+    what was published through it. It now exits 2 naming the directory and the holder;
+    once the first is gone (killed: the kernel drops its lock), a new one starts."""
+    with serving(tmp_path) as (first, _):
+        second = subprocess.run(
+            cli("serve"),
+            env=environment(tmp_path / "other", CMDBUS_DATA_DIR=str(tmp_path / "data")),
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert second.returncode == 2
+        lines = second.stderr.splitlines()
+        assert len(lines) == 1, second.stderr
+        assert lines[0].startswith("cmdbus-trio: invalid setting CMDBUS_DATA_DIR (--data-dir):")
+        assert str(tmp_path / "data") in lines[0]
+        assert f"in use by another writer (pid {first.pid})" in lines[0]
+        first.kill()
+        first.wait()
+    with serving(tmp_path) as (process, _):
+        assert process.poll() is None
+
+
+def test_a_store_the_writer_cannot_open_is_one_line_naming_it(tmp_path: Path) -> None:
+    """It used to end in a ~60-line ExceptionGroup traceback that never named the path."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "events.sqlite3").write_bytes(b"this is not a database" * 100)
+    result = subprocess.run(
+        cli("serve"), env=environment(tmp_path), capture_output=True, text=True, timeout=30
+    )
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if not line.startswith("{")]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("cmdbus-trio: invalid setting CMDBUS_DATA_DIR (--data-dir):")
+    assert f"{str(data)!r}: events.sqlite3: file is not a database" in lines[0]

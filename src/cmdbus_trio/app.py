@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import signal
+import sqlite3
 import tempfile
 from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
@@ -46,6 +47,7 @@ from .logs import event
 from .protocol.bus import BusKind
 from .retention import Eviction, retention_for, run_retention, run_tier_retention, tier_windows
 from .storage import Store
+from .storage.datadir import DataDirError
 from .storage.tier import TierStore
 from .tier_committer import Tier
 
@@ -255,33 +257,44 @@ class Writer:
         await self._start(data, face, bind, partial(self._supervise, ctx))
 
     async def _open_stores(self, faces: list[str]) -> None:
-        config = self.config
+        """Open the stores the ``faces`` need.
+
+        Error handling: a store SQLite cannot open or set up (not this user's, on a full
+        or read-only volume, not a database) raises :class:`DataDirError` naming it."""
         for name, users in descriptors.STORE_FACES.items():
             if not users & {face for face in faces if face in self._faces}:
                 continue
-            if name == "tier":
-                path = config.data_dir / "tier.sqlite3"
-                tier = await run_in_thread(
-                    partial(
-                        TierStore.open,
-                        path,
-                        synchronous=config.sync,
-                        pool_size=descriptors.store_pool_size(config, name),
-                    ),
-                    limiter=self._maintenance,
-                )
-                self._stores[name] = Tier.of(tier)
-                self.health.add_store(name, tier)
-                metrics.RETAINED.labels(store=name, kind="records")  # 0 from the start
-                continue
-            bus = await Bus.open(
-                BusKind(name),
-                config,
+            try:
+                await self._open_store(name)
+            except (sqlite3.Error, OSError) as exc:
+                why = f"{name}.sqlite3: {exc}"
+                raise DataDirError(self.config.data_dir, why) from exc
+
+    async def _open_store(self, name: str) -> None:
+        config = self.config
+        if name == "tier":
+            path = config.data_dir / "tier.sqlite3"
+            tier = await run_in_thread(
+                partial(
+                    TierStore.open,
+                    path,
+                    synchronous=config.sync,
+                    pool_size=descriptors.store_pool_size(config, name),
+                ),
                 limiter=self._maintenance,
-                pool_size=descriptors.store_pool_size(config, name),
             )
-            self._stores[name] = bus
-            self.health.add_store(name, bus.log)
+            self._stores[name] = Tier.of(tier)
+            self.health.add_store(name, tier)
+            metrics.RETAINED.labels(store=name, kind="records")  # 0 from the start
+            return
+        bus = await Bus.open(
+            BusKind(name),
+            config,
+            limiter=self._maintenance,
+            pool_size=descriptors.store_pool_size(config, name),
+        )
+        self._stores[name] = bus
+        self.health.add_store(name, bus.log)
 
     async def _close_stores(self) -> None:
         with trio.CancelScope(shield=True):

@@ -14,8 +14,9 @@ import trio
 from . import __version__, app, descriptors, logs, noetl
 from .commands import bench, client, diagnose
 from .commands._output import leaves
-from .config import SETTINGS, ConfigError, load
+from .config import SETTINGS, Config, ConfigError, load
 from .logs import event
+from .storage import datadir
 
 log = logging.getLogger(__name__)
 
@@ -82,14 +83,15 @@ def _serve(flags: dict[str, str | None]) -> int:
         print(f"cmdbus-trio: {exc}", file=sys.stderr)
         return 2
     try:
-        config.data_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        print(
-            f"cmdbus-trio: invalid setting CMDBUS_DATA_DIR (--data-dir): "
-            f"{str(config.data_dir)!r}: cannot create it: {exc.strerror}",
-            file=sys.stderr,
-        )
+        data_dir = datadir.claim(config.data_dir)
+    except datadir.DataDirError as exc:
+        print(f"cmdbus-trio: {datadir.SETTING}: {exc}", file=sys.stderr)
         return 2
+    with data_dir:
+        return _run(config, translated)
+
+
+def _run(config: Config, translated: noetl.Translation) -> int:
     logs.configure(config.log_format, config.log_level)
     for alias, setting in translated.used:
         event(log, logging.INFO, "noetl_alias", variable=alias, read_as=setting)
@@ -103,10 +105,13 @@ def _serve(flags: dict[str, str | None]) -> int:
     try:
         trio.run(app.serve_until_signalled, config)
     except BaseExceptionGroup as group:
-        startup_errors, _ = group.split(app.StartupError)
-        if startup_errors is None:
+        unusable, rest = group.split(datadir.DataDirError)
+        startup_errors, rest = rest.split(app.StartupError) if rest else (None, None)
+        if rest is not None:
             raise
-        for error in leaves(startup_errors):
+        for error in leaves(unusable) if unusable else ():
+            print(f"cmdbus-trio: {datadir.SETTING}: {error}", file=sys.stderr)
+        for error in leaves(startup_errors) if startup_errors else ():
             print(f"cmdbus-trio: {error}", file=sys.stderr)
-        return 1
+        return 2 if unusable else 1
     return 0

@@ -1,0 +1,71 @@
+"""The data directory's checks, with the faults a root test process cannot make for real
+(root reads and writes any file): a volume mounted without ``fsGroup``, a read-only or
+full volume. tests/test_serve.py runs the real ones: a second writer, a store SQLite
+cannot open, a path that cannot be created."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cmdbus_trio.storage import datadir
+
+
+def test_claim_writes_the_pid_and_a_second_claim_names_it(tmp_path: Path) -> None:
+    with datadir.claim(tmp_path / "data") as held:
+        assert (tmp_path / "data" / "writer.lock").read_text() == f"{os.getpid()}\n"
+        with pytest.raises(
+            datadir.DataDirError, match=rf"in use by another writer \(pid {os.getpid()}\)"
+        ):
+            datadir.claim(tmp_path / "data")
+        assert held.path == tmp_path / "data"
+    datadir.claim(tmp_path / "data").release()  # released: free again
+
+
+def test_a_directory_this_user_cannot_write_names_the_uid_and_fsgroup(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(datadir.os, "access", lambda *args, **kwargs: False)
+    with pytest.raises(datadir.DataDirError) as info:
+        datadir.claim(tmp_path)
+    message = str(info.value)
+    assert message.startswith(repr(str(tmp_path)))
+    assert f"uid {os.getuid()}" in message and "fsGroup" in message
+
+
+def test_a_store_this_user_cannot_write_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "tier.sqlite3").write_bytes(b"")
+    real_access = os.access
+    monkeypatch.setattr(
+        datadir.os,
+        "access",
+        lambda path, mode: not str(path).endswith("tier.sqlite3") and real_access(path, mode),
+    )
+    with pytest.raises(datadir.DataDirError, match=r"tier\.sqlite3 is not readable and writable"):
+        datadir.claim(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("error", "why"),
+    [
+        (errno.EROFS, "the volume is read-only"),
+        (errno.ENOSPC, "the volume is full"),
+        (errno.EACCES, "fsGroup"),
+        (errno.EIO, "cannot write in it"),
+    ],
+)
+def test_a_volume_that_refuses_the_lock_file_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: int, why: str
+) -> None:
+    def refuse(*args: Any, **kwargs: Any) -> int:
+        raise OSError(error, os.strerror(error))
+
+    monkeypatch.setattr(datadir.os, "open", refuse)
+    with pytest.raises(datadir.DataDirError, match=why):
+        datadir.claim(tmp_path)
