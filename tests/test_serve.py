@@ -192,3 +192,38 @@ def test_a_store_the_writer_cannot_open_is_one_line_naming_it(tmp_path: Path) ->
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("cmdbus-trio: invalid setting CMDBUS_DATA_DIR (--data-dir):")
     assert f"{str(data)!r}: events.sqlite3: file is not a database" in lines[0]
+
+
+def test_a_mistyped_variable_is_named_with_the_nearest_setting(tmp_path: Path) -> None:
+    """`CMDBUS_SNYC=normal` was ignored without a word: the writer ran with sync=full."""
+    typos = {"CMDBUS_SNYC": "normal", "CMDBUS_AUTH_TOKN": "x", "CMDBUS_ZZZZZZ": "1"}
+    with serving(tmp_path, **typos) as (process, _):
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)
+    warned = {
+        line["variable"]: line["hint"]
+        for line in map(json.loads, server_log(tmp_path).splitlines())
+        if line["event"] == "unknown_variable"
+    }
+    assert warned == {
+        "CMDBUS_SNYC": "did you mean CMDBUS_SYNC?",
+        "CMDBUS_AUTH_TOKN": "did you mean CMDBUS_AUTH_TOKEN?",
+        "CMDBUS_ZZZZZZ": "no setting has a name near it",
+    }
+
+
+@pytest.mark.parametrize(
+    ("argv", "prefix"),
+    [
+        (["serve", "--ack-wait", "5"], "--ack-wait"),
+        (["client", "claim", "--filter", "commands.>", "--time", "1"], "--time"),
+        (["client", "tier", "read", "--execution-id", "1", "--ti", "eventlog"], "--ti"),
+        (["bench", "--scenario", "stall", "--dur", "1"], "--dur"),
+        (["diagnose", "--hum"], "--hum"),
+    ],
+)
+def test_flags_are_never_matched_by_a_prefix(argv: list[str], prefix: str) -> None:
+    """`serve --ack-wait 5` became `--ack-wait-ms 5`: a 5 ms lease."""
+    result = subprocess.run(cli(*argv), capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2
+    assert f"unrecognized arguments: {prefix}" in result.stderr

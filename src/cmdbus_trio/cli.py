@@ -12,9 +12,11 @@ from typing import Protocol
 import trio
 
 from . import __version__, app, descriptors, logs, noetl
+from .client._shards import WRITERS_ENV
 from .commands import bench, client, diagnose
 from .commands._output import leaves
-from .config import SETTINGS, Config, ConfigError, load
+from .commands.client import TOKEN_VARIABLE
+from .config import SETTINGS, Config, ConfigError, load, unknown_variables
 from .logs import event
 from .storage import datadir
 
@@ -32,6 +34,11 @@ class _Command(Protocol):
 
 
 _COMMANDS: dict[str, _Command] = {"client": client, "bench": bench, "diagnose": diagnose}
+KNOWN_VARIABLES = (
+    *(setting.env for setting in SETTINGS),
+    *(names[0] for names in WRITERS_ENV.values()),  # the clients' own
+    TOKEN_VARIABLE,
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -63,7 +70,19 @@ def _parser() -> argparse.ArgumentParser:
                 formatter_class=argparse.RawDescriptionHelpFormatter,
             )
         )
+    _whole_flags_only(parser)
     return parser
+
+
+def _whole_flags_only(parser: argparse.ArgumentParser) -> None:
+    """No flag is matched by a prefix, in any (sub)command: ``serve --ack-wait 5`` was
+    taken as ``--ack-wait-ms 5``, a 5 ms lease, by someone thinking in NoETL's
+    ``*_ACK_WAIT_SECS``. (Set on each parser: subparsers do not inherit it.)"""
+    parser.allow_abbrev = False
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _whole_flags_only(child)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -97,6 +116,9 @@ def _run(config: Config, translated: noetl.Translation) -> int:
         event(log, logging.INFO, "noetl_alias", variable=alias, read_as=setting)
     if translated.ignored:
         event(log, logging.WARNING, "noetl_ignored", variables=list(translated.ignored))
+    for name, nearest in unknown_variables(os.environ, KNOWN_VARIABLES):
+        hint = f"did you mean {nearest}?" if nearest else "no setting has a name near it"
+        event(log, logging.WARNING, "unknown_variable", variable=name, hint=hint)
     try:
         config = descriptors.fit(config)
     except ConfigError as exc:

@@ -23,6 +23,7 @@ from cmdbus_trio.protocol.subjects import as_i64
 
 from ._output import Output, fail
 
+TOKEN_VARIABLE = "CMDBUS_CLIENT_TOKEN"
 CALL_TIMEOUT = 30.0
 """Seconds each request may take (sent as its deadline_ms); ``claim`` waits on top."""
 
@@ -119,8 +120,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--human", action="store_true", help="print a table, not JSON lines")
     parser.add_argument(
         "--token",
-        default=os.environ.get("CMDBUS_CLIENT_TOKEN"),
-        help="the writer's auth token (default: $CMDBUS_CLIENT_TOKEN)",
+        default=os.environ.get(TOKEN_VARIABLE),
+        help=f"the writer's auth token (default: ${TOKEN_VARIABLE})",
     )
     parser.add_argument("--tls-ca", type=Path, help="speak TLS, trusting this CA (PEM)")
 

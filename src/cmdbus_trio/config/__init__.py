@@ -34,6 +34,7 @@ from ._values import (
     parse_bind,
     positive_float,
     shard_value,
+    unknown_variables,
 )
 
 ENV_PREFIX = "CMDBUS_"
@@ -443,4 +444,5 @@ __all__ = [
     "Setting",
     "cpu_quota",
     "load",
+    "unknown_variables",
 ]

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import attrs
@@ -175,3 +176,17 @@ def cpu_quota(cgroup_root: Path = Path("/sys/fs/cgroup")) -> int:
     except (AttributeError, OSError):
         count = os.cpu_count() or 1
     return max(1, count)
+
+
+def unknown_variables(
+    environ: Mapping[str, str], known: Iterable[str], prefix: str = "CMDBUS_"
+) -> list[tuple[str, str | None]]:
+    """Each variable named with ``prefix`` that is not ``known``, with the nearest known
+    name (or None): a mistyped ``CMDBUS_SNYC=normal`` or ``CMDBUS_AUTH_TOKN`` used to be
+    ignored without a word, and the writer started with ``sync=full``, or no auth."""
+    names = sorted(set(known))
+    return [
+        (name, next(iter(difflib.get_close_matches(name, names, n=1, cutoff=0.6)), None))
+        for name in sorted(environ)
+        if name.startswith(prefix) and name not in names
+    ]
