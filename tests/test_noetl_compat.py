@@ -89,8 +89,45 @@ def test_a_bus_not_hosted_has_its_faces_off() -> None:
     both = translate({"NOETL_COMMAND_BUS_HOST": "false", "NOETL_COMMAND_BUS_INGEST_BIND": ":9100"})
     assert load({}, environ=both.environ).cmd_ingest_bind is None  # not hosted wins
     assert both.ignored == ("NOETL_COMMAND_BUS_INGEST_BIND",)
-    with pytest.raises(ConfigError, match=r"NOETL_EVENT_BUS_HOST: expected true or false"):
+    with pytest.raises(ConfigError) as info:
         translate({"NOETL_EVENT_BUS_HOST": "maybe"})
+    assert str(info.value).startswith("invalid setting NOETL_EVENT_BUS_HOST (read as CMDBUS_")
+    assert "'maybe': expected true or false" in str(info.value)
+
+
+def test_a_hosted_bus_serves_its_lag_port_at_noetls_port() -> None:
+    """A NoETL writer serves :9102 (commands) and :9106 (events), and KEDA scrapes them:
+    `NOETL_*_BUS_HOST=true` opens them on CMDBUS_BIND_HOST unless a bind is given."""
+    hosted = {"NOETL_COMMAND_BUS_HOST": "true", "NOETL_EVENT_BUS_HOST": "true"}
+    config = load({}, environ=translate(hosted).environ)
+    assert (str(config.cmd_lag_bind), str(config.evt_lag_bind)) == (
+        "127.0.0.1:9102",
+        "127.0.0.1:9106",
+    )
+    in_a_pod = translate(hosted | {"CMDBUS_BIND_HOST": "0.0.0.0"})
+    config = load({}, environ=in_a_pod.environ)
+    assert (str(config.cmd_lag_bind), str(config.control_bind)) == ("0.0.0.0:9102", "0.0.0.0:9090")
+    assert (
+        str(load({}, environ=translate(hosted | {"CMDBUS_BIND_HOST": "::"}).environ).cmd_lag_bind)
+        == "[::]:9102"
+    )
+    given = hosted | {"NOETL_COMMAND_BUS_METRICS_BIND": "127.0.0.1:7", "CMDBUS_EVT_LAG_BIND": ""}
+    config = load({}, environ=translate(given).environ)
+    assert (str(config.cmd_lag_bind), config.evt_lag_bind) == ("127.0.0.1:7", None)
+    assert load({}, environ=translate({}).environ).cmd_lag_bind is None  # not NoETL: off
+
+
+def test_the_default_host_never_wins_over_a_noetl_value() -> None:
+    """The image used to set every CMDBUS_*_BIND: they won over each NOETL_* bind, and
+    NOETL_COMMAND_BUS_HOST=false did not turn the command bus off. It sets only the host
+    of the default binds now."""
+    image = {"CMDBUS_BIND_HOST": "0.0.0.0"}
+    off = translate(image | {"NOETL_COMMAND_BUS_HOST": "false"})
+    config = load({}, environ=off.environ)
+    assert config.cmd_ingest_bind is None and config.cmd_lag_bind is None
+    assert str(config.tier_bind) == "0.0.0.0:9110"
+    moved = translate(image | {"NOETL_COMMAND_BUS_INGEST_BIND": "127.0.0.1:7100"})
+    assert str(load({}, environ=moved.environ).cmd_ingest_bind) == "127.0.0.1:7100"
 
 
 def test_two_aliases_of_one_setting_must_agree() -> None:
@@ -100,9 +137,30 @@ def test_two_aliases_of_one_setting_must_agree() -> None:
         translate(agreeing | {"NOETL_EVENT_BUS_ACK_WAIT_SECS": "60"})
 
 
-def test_a_bad_alias_value_is_refused_naming_the_setting() -> None:
-    with pytest.raises(ConfigError, match=r"CMDBUS_TIER_MAX_INFLIGHT"):
-        load({}, environ=translate({"NOETL_EHDB_TIER_MAX_INFLIGHT": "many"}).environ)
+def test_a_bad_alias_value_is_refused_naming_the_variable_set(tmp_path: Path) -> None:
+    """It was reported under the CMDBUS_* name, which the operator never wrote."""
+    translated = translate({"NOETL_EHDB_TIER_MAX_INFLIGHT": "many"})
+    with pytest.raises(ConfigError) as info:
+        load({}, environ=translated.environ)
+    assert translated.explain(info.value) == (
+        "invalid setting NOETL_EHDB_TIER_MAX_INFLIGHT (read as CMDBUS_TIER_MAX_INFLIGHT): "
+        "'many': expected an integer >= 1"
+    )
+    plain = pytest.raises(ConfigError)
+    with plain as mine:
+        load({}, environ={"CMDBUS_TIER_MAX_INFLIGHT": "many"})
+    assert translate({}).explain(mine.value) == str(mine.value)  # not an alias's
+    started = subprocess.run(
+        cli("serve"),
+        env=environment(tmp_path, NOETL_COMMAND_BUS_ACK_WAIT_SECS="0"),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert started.returncode == 2
+    assert started.stderr.startswith(
+        "cmdbus-trio: invalid setting NOETL_COMMAND_BUS_ACK_WAIT_SECS (read as CMDBUS_ACK_WAIT_MS)"
+    )
 
 
 def test_the_clients_read_the_noetl_writer_addresses() -> None:

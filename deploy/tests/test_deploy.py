@@ -22,6 +22,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from cmdbus_trio.config import FACE_NAMES
+
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 KUBERNETES_VERSION = "1.30.0"
@@ -290,11 +292,15 @@ class running_image_entrypoint:
         env |= self.extra
         assert entrypoint == ["cmdbus-trio", "serve"]
         self.ports_file = self.workdir / "ports.json"
-        overrides = {k: "127.0.0.1:0" for k in env if k.endswith("_BIND")}
+        assert env["CMDBUS_BIND_HOST"] == "0.0.0.0"
+        faces = {f"CMDBUS_{face.upper()}_BIND" for face in FACE_NAMES}
+        overrides = {k: "127.0.0.1:0" for k in faces | set(env) if k.endswith("_BIND")}
+        overrides.update({k: "" for k, v in env.items() if k.endswith("_BIND") and not v})
         overrides.update(
-            CMDBUS_DATA_DIR=str(self.workdir / "data"), CMDBUS_PORTS_FILE=str(self.ports_file)
+            CMDBUS_DATA_DIR=str(self.workdir / "data"),
+            CMDBUS_PORTS_FILE=str(self.ports_file),
+            CMDBUS_BIND_HOST="127.0.0.1",
         )
-        assert set(overrides) - {"CMDBUS_PORTS_FILE"} <= set(env)
         clean = {k: v for k, v in os.environ.items() if not k.startswith("CMDBUS_")}
         executable = Path(sys.executable).parent / entrypoint[0]
         self.log = (self.workdir / "writer.log").open("w")
@@ -334,6 +340,14 @@ def traffic(ports: dict[str, str]) -> None:
     with TierClient.connect(ports["tier"]) as tier:
         tier.append(1, "{}")
     time.sleep(1.5)  # the lag sampler runs every second
+
+
+def test_the_image_sets_no_bind_a_noetl_pod_spec_would_lose_to() -> None:
+    """An image ENV CMDBUS_*_BIND wins over every NOETL_* bind and host switch of a pod
+    spec written for NoETL's writer; the image sets only the host of the default binds."""
+    env, _ = dockerfile()
+    assert not [name for name in env if name.endswith("_BIND")], env
+    assert env["CMDBUS_BIND_HOST"] == "0.0.0.0"
 
 
 def test_image_entrypoint_serves_and_drains_on_sigterm(tmp_path: Path) -> None:

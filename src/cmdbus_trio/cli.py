@@ -97,9 +97,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _serve(flags: dict[str, str | None]) -> int:
     try:
         translated = noetl.translate(os.environ, flags)
-        config = load(flags, environ=translated.environ)
     except ConfigError as exc:
         print(f"cmdbus-trio: {exc}", file=sys.stderr)
+        return 2
+    try:
+        config = load(flags, environ=translated.environ)
+    except ConfigError as exc:
+        print(f"cmdbus-trio: {translated.explain(exc)}", file=sys.stderr)
         return 2
     try:
         data_dir = datadir.claim(config.data_dir)
@@ -122,7 +126,7 @@ def _run(config: Config, translated: noetl.Translation) -> int:
     try:
         config = descriptors.fit(config)
     except ConfigError as exc:
-        print(f"cmdbus-trio: {exc}", file=sys.stderr)
+        print(f"cmdbus-trio: {translated.explain(exc)}", file=sys.stderr)
         return 2
     try:
         trio.run(app.serve_until_signalled, config)

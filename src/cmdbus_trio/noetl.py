@@ -3,9 +3,9 @@
 A pod spec written for NoETL's ``noetl-cmdbus-writer`` keeps working: each ``NOETL_*``
 variable that has an equivalent sets it, unless the ``CMDBUS_*`` variable or the flag is
 given (they win); ``NOETL_COMMAND_BUS_HOST`` / ``NOETL_EVENT_BUS_HOST`` = ``false`` turn a
-bus's faces off. Every alias used is logged once at start, and every other ``NOETL_*``
-variable is named in one warning line: none is silently ignored. docs/migrating.md has
-the whole map.
+bus's faces off, ``true`` opens its lag port (:9102 / :9106) as a NoETL writer does.
+Every alias used is logged once at start, and every other ``NOETL_*`` variable is named
+in one warning line: none is silently ignored. docs/migrating.md has the whole map.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from collections.abc import Callable, Mapping
 
 import attrs
 
-from .config import SETTINGS_BY_NAME, ConfigError
-from .config._values import boolean
+from .config import SETTINGS_BY_NAME, ConfigError, Setting
+from .config._values import boolean, host_value
 
 PREFIX = "NOETL_"
 
@@ -60,7 +60,23 @@ HOST_SWITCHES: Mapping[str, tuple[str, ...]] = {
     ),
 }
 """``true`` made a NoETL worker binary host that bus's writer; ``false`` here turns the
-bus's faces off (an empty bind), ``true`` leaves them on."""
+bus's faces off (an empty bind); ``true`` leaves them on and opens the bus's lag port."""
+
+LAG_PORTS: Mapping[str, tuple[str, int]] = {
+    "NOETL_COMMAND_BUS_HOST": ("cmd_lag_bind", 9102),
+    "NOETL_EVENT_BUS_HOST": ("evt_lag_bind", 9106),
+}
+"""The lag port a NoETL writer of that bus serves (KEDA scrapes it), at NoETL's port on
+``CMDBUS_BIND_HOST``, unless a bind for it is given."""
+
+
+class AliasError(ConfigError):
+    """A bad value of a ``NOETL_*`` variable: the line names that variable, the one the
+    operator set, and the setting it is read as."""
+
+    def __init__(self, variable: str, setting: Setting, value: str, allowed: str) -> None:
+        super().__init__(setting, value, allowed)
+        self.args = (f"invalid setting {variable} (read as {setting.env}): {value!r}: {allowed}",)
 
 
 @attrs.frozen
@@ -71,6 +87,14 @@ class Translation:
     """``(NOETL_* name, CMDBUS_* name)`` of each alias that set a setting."""
     ignored: tuple[str, ...]
     """``NOETL_*`` names with no equivalent here, or overridden by ``CMDBUS_*`` / a flag."""
+
+    def explain(self, error: ConfigError) -> str:
+        """``error``'s line, naming the ``NOETL_*`` variable the operator set when the
+        bad value came from one (not the ``CMDBUS_*`` name it was read as)."""
+        aliases = [alias for alias, env in self.used if env == error.setting.env]
+        if not aliases:
+            return str(error)
+        return str(AliasError(" / ".join(aliases), error.setting, error.value, error.allowed))
 
 
 def translate(
@@ -104,11 +128,14 @@ def translate(
             served = boolean(environ[switch])
         except ValueError as exc:
             setting = SETTINGS_BY_NAME[names[0]]
-            raise ConfigError(setting, environ[switch], f"{switch}: {exc}") from None
+            raise AliasError(switch, setting, environ[switch], str(exc)) from None
         if not served:  # the bus is not served: its binds given too are not used
             for name in names:
                 overridden.update(values.get(name, ("", []))[1])
                 values[name] = ("", [switch])
+        else:
+            lag, port = LAG_PORTS[switch]
+            values.setdefault(lag, (f"{_bind_host(environ, flags)}:{port}", [switch]))
     out = dict(environ)
     used: set[tuple[str, str]] = set()
     for name, (value, aliases) in values.items():
@@ -126,3 +153,15 @@ def translate(
         if name.startswith(PREFIX) and (name not in known or name in overridden - aliases_used)
     )
     return Translation(out, tuple(sorted(used)), tuple(ignored))
+
+
+def _bind_host(environ: Mapping[str, str], flags: Mapping[str, str | None]) -> str:
+    """``CMDBUS_BIND_HOST`` as ``load`` will read it, bracketed for a bind (a bad one is
+    reported by ``load``, under its own name)."""
+    setting = SETTINGS_BY_NAME["bind_host"]
+    text = flags.get(setting.name) or environ.get(setting.env) or setting.default
+    try:
+        host = host_value(text)
+    except ValueError:
+        host = host_value(setting.default)
+    return f"[{host}]" if ":" in host else host

@@ -17,16 +17,20 @@ from typing import Any
 import attrs
 
 from ._values import (
+    ENV_PREFIX,
     MIN_EVT_MAX_BYTES,
     ORDINAL,
     Bind,
+    ConfigError,
     IPNetwork,
+    Setting,
     boolean,
     byte_cap,
     choice,
     cidrs,
     cpu_quota,
     group_names,
+    host_value,
     int_range,
     optional_int,
     optional_path,
@@ -36,8 +40,6 @@ from ._values import (
     shard_value,
     unknown_variables,
 )
-
-ENV_PREFIX = "CMDBUS_"
 
 FACE_NAMES = (
     "control",
@@ -63,33 +65,7 @@ DEFAULT_PORTS = {
 }
 
 
-class ConfigError(ValueError):
-    """A setting's value is not allowed. ``str()`` is the one line shown to the user."""
-
-    def __init__(self, setting: Setting, value: str, allowed: str) -> None:
-        self.setting = setting
-        self.value = value
-        self.allowed = allowed
-        super().__init__(f"invalid setting {setting.env} (--{setting.flag}): {value!r}: {allowed}")
-
-
 # --- the table ---------------------------------------------------------------------------------
-
-
-@attrs.frozen
-class Setting:
-    name: str
-    default: str
-    parse: Callable[[str], Any]
-    help: str
-
-    @property
-    def env(self) -> str:
-        return ENV_PREFIX + self.name.upper()
-
-    @property
-    def flag(self) -> str:
-        return self.name.replace("_", "-")
 
 
 def _setting(default: str, parse: Callable[[str], Any], help: str) -> Any:
@@ -132,6 +108,11 @@ class Config:
     variables, their defaults and help) is derived from them, in this order."""
 
     data_dir: Path = _setting("./cmdbus-data", Path, "directory holding the stores")
+    bind_host: str = _setting(
+        "127.0.0.1",
+        host_value,
+        "host of each face bind left at its default (HOST:its port); the image sets 0.0.0.0",
+    )
     control_bind: Bind | None = _face_bind("control")
     cmd_ingest_bind: Bind | None = _face_bind("cmd_ingest")
     cmd_claim_bind: Bind | None = _face_bind("cmd_claim")
@@ -367,14 +348,21 @@ def load(
     flags = flags or {}
     environ = os.environ if environ is None else environ
     values: dict[str, Any] = {}
+    defaulted: set[str] = set()
     for setting in SETTINGS:
         raw = flags.get(setting.name)
         if raw is None:
-            raw = environ.get(setting.env, setting.default)
+            raw = environ.get(setting.env)
+        if raw is None:
+            raw = setting.default
+            defaulted.add(setting.name)
         try:
             values[setting.name] = setting.parse(raw)
         except ValueError as exc:
             raise ConfigError(setting, raw, str(exc)) from None
+    for face in FACE_NAMES:  # a bind given stays as given; a default one takes the host
+        if f"{face}_bind" in defaulted:
+            values[f"{face}_bind"] = Bind(values["bind_host"], DEFAULT_PORTS[face])
     _resolve_derived(values, cgroup_root, environ)
     return Config(**values)
 

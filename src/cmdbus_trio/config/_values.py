@@ -1,4 +1,5 @@
-"""Settings' values: text in, a value out, or ``ValueError`` saying what is allowed."""
+"""The settings' rows and values: text in, a value out, or ``ValueError`` saying what is
+allowed."""
 
 from __future__ import annotations
 
@@ -8,12 +9,41 @@ import os
 import re
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import attrs
 
 from cmdbus_trio.protocol.bus import GROUP_NAME, GROUP_NAME_RULE
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+ENV_PREFIX = "CMDBUS_"
+
+
+@attrs.frozen
+class Setting:
+    name: str
+    default: str
+    parse: Callable[[str], Any]
+    help: str
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+    @property
+    def flag(self) -> str:
+        return self.name.replace("_", "-")
+
+
+class ConfigError(ValueError):
+    """A setting's value is not allowed. ``str()`` is the one line shown to the user."""
+
+    def __init__(self, setting: Setting, value: str, allowed: str) -> None:
+        self.setting = setting
+        self.value = value
+        self.allowed = allowed
+        super().__init__(f"invalid setting {setting.env} (--{setting.flag}): {value!r}: {allowed}")
 
 
 @attrs.frozen
@@ -39,6 +69,18 @@ class Bind:
 
 
 # --- parsers: text -> value, raising ValueError with what is allowed -------------------------
+
+
+def host_value(text: str) -> str:
+    """A host to listen on: an IP address (IPv6 without brackets) or a name."""
+    text = text.strip()
+    try:
+        bind = parse_bind(f"[{text}]:0" if ":" in text else f"{text}:0") if text else None
+    except ValueError:
+        bind = None
+    if bind is None:
+        raise ValueError("expected a host to listen on: 0.0.0.0, ::, 127.0.0.1, a name")
+    return bind.host
 
 
 def parse_bind(text: str) -> Bind | None:
