@@ -18,7 +18,8 @@ event types, 100 more consumer groups, 100,000 distinct subjects with a backlog,
 meanwhile); and issue 38's: 20,000 `next`s that timed out on 20,000 filters, 100 groups
 from the tail that never consume, 15,000 events behind (past a 500 ms stuck window), and
 120 new filters named on a group 500,000 events behind (with /livez probed meanwhile).
-Target: p50 and p99 within 1.5x of the lone worker's (DESIGN.md: waiting is free).
+Target: p50 and p99 within 1.5x of the lone worker's (waiting is free: docs/architecture.md,
+"Decisions").
 """
 
 from __future__ import annotations

@@ -41,7 +41,8 @@ def crash_cycles(request: pytest.FixtureRequest) -> int:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """DESIGN.md: the loop-blocking counter must stay 0 across the whole suite."""
+    """Nothing blocks the loop (docs/architecture.md, "Decisions"): the loop-blocking
+    counter must stay 0 across the whole suite."""
     blocked = metrics.blocking_calls_total()
     if blocked:
         session.config.get_terminal_writer().line(

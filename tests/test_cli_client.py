@@ -1,4 +1,5 @@
-"""`cmdbus-trio client …` and `cmdbus-trio bench` through real subprocesses (CLI.md)."""
+"""`cmdbus-trio client …` and `cmdbus-trio bench` through real subprocesses (docs/clients.md,
+"Command line")."""
 
 from __future__ import annotations
 

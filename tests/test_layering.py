@@ -1,9 +1,10 @@
-"""The layering of DESIGN.md, checked on the source: protocol/ and storage/ know nothing
+"""The layering of docs/architecture.md, checked on the source: protocol/ and storage/ know nothing
 of trio or sockets; only the offload helper enters a worker thread."""
 
 from __future__ import annotations
 
 import ast
+import importlib
 import threading
 from pathlib import Path
 
@@ -94,3 +95,16 @@ async def test_storage_refuses_the_loop_thread_and_counts_it() -> None:
     assert blocked_calls() == before + 1
     # This test blocks deliberately; take it back out so the session check stays meaningful.
     metrics.LOOP_BLOCKING_CALLS.remove("storage_entry_point")
+
+
+@pytest.mark.parametrize(
+    "module",
+    ["cmdbus_trio.client", "cmdbus_trio.client.trio", "cmdbus_trio.client.blocking",
+     "cmdbus_trio.protocol", "cmdbus_trio.storage", "cmdbus_trio.config"],
+)  # fmt: skip
+def test_every_name_a_public_module_lists_can_be_imported(module: str) -> None:
+    """`from cmdbus_trio.client import DeadPage` failed: `__all__` listed it, the package
+    did not import it, and docs/protocol.md told users `dead()` returns one."""
+    imported = importlib.import_module(module)
+    missing = [name for name in getattr(imported, "__all__", ()) if not hasattr(imported, name)]
+    assert not missing, missing

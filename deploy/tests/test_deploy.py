@@ -500,6 +500,11 @@ def test_the_noetl_overlay_takes_the_place_of_the_noetl_writer() -> None:
     assert env["CMDBUS_SHARD"] == "auto"
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert spec[probe]["httpGet"]["port"] == "control"
+    # A claim template of its own: the new pod never mounts the old writer's volume
+    # (a StatefulSet of the same name keeps <template>-noetl-cmdbus-writer-0 claims).
+    (template,) = statefulset["spec"]["volumeClaimTemplates"]
+    assert template["metadata"]["name"] == "cmdbus-trio-data"
+    assert [m["name"] for m in spec["volumeMounts"]] == ["cmdbus-trio-data"]
     container_ports = {port["name"]: port["containerPort"] for port in spec["ports"]}
     services = {s["metadata"]["name"]: s for s in by_kind(docs, "Service")}
     noetl = services["noetl-cmdbus-writer"]

@@ -64,7 +64,7 @@ DATA_FACES: Mapping[str, FaceServe] = {
     "evt_claim": evt_claim.serve,
     "evt_subscribe": evt_subscribe.serve,
 }
-"""The data faces this build implements: all of PROTOCOL.md's."""
+"""The data faces this build implements: all of docs/protocol.md's."""
 
 
 class StartupError(Exception):

@@ -1,4 +1,4 @@
-"""``cmdbus-trio``: the command line (see CLI.md)."""
+"""``cmdbus-trio``: the command line (docs/clients.md, "Command line")."""
 
 from __future__ import annotations
 

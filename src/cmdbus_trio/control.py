@@ -134,7 +134,7 @@ class ControlApp(_PlainApp):
 
     async def _healthz(self) -> tuple[int, bytes, bytes]:
         # One trip through the scheduler: a health check that never yields cannot see
-        # a starved loop (DESIGN.md), this one reports how long the trip took.
+        # a starved loop, this one reports how long the trip took.
         before = trio.current_time()
         await trio.lowlevel.checkpoint()
         summary = self.health.summary()

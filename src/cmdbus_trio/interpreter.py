@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 @contextmanager
 def switch_interval(seconds: float) -> Iterator[None]:
-    """Lower the GIL switch interval while serving (DESIGN.md, "The GIL rule")."""
+    """Lower the GIL switch interval while serving (docs/architecture.md, "The GIL rule")."""
     previous = sys.getswitchinterval()
     sys.setswitchinterval(seconds)
     try:

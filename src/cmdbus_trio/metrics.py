@@ -1,6 +1,6 @@
 """The metric catalogue: every family the writer exports, in one place.
 
-Names are part of the contract (DESIGN.md, "Metrics"); HELP texts say exactly what the
+Names are part of the contract (docs/architecture.md, "Decisions"); HELP texts say exactly what the
 code measures. This module never imports trio, so the storage layer may count into it.
 Nothing here blocks: gauges that mirror live state read in-memory numbers only.
 """

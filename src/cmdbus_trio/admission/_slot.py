@@ -53,7 +53,7 @@ class Slot:
 
     async def run_to_completion(self, fn: Callable[[*Ts], T], *args: *Ts) -> T:
         """Run write work in a thread; once started it finishes, whatever is cancelled,
-        and the slot stays held until it has (DESIGN.md: "Writes finish")."""
+        and the slot stays held until it has (docs/architecture.md, "Decisions": writes finish)."""
         with trio.CancelScope(shield=True):
             result = await self._run(fn, *args)
         return result

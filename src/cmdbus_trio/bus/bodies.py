@@ -1,7 +1,7 @@
 """Record bodies for deliveries, read in batches.
 
 A claim's lease is decided in memory; its body is on disk. One thread hop per ``next``
-cost the loop about as much as the rest of the request (DESIGN.md: a hop is ~95 µs), so,
+cost the loop about as much as the rest of the request (a hop is ~95 µs: docs/architecture.md), so,
 as the group committer does for writes, every body asked for while a read runs goes into
 the next read: one query per batch, and one thread call reads batch after batch while
 asks keep coming (:class:`~cmdbus_trio.batcher.ThreadBatcher`).

@@ -16,6 +16,7 @@ from ._calls import (
     Batch,
     BatchAppended,
     Call,
+    DeadPage,
     Delivery,
     Lag,
     Page,

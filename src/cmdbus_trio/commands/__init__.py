@@ -1,2 +1,2 @@
 """The subcommands of ``cmdbus-trio`` other than ``serve``: each module adds its parser
-and runs it (CLI.md is the contract)."""
+and runs it (docs/clients.md, "Command line")."""

@@ -1,5 +1,6 @@
 """``cmdbus-trio client …``: one request or a loop of them from the shell, over the
-blocking client (CLI.md). Output is JSON lines, or a table with ``--human``."""
+blocking client (docs/clients.md, "Command line"). Output is JSON lines, or a table with
+``--human``."""
 
 from __future__ import annotations
 

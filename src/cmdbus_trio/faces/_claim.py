@@ -1,5 +1,5 @@
-"""What the two claim faces share (PROTOCOL.md, "Claim faces"): competing consumers
-with leases, in both dialects.
+"""What the two claim faces share (docs/protocol.md, "Command claim", "Event claim"):
+competing consumers with leases, in both dialects.
 
 Each connection has its own handler: the leases it holds are released the moment it
 closes. ``next`` waits in memory (no thread, no polling) for a matching record, leases it,

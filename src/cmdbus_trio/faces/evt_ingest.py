@@ -1,6 +1,6 @@
 """The event ingest face (:9103): the command ingest face's dialects and group commit, on
 the event bus (its own database file, Gate and committer, so a busy event bus never slows
-the command bus). Subjects are ``events.<event_type>`` (PROTOCOL.md)."""
+the command bus). Subjects are ``events.<event_type>`` (docs/protocol.md)."""
 
 from __future__ import annotations
 

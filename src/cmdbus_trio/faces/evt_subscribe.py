@@ -77,7 +77,7 @@ class SubscribeHandler:
         except Exception:
             raise CloseConnection("protocol_error") from None
         if request.shard != self.ctx.config.shard:
-            raise CloseConnection("protocol_error")  # PROTOCOL.md: another shard closes
+            raise CloseConnection("protocol_error")  # docs/protocol.md: another shard closes
         await self._stream(
             request.cursor, None, lambda fragments: b"[" + b",".join(fragments) + b"]", gaps=None
         )

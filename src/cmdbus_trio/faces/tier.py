@@ -1,4 +1,4 @@
-"""The tier face (:9110): per-execution history, both dialects (PROTOCOL.md, "Tier face").
+"""The tier face (:9110): per-execution history, both dialects (docs/protocol.md, "Tier face").
 
 ``health`` is answered on the connection, without a Gate slot. Every other request is
 admitted by the tier Gate (appends and deletes: the write lane, ``CMDBUS_TIER_WRITES``)

@@ -1,4 +1,4 @@
-"""The wire protocol as pure state machines: no I/O, no trio (see PROTOCOL.md)."""
+"""The wire protocol as pure state machines: no I/O, no trio (docs/protocol.md)."""
 
 from ._envelope import (
     PROTOCOL_VERSION,

@@ -4,7 +4,7 @@ import enum
 
 
 class ErrorCode(enum.StrEnum):
-    """The v2 error codes of PROTOCOL.md."""
+    """The v2 error codes (docs/protocol.md, "Error codes")."""
 
     INVALID = "invalid"
     UNSUPPORTED = "unsupported"
@@ -21,7 +21,7 @@ class ProtocolError(Exception):
 
     ``code`` is the v2 error code to answer with, ``hint`` a sentence for the peer's
     operator, and ``fatal`` says whether the connection must close after the answer
-    (PROTOCOL.md: after ``too_large`` or an unparseable frame).
+    (docs/protocol.md: after ``too_large`` or an unparseable frame).
     """
 
     def __init__(self, hint: str, *, code: ErrorCode = ErrorCode.INVALID, fatal: bool) -> None:

@@ -1,4 +1,4 @@
-"""The ingest faces' requests: records, ``publish`` and ``publish_batch`` (PROTOCOL.md,
+"""The ingest faces' requests: records, ``publish`` and ``publish_batch`` (docs/protocol.md,
 "Records and subjects" and "Ingest faces")."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The claim faces' requests, both dialects (PROTOCOL.md, "Claim faces").
+"""The claim faces' requests, both dialects (docs/protocol.md, "Command claim", "Event claim").
 
 Decoding checks every field but ``group`` and ``from`` and names the bad one; it never
 touches a coordinator. ``group`` and ``from`` are handed on as sent: which group they name

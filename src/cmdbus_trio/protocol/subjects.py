@@ -1,4 +1,4 @@
-"""Subjects, shards and filters (PROTOCOL.md, "Records and subjects").
+"""Subjects, shards and filters (docs/protocol.md, "Records"; shards: docs/scale-out.md).
 
 Commands go to ``commands.<pool>.shard.<n>``; events to ``events.<event_type>``. Filters
 follow NATS: tokens split on ``.``, ``*`` matches one token, ``>`` one or more trailing

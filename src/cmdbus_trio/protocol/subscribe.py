@@ -1,4 +1,4 @@
-"""The event subscribe face's requests, both dialects (PROTOCOL.md, "Subscribe face")."""
+"""The event subscribe face's requests, both dialects (docs/protocol.md, "Event subscribe")."""
 
 from __future__ import annotations
 

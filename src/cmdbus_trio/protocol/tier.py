@@ -1,4 +1,4 @@
-"""The tier face's requests and replies, both dialects (PROTOCOL.md, "Tier face").
+"""The tier face's requests and replies, both dialects (docs/protocol.md, "Tier face").
 
 Decoding checks every field and names the bad one; it never touches a store. Reply
 encoding works on pre-encoded record fragments so that a page can be cut by bytes.
@@ -181,7 +181,7 @@ def _limit(fields: Mapping[str, Any], default: int) -> int:
         return default
     if not is_int(limit):
         raise FieldError("limit", "expected an integer")
-    return max(1, min(MAX_RECORDS_PER_REPLY, int(limit)))  # clamped, as PROTOCOL.md says
+    return max(1, min(MAX_RECORDS_PER_REPLY, int(limit)))  # clamped, as docs/protocol.md says
 
 
 def payload_event_id(payload: str, field: str = "payload") -> str | None:

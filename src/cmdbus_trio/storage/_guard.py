@@ -1,8 +1,9 @@
 """The loop-thread guard of the storage layer.
 
 Storage work blocks: on the event-loop thread it would stall every face, the probes and
-the metrics scrape (the incident of DESIGN.md). So every storage entry point is wrapped in
-:func:`refuses_loop_thread`, which counts and refuses a call made on a loop thread.
+the metrics scrape (docs/architecture.md tells the incident). So every storage entry point
+is wrapped in :func:`refuses_loop_thread`, which counts and refuses a call made on a loop
+thread.
 """
 
 from __future__ import annotations
