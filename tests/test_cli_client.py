@@ -271,3 +271,27 @@ def test_publish_and_claim_across_two_shards(tmp_path: Path) -> None:
             run("client", "claim", "--writers", f"1@{w1['cmd_claim']}", "--filter", ">"),
             "shards 0 of 0..1 have no writer",
         )
+
+
+def test_bench_speaks_to_a_writer_with_a_token(tmp_path: Path) -> None:
+    """`bench` had no --token (nor --tls-ca): a writer with auth could not be measured."""
+    with serving(tmp_path, CMDBUS_AUTH_TOKEN="sesame") as (_, ports):
+        bench = ("bench", "--url", f"http://{ports['control']}", "--scenario", "publish",
+                 "--duration", "0.5", "--concurrency", "2")  # fmt: skip
+        measured = lines(run(*bench, "--token", "sesame"))
+        assert {row["op"]: row for row in measured}["publish"]["ok"] > 0
+        assert_fails(run(*bench), "token")
+
+
+def test_a_control_url_without_a_scheme_is_http(server: dict[str, str]) -> None:
+    """`diagnose 127.0.0.1:9090` said UNREACHABLE: the address was read as a URL with no
+    host."""
+    diagnosed = run("diagnose", server["control"], "--interval", "0.2")
+    found = [json.loads(line) for line in diagnosed.stdout.splitlines()]
+    assert found and found[0]["verdict"] != "unreachable", diagnosed
+    assert lines(run("client", "health", "--url", server["control"]))[0]["status"] == "ok"
+
+
+def test_a_client_pointed_at_an_http_port_says_so(server: dict[str, str]) -> None:
+    """It reported a frame of 1,213,486,160 bytes ("HTTP" read as a frame header)."""
+    assert_fails(run("client", "lag", "--addr", server["control"]), "the server answered in HTTP")

@@ -194,3 +194,14 @@ def test_the_cli_lists_requeues_and_purges(tmp_path: Path) -> None:
         assert client("--requeue", "--sort-key", str(keys[0])) == [{"requeued": 1}]
         assert client("--purge", "--filter", "commands.c.>") == [{"purged": 2}]
         assert client() == []
+        # Acting on every dead letter takes --all: it used to be one flag away.
+        trio.run(park, ports, ["d"])
+        refused = subprocess.run(
+            [sys.executable, "-m", "cmdbus_trio", "client", "dead", "--addr", ports["cmd_claim"],
+             "--purge"],
+            env=environment(tmp_path), capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert refused.returncode == 1
+        assert "--purge: name --filter F or --sort-key K, or --all" in refused.stderr
+        assert len(client()) == 1
+        assert client("--requeue", "--all") == [{"requeued": 1}]

@@ -94,11 +94,27 @@ async def test_tls_on_the_data_faces(tmp_path: Path, ca: trustme.CA) -> None:
         assert "cmdbus_connections_total" in await trio.to_thread.run_sync(metrics_text, ports)
 
 
-def test_a_bad_certificate_fails_the_start(tmp_path: Path) -> None:
-    missing = {"CMDBUS_TLS_CERT": str(tmp_path / "no.pem"), "CMDBUS_TLS_KEY": "no.pem"}
-    with pytest.raises(AssertionError, match="no ports file"), serving(tmp_path, **missing):
+@pytest.mark.parametrize("fault", ["missing cert", "missing key", "not a certificate"])
+def test_a_bad_certificate_fails_the_start_naming_the_file(tmp_path: Path, fault: str) -> None:
+    """A missing certificate failed the start naming neither the file nor the setting."""
+    pem = tmp_path / "pem"
+    pem.write_text("not a certificate")
+    cert, key = str(pem), str(pem)
+    if fault == "missing cert":
+        cert = str(tmp_path / "no.pem")
+    elif fault == "missing key":
+        key = str(tmp_path / "no-key.pem")
+    env = {"CMDBUS_TLS_CERT": cert, "CMDBUS_TLS_KEY": key}
+    with pytest.raises(AssertionError, match="no ports file"), serving(tmp_path, **env):
         pass
-    assert "cannot start the" in (tmp_path / "server.log").read_text()
+    (line,) = (tmp_path / "server.log").read_text().splitlines()
+    named = {
+        "missing cert": ("CMDBUS_TLS_CERT", cert, "no such file"),
+        "missing key": ("CMDBUS_TLS_KEY", key, "no such file"),
+        "not a certificate": ("CMDBUS_TLS_CERT", cert, "not a PEM certificate"),
+    }[fault]
+    assert line.startswith(f"cmdbus-trio: invalid setting {named[0]} ")
+    assert f"{named[1]!r}: {named[2]}" in line
 
 
 async def test_connections_over_the_cap_are_closed_and_counted(tmp_path: Path) -> None:

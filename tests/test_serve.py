@@ -8,6 +8,7 @@ import socket
 import subprocess
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -227,3 +228,23 @@ def test_flags_are_never_matched_by_a_prefix(argv: list[str], prefix: str) -> No
     result = subprocess.run(cli(*argv), capture_output=True, text=True, timeout=30)
     assert result.returncode == 2
     assert f"unrecognized arguments: {prefix}" in result.stderr
+
+
+def test_help_texts_show_no_raw_markup() -> None:
+    """`client --help` printed its docstring's ``literals`` and :roles:`x` raw."""
+    import argparse
+
+    from cmdbus_trio.cli import _parser
+
+    def helps(parser: argparse.ArgumentParser) -> Iterator[str]:
+        yield parser.format_help()
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for child in action.choices.values():
+                    yield from helps(child)
+
+    texts = list(helps(_parser()))
+    assert len(texts) > 15
+    for text in texts:
+        assert "``" not in text and ":func:" not in text and ":class:" not in text, text
+        assert "**" not in text, text

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import Protocol
@@ -66,12 +67,21 @@ def _parser() -> argparse.ArgumentParser:
             commands.add_parser(
                 name,
                 help=command.HELP,
-                description=command.__doc__,
+                description=plain(command.__doc__ or ""),
                 formatter_class=argparse.RawDescriptionHelpFormatter,
             )
         )
     _whole_flags_only(parser)
     return parser
+
+
+_MARKUP = re.compile(r"``([^`]+)``|:\w+:`([^`]+)`|\*\*([^*]+)\*\*")
+
+
+def plain(docstring: str) -> str:
+    """A docstring as help text: reST's ``literals``, :roles:`x` and **bold** shown as
+    the words they mark (``--help`` printed them raw)."""
+    return _MARKUP.sub(lambda m: next(g for g in m.groups() if g is not None), docstring)
 
 
 def _whole_flags_only(parser: argparse.ArgumentParser) -> None:

@@ -67,6 +67,7 @@ class ClientProtocol:
         self.client = client or f"cmdbus-trio-client/{__version__}"
         self.token = token
         self._decoder = FrameDecoder(max_reply_bytes or DEFAULT_MAX_REPLY_BYTES)
+        self._received = b""  # the first bytes, to name a server that is not ours
         self._next_id = 0
         self.hello: ServerHello | None = None
 
@@ -96,12 +97,20 @@ class ClientProtocol:
 
     def receive_data(self, data: bytes | bytearray) -> None:
         """Bytes from the socket; ``b""`` means the server closed it."""
+        if self.hello is None and len(self._received) < 5:
+            self._received += bytes(data[: 5 - len(self._received)])
         self._decoder.receive_data(data)
 
     def next_event(self) -> Event:
         try:
             frame = self._decoder.next_frame()
         except RemoteProtocolError as exc:
+            if self.hello is None and self._received.startswith(b"HTTP/"):
+                # "HTTP" read as a frame header is a 1,213,486,160-byte frame: say what it is.
+                raise ConnectionLost(
+                    "the server answered in HTTP: this is not a data face (the control "
+                    "face :9090 and the lag ports speak HTTP; data faces, framed JSON)"
+                ) from None
             raise ConnectionLost(f"reply stream broken: {exc.hint}") from None
         if frame is NEED_DATA or frame is CLOSED:
             return frame

@@ -1,4 +1,5 @@
-"""One ``/metrics`` text as series, and what changed between two of them (``diagnose``)."""
+"""One ``/metrics`` text as series, and what changed between two of them (``diagnose``);
+the control face's URL as a user types it."""
 
 from __future__ import annotations
 
@@ -8,6 +9,13 @@ from collections.abc import Iterable
 from prometheus_client.parser import text_string_to_metric_families
 
 Labels = frozenset[tuple[str, str]]
+
+
+def control_url(text: str) -> str:
+    """A control face's URL as typed: ``127.0.0.1:9090`` (no scheme) means ``http://…``
+    (it was taken as a URL with no host, and reported UNREACHABLE)."""
+    text = text.strip().rstrip("/")
+    return text if "://" in text else f"http://{text}"
 
 
 class Scrape:

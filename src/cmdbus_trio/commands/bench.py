@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -39,6 +39,8 @@ from cmdbus_trio.client import Busy, ClientError
 from cmdbus_trio.client.trio import ClaimClient, IngestClient, TierClient
 
 from ._output import Output, fail, leaves
+from ._scrape import control_url
+from .client import add_connection_arguments, connection_options
 from .spawn import SpawnError, spawn_writer
 
 SCENARIOS = ("publish", "claim", "tier-append", "tier-read", "stall", "mixed")
@@ -145,7 +147,13 @@ def _record(n: int) -> dict[str, Any]:
 
 
 async def _run_scenario(
-    name: str, faces: dict[str, str], recorder: Recorder, workers: int, duration: float, events: int
+    name: str,
+    faces: dict[str, str],
+    recorder: Recorder,
+    workers: int,
+    duration: float,
+    events: int,
+    options: Mapping[str, Any],
 ) -> None:
     end = trio.current_time() + duration
     counter = iter(range(1, 1 << 62))
@@ -155,7 +163,7 @@ async def _run_scenario(
             await work()
 
     async def publisher(nursery: trio.Nursery) -> None:
-        client = await IngestClient.connect(faces["cmd_ingest"])
+        client = await IngestClient.connect(faces["cmd_ingest"], **options)
         nursery.start_soon(
             loop,
             lambda: recorder.timed(
@@ -164,7 +172,7 @@ async def _run_scenario(
         )
 
     async def consumer(nursery: trio.Nursery) -> None:
-        client = await ClaimClient.connect(faces["cmd_claim"])
+        client = await ClaimClient.connect(faces["cmd_claim"], **options)
 
         async def cycle() -> None:
             delivery = await recorder.timed(
@@ -176,7 +184,7 @@ async def _run_scenario(
         nursery.start_soon(loop, cycle)
 
     async def appender(nursery: trio.Nursery) -> None:
-        client = await TierClient.connect(faces["tier"])
+        client = await TierClient.connect(faces["tier"], **options)
         nursery.start_soon(
             loop,
             lambda: recorder.timed(
@@ -188,7 +196,7 @@ async def _run_scenario(
         )
 
     async def reader(nursery: trio.Nursery, execution: str, op: str) -> None:
-        client = await TierClient.connect(faces["tier"])
+        client = await TierClient.connect(faces["tier"], **options)
 
         async def read_all() -> None:
             after: int | None = None
@@ -206,7 +214,7 @@ async def _run_scenario(
         if name in ("tier-read", "stall", "mixed"):
             size = events if name == "stall" else 100
             execution = f"bench-read-{os.getpid()}-{time.time_ns()}"
-            await _preload(faces["tier"], execution, size)
+            await _preload(faces["tier"], execution, size, options)
         plan: Sequence[Callable[[trio.Nursery], Awaitable[None]]]
         if name == "publish":
             plan = [publisher] * workers
@@ -226,9 +234,9 @@ async def _run_scenario(
             await start(nursery)
 
 
-async def _preload(address: str, execution: str, records: int) -> None:
+async def _preload(address: str, execution: str, records: int, options: Mapping[str, Any]) -> None:
     payload = json.dumps({"event_type": "bench", "pad": "x" * 1000})
-    async with await TierClient.connect(address) as tier:
+    async with await TierClient.connect(address, **options) as tier:
         assert tier.server is not None
         per_batch = max(1, min(10_000, tier.server.max_request_bytes // (len(payload) + 64)))
         for begin in range(0, records, per_batch):
@@ -316,7 +324,14 @@ def plot(recorder: Recorder, path: Path, title: str, duration: float) -> None:
     plt.close(figure)
 
 
-async def bench(url: str, scenario: str, duration: float, workers: int, events: int) -> Recorder:
+async def bench(
+    url: str,
+    scenario: str,
+    duration: float,
+    workers: int,
+    events: int,
+    options: Mapping[str, Any] | None = None,
+) -> Recorder:
     faces = _addresses(url, await _health(url))
     needed = {"publish": ["cmd_ingest"], "claim": ["cmd_ingest", "cmd_claim"]}.get(
         scenario,
@@ -333,7 +348,7 @@ async def bench(url: str, scenario: str, duration: float, workers: int, events: 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_probe, url, recorder, end)
         nursery.start_soon(_progress, recorder, end, sys.stderr)
-        await _run_scenario(scenario, faces, recorder, workers, duration, events)
+        await _run_scenario(scenario, faces, recorder, workers, duration, events, options or {})
     return recorder
 
 
@@ -342,7 +357,12 @@ HELP = "drive a writer with a scenario and report rates and latencies"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     where = parser.add_mutually_exclusive_group()
-    where.add_argument("--url", default="http://127.0.0.1:9090", help="control face of the writer")
+    where.add_argument(
+        "--url",
+        type=control_url,
+        default="http://127.0.0.1:9090",
+        help="control face of the writer (http:// may be left out)",
+    )
     where.add_argument("--spawn", action="store_true", help="start a writer on a temp dir")
     parser.add_argument("--scenario", required=True, choices=SCENARIOS)
     parser.add_argument("--duration", type=float, default=10.0, help="seconds of load")
@@ -350,6 +370,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--events", type=int, default=20_000, help="stall: records to read")
     parser.add_argument("--plot", type=Path, help="write a PNG of latency and throughput")
     parser.add_argument("--human", action="store_true", help="print a table, not JSON lines")
+    add_connection_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -366,7 +387,10 @@ def run(args: argparse.Namespace) -> int:
         if args.spawn:
             process, ports = spawn_writer(Path(tempfile.mkdtemp(prefix="cmdbus-bench-")))
             url = f"http://{ports['control']}"
-        recorder = trio.run(bench, url, args.scenario, args.duration, args.concurrency, args.events)
+        options = connection_options(args)
+        recorder = trio.run(
+            bench, url, args.scenario, args.duration, args.concurrency, args.events, options
+        )
     except (ClientError, SpawnError) as exc:
         return fail("bench", str(exc))
     except BaseExceptionGroup as group:

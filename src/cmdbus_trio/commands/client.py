@@ -23,6 +23,7 @@ from cmdbus_trio.config import DEFAULT_PORTS
 from cmdbus_trio.protocol.subjects import as_i64
 
 from ._output import Output, fail
+from ._scrape import control_url
 
 TOKEN_VARIABLE = "CMDBUS_CLIENT_TOKEN"
 CALL_TIMEOUT = 30.0
@@ -106,6 +107,11 @@ def add_arguments(client: argparse.ArgumentParser) -> None:
                 dest="sort_keys",
                 help="with --requeue or --purge: only this one (repeatable; else --filter's)",
             )
+            parser.add_argument(
+                "--all",
+                action="store_true",
+                help="with --requeue or --purge and no --filter or --sort-key: every dead letter",
+            )
 
     delete = op("delete-group", "delete an event consumer group and all it recorded")
     delete.add_argument("--addr", default=_default("evt_claim"), help="event claim face (:9104)")
@@ -114,11 +120,21 @@ def add_arguments(client: argparse.ArgumentParser) -> None:
     health_help = "the writer's /healthz (exit 1 when degraded)"
     health = ops.add_parser("health", help=health_help, description=health_help)
     health.add_argument("--human", action="store_true", help="print a table, not JSON lines")
-    health.add_argument("--url", default=f"http://{_default('control')}", help="control face")
+    health.add_argument(
+        "--url",
+        type=control_url,
+        default=f"http://{_default('control')}",
+        help="control face (http:// may be left out)",
+    )
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--human", action="store_true", help="print a table, not JSON lines")
+    add_connection_arguments(parser)
+
+
+def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--token`` and ``--tls-ca``, for every command that opens data-face connections."""
     parser.add_argument(
         "--token",
         default=os.environ.get(TOKEN_VARIABLE),
@@ -127,8 +143,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-ca", type=Path, help="speak TLS, trusting this CA (PEM)")
 
 
-def _options(args: argparse.Namespace) -> dict[str, Any]:
-    """Connection options from the common flags (``health`` has none of them)."""
+def connection_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The clients' ``connect`` options from :func:`add_connection_arguments`' flags
+    (``health`` has none of them)."""
     tls_ca = getattr(args, "tls_ca", None)
     context = None if tls_ca is None else ssl.create_default_context(cafile=str(tls_ca))
     return {"token": getattr(args, "token", None), "ssl_context": context}
@@ -189,9 +206,9 @@ def _publish(args: argparse.Namespace, output: Output) -> int:
     if shards is None and not args.addr:  # CMDBUS_*_WRITERS, or NoETL's *_WRITER_ADDRS
         shards = ShardMap.from_environ("events" if args.events else "commands")
     publisher: blocking.Router | blocking.IngestClient = (
-        blocking.Router(shards, **_options(args))
+        blocking.Router(shards, **connection_options(args))
         if shards is not None
-        else blocking.IngestClient(args.addr or _default(face), **_options(args))
+        else blocking.IngestClient(args.addr or _default(face), **connection_options(args))
     )
     with publisher:
         for record in _records(args):
@@ -210,7 +227,8 @@ def _claim(args: argparse.Namespace, output: Output) -> int:
     options = {"wait": args.timeout, "group": args.group, "timeout": CALL_TIMEOUT}
     claimed = 0
     if args.writers:  # round robin over the shards' claim faces
-        with blocking.ShardedClaimClient(ShardMap.parse(args.writers), **_options(args)) as many:
+        shards = ShardMap.parse(args.writers)
+        with blocking.ShardedClaimClient(shards, **connection_options(args)) as many:
             while args.max is None or claimed < args.max:
                 got = many.next(args.filter, start=args.start, **options)
                 if got is None:
@@ -220,7 +238,7 @@ def _claim(args: argparse.Namespace, output: Output) -> int:
                 if not args.no_ack:
                     many.ack(got, group=args.group, timeout=CALL_TIMEOUT)
         return 0
-    with blocking.ClaimClient.connect(_claim_address(args), **_options(args)) as claim:
+    with blocking.ClaimClient.connect(_claim_address(args), **connection_options(args)) as claim:
         while args.max is None or claimed < args.max:
             delivery = claim.next(args.filter, start=args.start, **options)
             if delivery is None:
@@ -233,7 +251,7 @@ def _claim(args: argparse.Namespace, output: Output) -> int:
 
 
 def _tier_append(args: argparse.Namespace, output: Output) -> int:
-    with blocking.TierClient.connect(args.addr, **_options(args)) as tier:
+    with blocking.TierClient.connect(args.addr, **connection_options(args)) as tier:
         output.row(
             tier.append(args.execution_id, args.payload, tier=args.tier, timeout=CALL_TIMEOUT)
         )
@@ -241,14 +259,14 @@ def _tier_append(args: argparse.Namespace, output: Output) -> int:
 
 
 def _tier_read(args: argparse.Namespace, output: Output) -> int:
-    with blocking.TierClient.connect(args.addr, **_options(args)) as tier:
+    with blocking.TierClient.connect(args.addr, **connection_options(args)) as tier:
         for record in tier.read_all(args.execution_id, tier=args.tier, timeout=CALL_TIMEOUT):
             output.row(record)
     return 0
 
 
 def _tier_delete(args: argparse.Namespace, output: Output) -> int:
-    with blocking.TierClient.connect(args.addr, **_options(args)) as tier:
+    with blocking.TierClient.connect(args.addr, **connection_options(args)) as tier:
         deleted = tier.delete_execution(args.execution_id, tier=args.tier, timeout=CALL_TIMEOUT)
         output.row({"deleted": deleted})
     return 0
@@ -259,7 +277,7 @@ def _tier_scan(args: argparse.Namespace, output: Output) -> int:
         raise ValueError(f"--limit must be at least 1, got {args.limit}")
     remaining = args.limit
     after = args.after
-    with blocking.TierClient.connect(args.addr, **_options(args)) as tier:
+    with blocking.TierClient.connect(args.addr, **connection_options(args)) as tier:
         while remaining is None or remaining > 0:
             size = 1000 if remaining is None else min(1000, remaining)
             page = tier.scan(tier=args.tier, after=after, limit=size, timeout=CALL_TIMEOUT)
@@ -274,17 +292,22 @@ def _tier_scan(args: argparse.Namespace, output: Output) -> int:
 
 
 def _lag(args: argparse.Namespace, output: Output) -> int:
-    with blocking.ClaimClient.connect(_claim_address(args), **_options(args)) as claim:
+    with blocking.ClaimClient.connect(_claim_address(args), **connection_options(args)) as claim:
         output.row(claim.lag(args.filter, group=args.group, timeout=CALL_TIMEOUT))
     return 0
 
 
 def _dead(args: argparse.Namespace, output: Output) -> int:
     """List every dead letter (all pages), or requeue or purge them."""
-    if args.sort_keys and not (args.requeue or args.purge):
-        raise ValueError("--sort-key goes with --requeue or --purge")
-    with blocking.ClaimClient.connect(_claim_address(args), **_options(args)) as claim:
-        if args.requeue or args.purge:
+    moving = args.requeue or args.purge
+    if (args.sort_keys or args.all) and not moving:
+        raise ValueError("--sort-key and --all go with --requeue or --purge")
+    if moving and not (args.filter or args.sort_keys or args.all):
+        # Every dead letter, without a word, was one flag away: say which ones.
+        flag = "--requeue" if args.requeue else "--purge"
+        raise ValueError(f"{flag}: name --filter F or --sort-key K, or --all for every one")
+    with blocking.ClaimClient.connect(_claim_address(args), **connection_options(args)) as claim:
+        if moving:
             move = claim.requeue if args.requeue else claim.purge
             filter = None if args.sort_keys else (args.filter or ">")
             moved = move(args.sort_keys, filter=filter, group=args.group, timeout=CALL_TIMEOUT)
@@ -303,7 +326,7 @@ def _dead(args: argparse.Namespace, output: Output) -> int:
 
 
 def _delete_group(args: argparse.Namespace, output: Output) -> int:
-    with blocking.ClaimClient.connect(args.addr, **_options(args)) as claim:
+    with blocking.ClaimClient.connect(args.addr, **connection_options(args)) as claim:
         output.row({"deleted": claim.delete_group(args.group, timeout=CALL_TIMEOUT)})
     return 0
 

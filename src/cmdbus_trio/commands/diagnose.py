@@ -39,7 +39,7 @@ from typing import Any
 import attrs
 
 from ._output import Output, fail
-from ._scrape import Scrape, delta, histogram_deltas, label, quantile, show
+from ._scrape import Scrape, control_url, delta, histogram_deltas, label, quantile, show
 from .client import fetch
 
 QUEUE_WAIT_SATURATED = 0.1
@@ -415,7 +415,13 @@ HELP = "say whether a writer is healthy, saturated, stalled, poisoned or backlog
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("url", nargs="?", default="http://127.0.0.1:9090", help="control face")
+    parser.add_argument(
+        "url",
+        nargs="?",
+        type=control_url,
+        default="http://127.0.0.1:9090",
+        help="control face (http:// may be left out)",
+    )
     parser.add_argument("--interval", type=float, default=3.0, help="seconds between scrapes")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait per request")
     parser.add_argument("--human", action="store_true", help="print text, not JSON lines")

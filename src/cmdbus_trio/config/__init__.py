@@ -38,6 +38,7 @@ from ._values import (
     parse_bind,
     positive_float,
     shard_value,
+    tls_problem,
     unknown_variables,
 )
 
@@ -395,6 +396,9 @@ def _resolve_derived(values: dict[str, Any], cgroup_root: Path, environ: Mapping
             "",
             "TLS needs both CMDBUS_TLS_CERT and CMDBUS_TLS_KEY",
         )
+    tls = (values["tls_cert"], values["tls_key"])
+    if None not in tls and (problem := tls_problem(*tls)):
+        raise ConfigError(SETTINGS_BY_NAME[problem[0]], *problem[1:])
     control = values["control_bind"]
     if values["debug_hooks"] and values["auth_token"] is None and control and not control.loopback:
         raise ConfigError(

@@ -7,6 +7,7 @@ import difflib
 import ipaddress
 import os
 import re
+import ssl
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -232,3 +233,19 @@ def unknown_variables(
         for name in sorted(environ)
         if name.startswith(prefix) and name not in names
     ]
+
+
+def tls_problem(cert: Path, key: Path) -> tuple[str, str, str] | None:
+    """Why the certificate and key cannot serve TLS, as ``(setting, value, why)`` naming
+    the file at fault, or None. (A missing file used to fail the start naming neither
+    the file nor the setting.)"""
+    for name, path in (("tls_cert", cert), ("tls_key", key)):
+        if not path.is_file():
+            return name, str(path), "no such file"
+        if not os.access(path, os.R_OK):
+            return name, str(path), f"not readable by uid {os.getuid()}"
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
+    except (ssl.SSLError, OSError) as exc:
+        return "tls_cert", str(cert), f"not a PEM certificate matching {key}: {exc}"
+    return None
