@@ -15,6 +15,7 @@ import trio
 
 from cmdbus_trio.client import (
     Busy,
+    CannotConnect,
     Conflict,
     ConnectionLost,
     DeadlineExceeded,
@@ -383,11 +384,18 @@ def test_retry_only_what_is_safe() -> None:
     assert not policy.should_retry(plain, ConnectionLost("x"), 1)
     assert policy.should_retry(keyed, ConnectionLost("x"), 1)
     assert not policy.should_retry(keyed, Invalid("x"), 1)
+    assert policy.should_retry(plain, CannotConnect("x"), 1)  # nothing was sent
 
 
-async def test_connect_refused_is_connection_lost() -> None:
-    with trio.fail_after(10), pytest.raises(ConnectionLost, match="cannot connect"):
+async def test_connect_refused_is_cannot_connect_in_both_clients() -> None:
+    """A connection never made (nothing sent) is CannotConnect, a ConnectionLost: any
+    call may be retried (a writer that is starting); a broken one is not."""
+    from cmdbus_trio.client import blocking
+
+    with trio.fail_after(10), pytest.raises(CannotConnect, match="cannot connect"):
         await Connection.connect("127.0.0.1:1")
+    with pytest.raises(CannotConnect, match="cannot connect"):
+        blocking.Connection.connect("127.0.0.1:1")
 
 
 # --- blocking client --------------------------------------------------------------------

@@ -25,6 +25,7 @@ from ._calls import (
 )
 from ._errors import (
     Busy,
+    CannotConnect,
     ClientError,
     Conflict,
     ConnectionLost,
@@ -45,6 +46,7 @@ __all__ = [
     "BatchAppended",
     "Busy",
     "Call",
+    "CannotConnect",
     "ClientError",
     "Conflict",
     "ConnectionLost",

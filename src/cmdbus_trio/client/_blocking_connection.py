@@ -17,7 +17,7 @@ from ._calls import (
     Call,
 )
 from ._core import LOCAL_GRACE, BaseConnection, Reply, ServerHello, split_address
-from ._errors import ClientError, ConnectionLost, DeadlineExceeded, ServerError
+from ._errors import CannotConnect, ClientError, ConnectionLost, DeadlineExceeded, ServerError
 from ._retry import Attempts
 from ._sockets import closed_by_peer
 
@@ -186,7 +186,7 @@ class Connection(BaseConnection):
         try:
             sock = socket.create_connection((host, port), timeout=self._connect_timeout)
         except OSError as exc:
-            raise ConnectionLost(f"cannot connect to {self.address}: {exc!r}") from None
+            raise CannotConnect(f"cannot connect to {self.address}: {exc!r}") from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock, self._protocol = sock, protocol
         try:

@@ -20,6 +20,11 @@ class ConnectionLost(ClientError):
     violation) before the reply came. Whether the request was carried out is unknown."""
 
 
+class CannotConnect(ConnectionLost):
+    """No connection could be made (refused, unreachable, timed out): nothing was sent,
+    so any call may be tried again, say while a writer is starting."""
+
+
 class ServerError(ClientError):
     """The server answered ``{"ok": false, "error": …}``. ``code`` is the v2 error code."""
 

@@ -13,7 +13,14 @@ from typing import Any
 import attrs
 
 from ._calls import Call
-from ._errors import Busy, ClientError, ConnectionLost, DeadlineExceeded, Unavailable
+from ._errors import (
+    Busy,
+    CannotConnect,
+    ClientError,
+    ConnectionLost,
+    DeadlineExceeded,
+    Unavailable,
+)
 
 
 @attrs.frozen
@@ -80,7 +87,7 @@ class RetryPolicy:
         """After failed attempt number ``attempt`` (1-based); withdraws from the budget."""
         if attempt >= self.attempts:
             return False
-        retryable = isinstance(error, Busy) or (
+        retryable = isinstance(error, Busy | CannotConnect) or (  # nothing was done
             call.idempotent and isinstance(error, Unavailable | ConnectionLost | DeadlineExceeded)
         )
         return retryable and self.budget.try_withdraw()

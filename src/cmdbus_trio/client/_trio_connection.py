@@ -17,7 +17,7 @@ from ._calls import (
     Call,
 )
 from ._core import LOCAL_GRACE, BaseConnection, Reply, ServerHello, split_address
-from ._errors import ClientError, ConnectionLost, DeadlineExceeded
+from ._errors import CannotConnect, ClientError, ConnectionLost, DeadlineExceeded
 from ._retry import Attempts
 from ._sockets import closed_by_peer
 
@@ -122,6 +122,7 @@ class Connection(BaseConnection):
                 self._break(ConnectionLost(f"{self.address} closed the idle connection"))
             host, port = split_address(self.address)
             protocol = self._new_protocol()
+            transport = None
             try:
                 with trio.fail_after(self._connect_timeout):
                     transport = await trio.open_tcp_stream(host, port)
@@ -137,9 +138,8 @@ class Connection(BaseConnection):
                         raise
             except (OSError, trio.BrokenResourceError, trio.TooSlowError) as exc:
                 cause = exc.__cause__ if isinstance(exc, trio.BrokenResourceError) else None
-                raise ConnectionLost(
-                    f"cannot connect to {self.address}: {cause or exc!r}"
-                ) from None
+                failure = CannotConnect if transport is None else ConnectionLost
+                raise failure(f"cannot connect to {self.address}: {cause or exc!r}") from None
             if not isinstance(event, ServerHello):
                 await trio.aclose_forcefully(stream)
                 raise ConnectionLost(f"{self.address} closed the connection during the hello")

@@ -38,6 +38,7 @@ import trio
 from cmdbus_trio.client import Busy, ClientError
 from cmdbus_trio.client.trio import ClaimClient, IngestClient, TierClient
 
+from ._addresses import default_address
 from ._output import Output, fail, leaves
 from ._scrape import control_url
 from .client import add_connection_arguments, connection_options
@@ -360,8 +361,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument(
         "--url",
         type=control_url,
-        default="http://127.0.0.1:9090",
-        help="control face of the writer (http:// may be left out)",
+        help="control face of the writer (http:// may be left out; default :9090, or the "
+        "ports file's)",
     )
     where.add_argument("--spawn", action="store_true", help="start a writer on a temp dir")
     parser.add_argument("--scenario", required=True, choices=SCENARIOS)
@@ -382,7 +383,10 @@ def run(args: argparse.Namespace) -> int:
         except ImportError:
             return fail("bench", "--plot needs matplotlib: pip install 'cmdbus-trio[plot]'")
     process = None
-    url = args.url.rstrip("/")
+    try:
+        url = args.url or ("" if args.spawn else control_url(default_address("control", wait=0)))
+    except ValueError as exc:
+        return fail("bench", str(exc))
     try:
         if args.spawn:
             process, ports = spawn_writer(Path(tempfile.mkdtemp(prefix="cmdbus-bench-")))

@@ -6,32 +6,30 @@ from __future__ import annotations
 
 import argparse
 import http.client
+import itertools
 import json
 import os
 import ssl
 import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 
-from cmdbus_trio.client import ClientError, ShardMap, blocking
-from cmdbus_trio.config import DEFAULT_PORTS
+from cmdbus_trio.client import CannotConnect, ClientError, ShardMap, blocking
 from cmdbus_trio.protocol.subjects import as_i64
 
+from ._addresses import STARTING_WAIT, default_address
 from ._output import Output, fail
 from ._scrape import control_url
 
 TOKEN_VARIABLE = "CMDBUS_CLIENT_TOKEN"
 CALL_TIMEOUT = 30.0
 """Seconds each request may take (sent as its deadline_ms); ``claim`` waits on top."""
-
-
-def _default(face: str) -> str:
-    return f"127.0.0.1:{DEFAULT_PORTS[face]}"
 
 
 HELP = "talk to a running writer"
@@ -77,7 +75,7 @@ def add_arguments(client: argparse.ArgumentParser) -> None:
     ):
         parser: argparse.ArgumentParser = tier_ops.add_parser(name, help=help, description=help)
         _common(parser)
-        parser.add_argument("--addr", default=_default("tier"), help="tier face (:9110)")
+        parser.add_argument("--addr", help="tier face (default :9110, or the ports file's)")
         parser.add_argument("--tier", help="eventlog (default), projection or catalog")
         if name == "scan":
             parser.add_argument("--after", type=int, help="start after this sequence")
@@ -114,7 +112,7 @@ def add_arguments(client: argparse.ArgumentParser) -> None:
             )
 
     delete = op("delete-group", "delete an event consumer group and all it recorded")
-    delete.add_argument("--addr", default=_default("evt_claim"), help="event claim face (:9104)")
+    delete.add_argument("--addr", help="event claim face (default :9104)")
     delete.add_argument("--group", required=True)
 
     health_help = "the writer's /healthz (exit 1 when degraded)"
@@ -123,8 +121,7 @@ def add_arguments(client: argparse.ArgumentParser) -> None:
     health.add_argument(
         "--url",
         type=control_url,
-        default=f"http://{_default('control')}",
-        help="control face (http:// may be left out)",
+        help="control face (http:// may be left out; default :9090, or the ports file's)",
     )
 
 
@@ -141,6 +138,23 @@ def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"the writer's auth token (default: ${TOKEN_VARIABLE})",
     )
     parser.add_argument("--tls-ca", type=Path, help="speak TLS, trusting this CA (PEM)")
+
+
+Client = TypeVar("Client", bound=blocking.Connection)
+
+
+def _connect(cls: type[Client], face: str, args: argparse.Namespace) -> Client:
+    """A client of ``face`` (``--addr``, else :func:`default_address`), waiting up to
+    :data:`STARTING_WAIT` for a writer that is starting."""
+    deadline = time.monotonic() + STARTING_WAIT
+    while True:
+        address = args.addr or default_address(face)
+        try:
+            return cls.connect(address, **connection_options(args))
+        except CannotConnect as exc:
+            if time.monotonic() >= deadline:
+                raise CannotConnect(f"{exc} (waited {STARTING_WAIT:g} s)") from None
+            time.sleep(0.1)
 
 
 def connection_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -168,8 +182,8 @@ def run(args: argparse.Namespace) -> int:
         output.close()
 
 
-def _claim_address(args: argparse.Namespace) -> str:
-    return args.addr or _default("evt_claim" if args.group else "cmd_claim")
+def _claim_face(args: argparse.Namespace) -> str:
+    return "evt_claim" if args.group else "cmd_claim"
 
 
 def _execution_id(text: str) -> str | int:
@@ -205,13 +219,17 @@ def _publish(args: argparse.Namespace, output: Output) -> int:
     shards = ShardMap.parse(args.writers) if args.writers else None
     if shards is None and not args.addr:  # CMDBUS_*_WRITERS, or NoETL's *_WRITER_ADDRS
         shards = ShardMap.from_environ("events" if args.events else "commands")
+    records = _records(args)
+    first = next(records, None)  # a bad first record is refused before any connection
+    if first is None:
+        return 0
     publisher: blocking.Router | blocking.IngestClient = (
         blocking.Router(shards, **connection_options(args))
         if shards is not None
-        else blocking.IngestClient(args.addr or _default(face), **connection_options(args))
+        else _connect(blocking.IngestClient, face, args)
     )
     with publisher:
-        for record in _records(args):
+        for record in itertools.chain([first], records):
             published = publisher.publish(record, msg_id=args.msg_id, timeout=CALL_TIMEOUT)
             output.row({"sort_key": published.sort_key, "subject": published.subject})
     return 0
@@ -238,7 +256,7 @@ def _claim(args: argparse.Namespace, output: Output) -> int:
                 if not args.no_ack:
                     many.ack(got, group=args.group, timeout=CALL_TIMEOUT)
         return 0
-    with blocking.ClaimClient.connect(_claim_address(args), **connection_options(args)) as claim:
+    with _connect(blocking.ClaimClient, _claim_face(args), args) as claim:
         while args.max is None or claimed < args.max:
             delivery = claim.next(args.filter, start=args.start, **options)
             if delivery is None:
@@ -251,7 +269,7 @@ def _claim(args: argparse.Namespace, output: Output) -> int:
 
 
 def _tier_append(args: argparse.Namespace, output: Output) -> int:
-    with blocking.TierClient.connect(args.addr, **connection_options(args)) as tier:
+    with _connect(blocking.TierClient, "tier", args) as tier:
         output.row(
             tier.append(args.execution_id, args.payload, tier=args.tier, timeout=CALL_TIMEOUT)
         )
@@ -259,14 +277,14 @@ def _tier_append(args: argparse.Namespace, output: Output) -> int:
 
 
 def _tier_read(args: argparse.Namespace, output: Output) -> int:
-    with blocking.TierClient.connect(args.addr, **connection_options(args)) as tier:
+    with _connect(blocking.TierClient, "tier", args) as tier:
         for record in tier.read_all(args.execution_id, tier=args.tier, timeout=CALL_TIMEOUT):
             output.row(record)
     return 0
 
 
 def _tier_delete(args: argparse.Namespace, output: Output) -> int:
-    with blocking.TierClient.connect(args.addr, **connection_options(args)) as tier:
+    with _connect(blocking.TierClient, "tier", args) as tier:
         deleted = tier.delete_execution(args.execution_id, tier=args.tier, timeout=CALL_TIMEOUT)
         output.row({"deleted": deleted})
     return 0
@@ -277,7 +295,7 @@ def _tier_scan(args: argparse.Namespace, output: Output) -> int:
         raise ValueError(f"--limit must be at least 1, got {args.limit}")
     remaining = args.limit
     after = args.after
-    with blocking.TierClient.connect(args.addr, **connection_options(args)) as tier:
+    with _connect(blocking.TierClient, "tier", args) as tier:
         while remaining is None or remaining > 0:
             size = 1000 if remaining is None else min(1000, remaining)
             page = tier.scan(tier=args.tier, after=after, limit=size, timeout=CALL_TIMEOUT)
@@ -292,7 +310,7 @@ def _tier_scan(args: argparse.Namespace, output: Output) -> int:
 
 
 def _lag(args: argparse.Namespace, output: Output) -> int:
-    with blocking.ClaimClient.connect(_claim_address(args), **connection_options(args)) as claim:
+    with _connect(blocking.ClaimClient, _claim_face(args), args) as claim:
         output.row(claim.lag(args.filter, group=args.group, timeout=CALL_TIMEOUT))
     return 0
 
@@ -306,7 +324,7 @@ def _dead(args: argparse.Namespace, output: Output) -> int:
         # Every dead letter, without a word, was one flag away: say which ones.
         flag = "--requeue" if args.requeue else "--purge"
         raise ValueError(f"{flag}: name --filter F or --sort-key K, or --all for every one")
-    with blocking.ClaimClient.connect(_claim_address(args), **connection_options(args)) as claim:
+    with _connect(blocking.ClaimClient, _claim_face(args), args) as claim:
         if moving:
             move = claim.requeue if args.requeue else claim.purge
             filter = None if args.sort_keys else (args.filter or ">")
@@ -326,7 +344,7 @@ def _dead(args: argparse.Namespace, output: Output) -> int:
 
 
 def _delete_group(args: argparse.Namespace, output: Output) -> int:
-    with blocking.ClaimClient.connect(args.addr, **connection_options(args)) as claim:
+    with _connect(blocking.ClaimClient, "evt_claim", args) as claim:
         output.row({"deleted": claim.delete_group(args.group, timeout=CALL_TIMEOUT)})
     return 0
 
@@ -344,7 +362,7 @@ def fetch(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
 
 
 def _health(args: argparse.Namespace, output: Output) -> int:
-    url = args.url.rstrip("/") + "/healthz"
+    url = (args.url or control_url(default_address("control"))) + "/healthz"
     try:
         status, body = fetch(url)
     except OSError as exc:

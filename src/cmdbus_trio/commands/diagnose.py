@@ -38,6 +38,7 @@ from typing import Any
 
 import attrs
 
+from ._addresses import default_address
 from ._output import Output, fail
 from ._scrape import Scrape, control_url, delta, histogram_deltas, label, quantile, show
 from .client import fetch
@@ -419,8 +420,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "url",
         nargs="?",
         type=control_url,
-        default="http://127.0.0.1:9090",
-        help="control face (http:// may be left out)",
+        help="control face (http:// may be left out; default :9090, or the ports file's)",
     )
     parser.add_argument("--interval", type=float, default=3.0, help="seconds between scrapes")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait per request")
@@ -430,7 +430,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if not args.interval > 0 or not args.timeout > 0:
         return fail("diagnose", "--interval and --timeout must be > 0 seconds")
-    findings = diagnose(args.url, interval=args.interval, timeout=args.timeout)
+    try:
+        url = args.url or control_url(default_address("control"))
+    except ValueError as exc:
+        return fail("diagnose", str(exc))
+    findings = diagnose(url, interval=args.interval, timeout=args.timeout)
     if args.human:
         for index, finding in enumerate(findings):
             prefix = "" if index == 0 else "also "
