@@ -14,7 +14,7 @@ import trio
 
 from . import __version__, app, descriptors, logs, noetl
 from .client._shards import WRITERS_ENV
-from .commands import bench, client, diagnose
+from .commands import bench, client, diagnose, import_tier
 from .commands._output import leaves
 from .commands.client import TOKEN_VARIABLE
 from .config import SETTINGS, Config, ConfigError, load, unknown_variables
@@ -34,7 +34,12 @@ class _Command(Protocol):
     def run(self, args: argparse.Namespace) -> int: ...
 
 
-_COMMANDS: dict[str, _Command] = {"client": client, "bench": bench, "diagnose": diagnose}
+_COMMANDS: dict[str, _Command] = {
+    "client": client,
+    "bench": bench,
+    "diagnose": diagnose,
+    "import-tier": import_tier,
+}
 KNOWN_VARIABLES = (
     *(setting.env for setting in SETTINGS),
     *(names[0] for names in WRITERS_ENV.values()),  # the clients' own

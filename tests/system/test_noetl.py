@@ -7,12 +7,16 @@ every guarantee is checked against what each process saw."""
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
+from cmdbus_trio.client import blocking
+
+from ..helpers import cli, environment, serving
 from .deployment import ACK_WAIT, Deployment, figures, free_ports, run, violations
 
 pytestmark = pytest.mark.system
@@ -88,6 +92,26 @@ def test_noetl_workers_and_a_publisher_run_unchanged_on_a_writer_given_noetl_nam
         url = f"http://127.0.0.1:{lag_ports['cmd']}/metrics"
         with urllib.request.urlopen(url, timeout=5) as response:
             lag = response.read().decode()
+        # The history the v1 workers wrote comes across to a new writer, as at a cut-over
+        # (docs/migrating.md, "Tier history").
+        (tmp_path / "new").mkdir()
+        with serving(tmp_path / "new") as (_, new):
+            imported = subprocess.run(
+                cli("import-tier", "--from", deployment.addresses["tier"], "--to", new["tier"]),
+                env=environment(tmp_path / "new"),
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            executions = sorted({x["execution_id"] for x in lines if x["kind"] == "published"})
+            with (
+                blocking.TierClient.connect(deployment.addresses["tier"]) as old_tier,
+                blocking.TierClient.connect(new["tier"]) as new_tier,
+            ):
+                for execution in executions:
+                    before = [(r.payload, r.transaction_id) for r in old_tier.read_all(execution)]
+                    after = [(r.payload, r.transaction_id) for r in new_tier.read_all(execution)]
+                    assert before and after == before, execution
     finally:
         deployment.stop_actors()
         writer_exit = deployment.stop_writer()
@@ -98,3 +122,7 @@ def test_noetl_workers_and_a_publisher_run_unchanged_on_a_writer_given_noetl_nam
     assert log.count('"noetl_alias"') == 11  # six binds, two ack waits, shard, count, tier
     assert '"level": "error"' not in log
     assert writer_exit == 0
+    assert imported.returncode == 0, imported.stdout + imported.stderr
+    reports = {r["tier"]: r for r in map(json.loads, imported.stdout.splitlines())}
+    assert all(r["matches"] for r in reports.values()), reports
+    assert reports["eventlog"]["copied"] == reports["eventlog"]["source_records"] > 0
