@@ -120,3 +120,32 @@ def test_import_errors_are_one_line(tmp_path: Path) -> None:
     assert unreachable.returncode == 1
     (line,) = unreachable.stderr.splitlines()
     assert line.startswith("cmdbus-trio import-tier: 127.0.0.1:1:")
+
+
+def test_long_runs_are_split_under_the_request_cap(tmp_path: Path) -> None:
+    """A run of one execution and transaction larger than a request is sent in several
+    batches; a record over the destination's cap is named, and the rest goes on."""
+    (tmp_path / "source").mkdir()
+    (tmp_path / "dest").mkdir()
+    small = {"CMDBUS_MAX_REQUEST_BYTES": str(256 * 1024)}
+    with (
+        serving(tmp_path / "source") as (_, source_ports),
+        serving(tmp_path / "dest", **small) as (_, dest_ports),
+    ):
+        source, dest = source_ports["tier"], dest_ports["tier"]
+        long_run = [json.dumps({"i": i, "pad": 'q"' * 1500}) for i in range(450)]  # escapes
+        with blocking.TierClient.connect(source) as tier_client:
+            for start in range(0, 450, 90):
+                tier_client.append_batch("long", long_run[start : start + 90], transaction_id="t")
+            tier_client.append("huge", json.dumps({"pad": "x" * 300_000}))
+            tier_client.append("after-huge", "{}")
+        done = run_import(tmp_path, source, dest)
+        assert done.returncode == 1, done.stderr
+        eventlog = json.loads(done.stdout.splitlines()[0])
+        assert eventlog["copied"] == 451
+        assert eventlog["mismatched"] == [
+            "huge: a record of 300011 bytes: over this writer's request cap (262144 bytes, "
+            "CMDBUS_MAX_REQUEST_BYTES)"
+        ]
+        assert history(dest, "eventlog", "long") == [(p, "t") for p in long_run]
+        assert history(dest, "eventlog", "after-huge") == [("{}", "")]

@@ -50,6 +50,13 @@ HELP = "copy a running writer's tier history into this writer (resumable)"
 PAGE = 1000  # the tier face's largest page
 ATTEMPTS = 8  # per request to either writer, against busy answers and lost connections
 CALL_TIMEOUT = 60.0
+MAX_BATCH = 10_000  # payloads in one append_batch
+ENVELOPE = 512  # a request's bytes beyond its payloads (ids, tier, transaction id)
+
+
+def _encoded(payload: str) -> int:
+    """The bytes ``payload`` takes inside a request (a JSON string: escapes count)."""
+    return len(json.dumps(payload, ensure_ascii=False).encode("utf-8", "surrogatepass"))
 
 
 class SourceError(Exception):
@@ -228,11 +235,11 @@ class Importer:
         runs: dict[str, list[_Run]],
         executions: dict[str, _Execution],
         report: TierReport,
-    ) -> list[tuple[_Run, calls.Call[Any]]]:
+    ) -> list[tuple[_Run, calls.Call[Any], int]]:
         """The next request for each execution with records to copy: the first record
         of a run guarded by ``expected_version``, then the rest of the run in one batch.
         Records the destination already holds are skipped."""
-        out: list[tuple[_Run, calls.Call[Any]]] = []
+        out: list[tuple[_Run, calls.Call[Any], int]] = []
         for execution_id, mine in runs.items():
             execution = executions[execution_id]
             while mine and not execution.mismatch:
@@ -249,17 +256,31 @@ class Importer:
                     del run.payloads[: held - run.first]
                     run.first, run.guarded = held, False
                 transaction = run.transaction_id or None
-                if run.guarded:
-                    batch = calls.append_batch(
-                        execution_id, run.payloads, tier=tier, transaction_id=transaction
+                cap = self._request_cap()
+                if _encoded(run.payloads[0]) + ENVELOPE > cap:
+                    size = len(run.payloads[0])
+                    execution.mismatch = (
+                        f"a record of {size} bytes: over this writer's request cap ({cap} "
+                        "bytes, CMDBUS_MAX_REQUEST_BYTES)"
                     )
-                    out.append((run, batch))
+                    break
+                if run.guarded:
+                    taken, size = 0, ENVELOPE
+                    for payload in run.payloads[:MAX_BATCH]:  # within the request cap
+                        size += _encoded(payload) + 8
+                        if taken and size > cap:
+                            break
+                        taken += 1
+                    batch = calls.append_batch(
+                        execution_id, run.payloads[:taken], tier=tier, transaction_id=transaction
+                    )
+                    out.append((run, batch, taken))
                 else:
                     guarded = calls.append(
                         execution_id, run.payloads[0], tier=tier,
                         transaction_id=transaction, expected_version=held,
                     )  # fmt: skip
-                    out.append((run, guarded))
+                    out.append((run, guarded, 1))
                 break
         for execution_id in [e for e, mine in runs.items() if not mine]:
             del runs[execution_id]
@@ -268,16 +289,16 @@ class Importer:
     def _send(
         self,
         tier: str,
-        pending: Sequence[tuple[_Run, calls.Call[Any]]],
+        pending: Sequence[tuple[_Run, calls.Call[Any], int]],
         executions: dict[str, _Execution],
         report: TierReport,
     ) -> None:
         try:
-            outcomes = self.dest.call_many([call for _, call in pending], timeout=CALL_TIMEOUT)
+            outcomes = self.dest.call_many([call for _, call, _ in pending], timeout=CALL_TIMEOUT)
         except (ConnectionLost, DeadlineExceeded):
             outcomes = [None] * len(pending)  # unknown: read what the destination holds
         stale = []
-        for (run, _), outcome in zip(pending, outcomes, strict=True):
+        for (run, _, sent), outcome in zip(pending, outcomes, strict=True):
             execution = executions[run.execution_id]
             if outcome is None or isinstance(outcome, Conflict | ConnectionLost):
                 stale.append(run.execution_id)
@@ -287,7 +308,6 @@ class Importer:
             elif isinstance(outcome, ClientError):
                 execution.mismatch = f"append refused: {outcome}"
             else:
-                sent = len(run.payloads) if run.guarded else 1
                 stored = outcome.appended if run.guarded else int(not outcome.deduplicated)
                 execution.held = (execution.held or 0) + stored
                 report.copied += stored
@@ -301,6 +321,11 @@ class Importer:
                     )
         for execution_id, held in zip(stale, self._held(tier, stale), strict=True):
             executions[execution_id].held = held
+
+    def _request_cap(self) -> int:
+        """The destination's request cap, as its hello said (1 MiB until it has)."""
+        hello = self.dest.server
+        return hello.max_request_bytes if hello is not None else 1 << 20
 
     def _held(self, tier: str, execution_ids: list[str]) -> Iterator[int]:
         """Each execution's record count in the destination, read 100 at a time."""
