@@ -209,7 +209,7 @@ async def test_the_collector_is_tuned_while_serving(make_config: Callable[..., C
     back when it ends."""
     import gc
 
-    from cmdbus_trio.interpreter import YOUNG_COLLECTION_THRESHOLD
+    from cmdbus_trio.loop.interpreter import YOUNG_COLLECTION_THRESHOLD
 
     before = gc.get_threshold()
     assert gc.get_freeze_count() == 0
@@ -222,8 +222,8 @@ async def test_the_collector_is_tuned_while_serving(make_config: Callable[..., C
 
 
 def test_a_crashed_face_fails_liveness_only_after_the_window() -> None:
-    from cmdbus_trio.health import FaceState, Health
-    from cmdbus_trio.heartbeat import Heartbeat
+    from cmdbus_trio.control.health import FaceState, Health
+    from cmdbus_trio.loop.heartbeat import Heartbeat
 
     async def scenario() -> None:
         health = Health(Heartbeat(interval=0.1, threshold=0.5, window=2.0))
@@ -238,7 +238,7 @@ def test_a_crashed_face_fails_liveness_only_after_the_window() -> None:
 
 
 def test_heartbeat_stall_detection() -> None:
-    from cmdbus_trio.heartbeat import Heartbeat
+    from cmdbus_trio.loop.heartbeat import Heartbeat
 
     clock = trio.testing.MockClock(autojump_threshold=0)
 

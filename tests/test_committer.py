@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import trio
 
-from cmdbus_trio.batcher import ThreadBatcher
 from cmdbus_trio.bus import committer as committer_module
 from cmdbus_trio.bus.committer import Committed, GroupCommitter, Ticket
+from cmdbus_trio.loop.batcher import ThreadBatcher
 from cmdbus_trio.protocol import FieldError
 from cmdbus_trio.protocol.bus import BusKind, PublishRecord, SubjectRule
 from cmdbus_trio.storage import StoreUnavailable

@@ -249,7 +249,7 @@ async def test_a_port_at_its_cap_closes_the_connection_quiet_the_longest() -> No
 
 
 async def test_a_connection_reset_before_it_was_served_is_closed_and_forgotten() -> None:
-    from cmdbus_trio.control import _Connections
+    from cmdbus_trio.control.face import _Connections
 
     class Gone:
         closed = False

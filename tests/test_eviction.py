@@ -20,9 +20,9 @@ from cmdbus_trio.bus.bodies import BodyReader
 from cmdbus_trio.bus.claims import Claims
 from cmdbus_trio.bus.committer import GroupCommitter, Ticket
 from cmdbus_trio.bus.groups import ConsumerGroups
+from cmdbus_trio.bus.retention import Eviction
 from cmdbus_trio.faces.evt_subscribe import _Gaps
 from cmdbus_trio.protocol.bus import BusKind, PublishRecord, SubjectRule
-from cmdbus_trio.retention import Eviction
 from cmdbus_trio.storage.buslog import RETENTION_BATCH, BusEntry, BusLog, Settlements
 
 from .helpers import frame_client, metric_sum, metrics_text, server_log, serving
@@ -210,7 +210,7 @@ async def test_a_burst_evicts_to_its_margin_below_the_cap_and_is_logged_once(
     eviction = Eviction(log, groups, BodyReader(log), max_bytes=2 * CAP)
     assert eviction.low_water == 2 * CAP - 2 * CAP // 16
     limiter = trio.CapacityLimiter(1)
-    with caplog.at_level(logging.WARNING, logger="cmdbus_trio.retention"):
+    with caplog.at_level(logging.WARNING, logger="cmdbus_trio.bus.retention"):
         while await eviction.step(limiter):
             pass
     assert await trio.to_thread.run_sync(log.used_bytes) <= eviction.low_water

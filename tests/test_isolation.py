@@ -279,7 +279,7 @@ async def test_a_scrape_flood_gets_its_share_of_the_loop_and_no_more(tmp_path: P
     are answered, beside a publisher: the control face's time on the loop stays within
     its share (after the burst), the flood waits for it, a probe is answered, and the
     publisher is served. The control face used to take all but 3% of the loop."""
-    from cmdbus_trio import turns
+    from cmdbus_trio.loop import turns
 
     from .helpers import http_connection
 

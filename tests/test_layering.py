@@ -1,5 +1,7 @@
-"""The layering of docs/architecture.md, checked on the source: protocol/ and storage/ know nothing
-of trio or sockets; only the offload helper enters a worker thread."""
+"""The layering of docs/architecture.md, checked on the source: which room may import
+which (faces -> bus / tier -> storage -> protocol; the loop's room imports none of them;
+the control plane reads, never writes); protocol/ and storage/ know nothing of trio or
+sockets; only the offload helper enters a worker thread."""
 
 from __future__ import annotations
 
@@ -27,6 +29,80 @@ def imported_modules(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module.split(".")[0])
     return names
+
+
+SHARED = {"__init__", "metrics", "logs"}
+"""Every room may use these: the version, the metric catalogue, the log helper."""
+ALLOWED: dict[str, set[str]] = {
+    "protocol": set(),
+    "storage": {"protocol"},
+    "config": {"protocol"},
+    "client": {"protocol"},
+    "admission": set(),
+    "loop": {"admission"},
+    "bus": {"loop", "admission", "storage", "protocol", "config"},
+    "tier": {"loop", "admission", "storage", "protocol", "config"},
+    "faces": {"bus", "tier", "loop", "admission", "storage", "protocol", "config"},
+    # The control plane reads in-memory state (health) and the stores' own reports; it
+    # imports no room that acts on a request.
+    "control": {"loop", "admission", "storage", "config", "descriptors"},
+    "descriptors": {"config"},
+    "gates": {"admission", "config", "protocol"},
+    "noetl": {"config"},
+    "commands": {"client", "config", "protocol"},
+}
+"""The rooms each room may import (beside :data:`SHARED`); the wiring (``app``, ``cli``,
+``__main__``) may import any."""
+WIRING = {"app", "cli", "__main__"}
+
+
+def room_of(path: Path) -> str:
+    relative = path.relative_to(SRC)
+    return relative.parts[0] if len(relative.parts) > 1 else relative.stem
+
+
+def rooms_imported(path: Path) -> set[str]:
+    """The rooms of ``cmdbus_trio`` that ``path`` imports, relative imports resolved."""
+    package = list(path.relative_to(SRC).parts[:-1])
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            parts = node.module.split(".")
+            if parts[0] == "cmdbus_trio":
+                found.update(parts[1:2] or [alias.name for alias in node.names])
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1]
+            parts = base + (node.module.split(".") if node.module else [])
+            found.update(parts[:1] or [alias.name for alias in node.names])
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("cmdbus_trio."):
+                    found.add(alias.name.split(".")[1])
+    return {name.removesuffix(".py") for name in found} - {"__version__"}
+
+
+def layering_violations(imports: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{room} imports {other}"
+        for room, others in imports.items()
+        if room not in WIRING
+        for other in others - {room} - SHARED - ALLOWED.get(room, set())
+    )
+
+
+def test_each_room_imports_only_the_rooms_below_it() -> None:
+    imports: dict[str, set[str]] = {}
+    for path in SRC.rglob("*.py"):
+        imports.setdefault(room_of(path), set()).update(rooms_imported(path))
+    assert set(imports) - WIRING - SHARED <= set(ALLOWED), "a room the rule does not know"
+    assert not layering_violations(imports)
+    # The check itself: what it must catch.
+    assert layering_violations({"loop": {"bus"}, "control": {"faces"}, "bus": {"tier"}}) == [
+        "bus imports tier",
+        "control imports faces",
+        "loop imports bus",
+    ]
+    assert layering_violations({"app": {"faces", "bus"}, "faces": {"metrics"}}) == []
 
 
 def test_no_module_is_longer_than_the_cap() -> None:

@@ -14,9 +14,9 @@ import pytest
 import trio
 
 from cmdbus_trio.bus import Bus
+from cmdbus_trio.bus.retention import RetentionPolicy
 from cmdbus_trio.client.trio import SubscribeClient
 from cmdbus_trio.config import Config
-from cmdbus_trio.retention import RetentionPolicy
 from cmdbus_trio.storage.buslog import (
     RETENTION_BATCH,
     BusEntry,

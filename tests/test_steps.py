@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import trio
 
-from cmdbus_trio import turns
-from cmdbus_trio.steps import Steps
+from cmdbus_trio.loop import turns
+from cmdbus_trio.loop.steps import Steps
 
 
 class PassCounter:

@@ -18,7 +18,7 @@ from cmdbus_trio.bus.claims import Claims
 from cmdbus_trio.bus.committer import GroupCommitter
 from cmdbus_trio.bus.groups import ConsumerGroups
 from cmdbus_trio.config import DATA_FACE_NAMES, Config
-from cmdbus_trio.tier_committer import TierCommitter
+from cmdbus_trio.tier.committer import TierCommitter
 
 from .helpers import get, running_writer
 

@@ -19,11 +19,11 @@ import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cmdbus_trio import turns as turns_budget
 from cmdbus_trio.bus.claims import Claims, Delivery
 from cmdbus_trio.bus.committer import Committed, GroupCommitter, Ticket
 from cmdbus_trio.bus.groups import ConsumerGroups
 from cmdbus_trio.bus.tail import TRIM_AT_LEAST, Tail
+from cmdbus_trio.loop import turns as turns_budget
 from cmdbus_trio.protocol.bus import BusKind, PublishRecord, SubjectRule
 from cmdbus_trio.protocol.subjects import parse_filter
 from cmdbus_trio.storage.buslog import BusLog

@@ -24,7 +24,7 @@ from cmdbus_trio.storage.tier import (
     TierStore,
     VersionConflict,
 )
-from cmdbus_trio.tier_committer import AppendTicket, TierCommitter
+from cmdbus_trio.tier.committer import AppendTicket, TierCommitter
 
 from .helpers import commit_together, frame_client, running_writer
 

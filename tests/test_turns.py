@@ -1,4 +1,4 @@
-"""The data plane's share of each turn of the loop (``cmdbus_trio.turns``)."""
+"""The data plane's share of each turn of the loop (``cmdbus_trio.loop.turns``)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pytest
 import trio
 import trio.testing
 
-from cmdbus_trio import turns
 from cmdbus_trio.config import Config
+from cmdbus_trio.loop import turns
+from cmdbus_trio.loop.turns import TurnBudget
 from cmdbus_trio.protocol import encode_frame
-from cmdbus_trio.turns import TurnBudget
 
 from .helpers import frame_client, get, metric_sum, running_writer
 

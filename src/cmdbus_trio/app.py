@@ -28,7 +28,9 @@ import trio
 from . import __version__, control, descriptors, metrics
 from .admission import ByteBudget, Gate, run_in_thread
 from .bus import Bus
+from .bus.retention import Eviction, retention_for, run_retention
 from .config import DATA_FACE_NAMES, LAG_PORT_NAMES, Bind, Config
+from .control.health import FaceState, Health
 from .faces import (
     FaceContext,
     FaceServe,
@@ -40,16 +42,15 @@ from .faces import (
 )
 from .faces import tier as tier_face
 from .gates import gate_for, lanes_for
-from .health import FaceState, Health
-from .heartbeat import Heartbeat
-from .interpreter import collector_tuned, switch_interval
 from .logs import event
+from .loop.heartbeat import Heartbeat
+from .loop.interpreter import collector_tuned, switch_interval
 from .protocol.bus import BusKind
-from .retention import Eviction, retention_for, run_retention, run_tier_retention, tier_windows
 from .storage import Store
 from .storage.datadir import DataDirError
 from .storage.tier import TierStore
-from .tier_committer import Tier
+from .tier.committer import Tier
+from .tier.retention import run_tier_retention, tier_windows
 
 log = logging.getLogger(__name__)
 

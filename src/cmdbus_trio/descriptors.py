@@ -10,7 +10,7 @@ does), a reserve is counted out for everything but the data faces' connections, 
 per-face caps are made to fit in the rest. Each user of the reserve is bounded on its own:
 the stores open every descriptor they will use at start (a pool of fixed size,
 ``storage/_sqlite.py``), the control face and each lag port hold at most a fixed number
-of connections (``control.py``).
+of connections (:mod:`cmdbus_trio.control.face`).
 """
 
 from __future__ import annotations

@@ -4,9 +4,7 @@ together."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine
 from functools import partial
-from typing import Any
 
 import attrs
 import trio
@@ -14,6 +12,7 @@ import trio
 from cmdbus_trio import metrics
 from cmdbus_trio.admission import run_in_thread
 from cmdbus_trio.config import Config
+from cmdbus_trio.loop import Task
 from cmdbus_trio.protocol.bus import BusKind, SubjectRule
 from cmdbus_trio.storage.buslog import BusLog
 
@@ -21,9 +20,6 @@ from .bodies import BodyReader
 from .committer import GroupCommitter
 from .groups import ConsumerGroups
 from .subscriptions import Hub
-
-Task = Callable[..., Coroutine[Any, Any, None]]
-"""A background task: ``run(*, task_status)``, started in a supervised nursery."""
 
 
 @attrs.frozen

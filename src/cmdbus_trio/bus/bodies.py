@@ -4,7 +4,7 @@ A claim's lease is decided in memory; its body is on disk. One thread hop per ``
 cost the loop about as much as the rest of the request (a hop is ~95 µs: docs/architecture.md), so,
 as the group committer does for writes, every body asked for while a read runs goes into
 the next read: one query per batch, and one thread call reads batch after batch while
-asks keep coming (:class:`~cmdbus_trio.batcher.ThreadBatcher`).
+asks keep coming (:class:`~cmdbus_trio.loop.batcher.ThreadBatcher`).
 
 Most of the time no read is needed at all: a worker claims a command moments after it was
 published, while its body is still among the recent ones the committer handed over
@@ -22,8 +22,8 @@ import attrs
 import trio
 
 from cmdbus_trio import metrics
-from cmdbus_trio.batcher import ThreadBatcher
 from cmdbus_trio.logs import event
+from cmdbus_trio.loop.batcher import ThreadBatcher
 from cmdbus_trio.storage.buslog import MAX_READ_MANY, BusLog, StoredRecord
 
 log = logging.getLogger(__name__)

@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from cmdbus_trio import metrics, turns
+from cmdbus_trio import metrics
 from cmdbus_trio.admission import GateClosed
+from cmdbus_trio.loop import turns
 from cmdbus_trio.protocol.claim import Delivery
 
 from ._cursor import SCAN_STEP, TailCursor

@@ -23,10 +23,10 @@ import attrs
 import trio
 
 from cmdbus_trio import metrics
-from cmdbus_trio.batcher import ThreadBatcher
 from cmdbus_trio.logs import event
+from cmdbus_trio.loop.batcher import ThreadBatcher
+from cmdbus_trio.loop.steps import MAX_SETTLE_STEP, Steps
 from cmdbus_trio.protocol.bus import PublishRecord, SubjectRule
-from cmdbus_trio.steps import Steps
 from cmdbus_trio.storage import StoreUnavailable
 from cmdbus_trio.storage.buslog import BusEntry, BusLog, Published, Settlements, StoredRecord
 
@@ -35,9 +35,6 @@ log = logging.getLogger(__name__)
 MAX_BATCHES_PER_HOP = 16
 """Batches one worker-thread call commits back to back before it returns to the loop."""
 
-MAX_SETTLE_STEP = 0.0003
-"""Seconds of settling (listeners told, replies queued) before the loop's other tasks run
-(see :class:`~cmdbus_trio.steps.Steps`)."""
 
 SETTLE_STEP_COST = 16
 """What one step of settling takes on (see :func:`_settle_cost`); a costlier ticket is a

@@ -24,9 +24,10 @@ from functools import partial
 import attrs
 import trio
 
-from cmdbus_trio import __version__, metrics, turns
+from cmdbus_trio import __version__, metrics
 from cmdbus_trio.admission import Gate, Shed, ShedReason
 from cmdbus_trio.logs import event
+from cmdbus_trio.loop import turns
 from cmdbus_trio.protocol import ErrorCode, Request, UnsupportedOp, encode_frame
 from cmdbus_trio.protocol.server import (
     UNKNOWN_OP,

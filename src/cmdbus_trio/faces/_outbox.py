@@ -9,7 +9,7 @@ import attrs
 import trio
 
 from cmdbus_trio import metrics
-from cmdbus_trio.steps import Steps
+from cmdbus_trio.loop.steps import Steps
 
 MAX_WRITE_STEP = 0.0005
 """Seconds of deferred replies written in one step (see :func:`_writes`)."""

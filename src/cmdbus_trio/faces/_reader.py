@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 import attrs
 import trio
 
-from cmdbus_trio import turns
+from cmdbus_trio.loop import turns
 from cmdbus_trio.protocol import NEED_DATA
 from cmdbus_trio.protocol.server import Closed, Dialect, Event, FrameReceived, ServerConnection
 
@@ -104,7 +104,7 @@ class Reader:
         Cancellation: the timer's scope may cancel the hand-over to a busy dispatcher;
         the events are kept and handed over in the next scope (trio's ``send`` either
         delivers or raises). It may cancel the wait for room in the turn
-        (:mod:`cmdbus_trio.turns`): the bytes read are the protocol's by then."""
+        (:mod:`cmdbus_trio.loop.turns`): the bytes read are the protocol's by then."""
         protocol = self.protocol
         budget = turns.current()
         idle_timeout = self.ctx.config.idle_timeout_ms / 1000

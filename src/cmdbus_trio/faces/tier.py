@@ -3,7 +3,7 @@
 ``health`` is answered on the connection, without a Gate slot. Every other request is
 admitted by the tier Gate (appends and deletes: the write lane, ``CMDBUS_TIER_WRITES``)
 and then runs off the loop: an append is queued for the tier's group commit
-(:mod:`cmdbus_trio.tier_committer`), whose thread checks its payloads, appends it with the
+(:mod:`cmdbus_trio.tier.committer`), whose thread checks its payloads, appends it with the
 others waiting and encodes its reply; a read or a delete runs whole in one worker thread
 call. An append has no task of its own: it waits for its slot as a callback
 (``Gate.acquire_later``) and is answered by the commit's callback, since under overload
@@ -35,7 +35,7 @@ from cmdbus_trio.protocol import (
 )
 from cmdbus_trio.protocol import tier as codec
 from cmdbus_trio.storage.tier import Appending, AppendResult, NewRecord, VersionConflict
-from cmdbus_trio.tier_committer import AppendTicket, Tier
+from cmdbus_trio.tier.committer import AppendTicket, Tier
 
 from . import FaceContext
 from ._handler import (

@@ -2,7 +2,11 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from typing import Protocol
+from typing import Final, Protocol
+
+VACUUM_PAGES: Final = 2048
+"""Free pages (8 MiB of 4 KiB pages) one retention step gives back to the file system at
+most."""
 
 
 class StoreState(enum.StrEnum):

@@ -11,7 +11,7 @@ from typing import Generic, TypeVar
 
 import trio
 
-from .admission import run_in_thread
+from ..admission import run_in_thread
 
 T = TypeVar("T")
 B = TypeVar("B")

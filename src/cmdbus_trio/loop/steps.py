@@ -19,8 +19,8 @@ from typing import Generic, TypeVar
 
 import trio
 
+from ..logs import event
 from . import turns
-from .logs import event
 
 log = logging.getLogger(__name__)
 
@@ -29,11 +29,16 @@ T = TypeVar("T")
 __all__ = ["Steps"]
 
 
+MAX_SETTLE_STEP = 0.0003
+"""Seconds of settling a group commit does (listeners told, replies queued) before the
+loop's other tasks run: the step of the buses' and the tier's committers."""
+
+
 class Steps(Generic[T]):
     """Items done in order by ``do``, in steps of at most ``max_step`` seconds (and at
     least one item): between steps, every other runnable task runs. A step also ends
     when the turn's data-plane share is spent, and the next waits for a turn with room
-    (:mod:`cmdbus_trio.turns`).
+    (:mod:`cmdbus_trio.loop.turns`).
 
     :meth:`push` never blocks and may be called from plain callbacks on the loop
     (``run_sync_soon``) and from ``do`` itself, not from other threads.

@@ -26,11 +26,10 @@ import trio
 
 from cmdbus_trio import metrics
 from cmdbus_trio.admission import run_in_thread
-from cmdbus_trio.batcher import ThreadBatcher
-from cmdbus_trio.bus import Task
-from cmdbus_trio.bus.committer import MAX_SETTLE_STEP
 from cmdbus_trio.logs import event
-from cmdbus_trio.steps import Steps
+from cmdbus_trio.loop import Task
+from cmdbus_trio.loop.batcher import ThreadBatcher
+from cmdbus_trio.loop.steps import MAX_SETTLE_STEP, Steps
 from cmdbus_trio.storage.tier import Appending, AppendResult, TierStore
 
 log = logging.getLogger(__name__)

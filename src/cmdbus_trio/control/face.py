@@ -5,7 +5,7 @@ to any GET, as the NoETL writer's did.
 A plain ASGI app served by hypercorn's connection handler in the control nursery
 (docs/architecture.md says why it is not a quart-trio app), behind an accept loop of our
 own: hypercorn's takes every connection, and a flood of them took descriptors the data
-faces' caps were fitted around (``descriptors.py``). Handlers read in-memory state only:
+faces' caps were fitted around (:mod:`cmdbus_trio.descriptors`). Handlers read in-memory state only:
 they never await a data-plane lock, limiter or store, so they answer however saturated
 the data plane is.
 """
@@ -30,10 +30,11 @@ from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState
 from hypercorn.utils import wrap_app
 
-from . import descriptors, metrics, turns
-from .config import Bind
+from .. import descriptors, metrics
+from ..config import Bind
+from ..logs import event
+from ..loop import turns
 from .health import Health
-from .logs import event
 
 log = logging.getLogger(__name__)
 
@@ -407,7 +408,7 @@ async def _serve_http(
         # Typed as an SSL stream in hypercorn 0.18; it takes a plain one as its serve does.
         await TCPServer(asgi, config, context, state, stream).run()  # type: ignore[arg-type]
 
-    # Every task serving HTTP here goes first in the loop's turns (bounded; turns.py):
+    # Every task serving HTTP here goes first in the loop's turns (bounded; loop/turns.py):
     # a probe's ~17 turns then each hold one unit of the data plane, not 1 ms of it.
     turns.current().put_first(trio.lowlevel.current_task())
     listeners = await trio.open_tcp_listeners(bind.port, host=bind.host or None)

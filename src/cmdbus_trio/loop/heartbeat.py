@@ -5,7 +5,8 @@ from __future__ import annotations
 import attrs
 import trio
 
-from . import metrics, turns
+from .. import metrics
+from . import turns
 
 
 @attrs.frozen

@@ -13,10 +13,10 @@ from typing import Any
 import attrs
 import trio
 
-from . import __version__, metrics
-from .admission import Gate
-from .heartbeat import Heartbeat
-from .storage import Store, StoreState
+from .. import __version__, metrics
+from ..admission import Gate
+from ..loop.heartbeat import Heartbeat
+from ..storage import Store, StoreState
 
 
 def _is_state(store: Store, state: StoreState) -> int:

@@ -1,12 +1,11 @@
-"""Retention: the stores delete what no one needs any more, in bounded steps.
+"""The buses' retention: the bus logs delete what no one needs any more, in bounded steps.
 
 The command bus is a work queue: an acked command is kept ``CMDBUS_CMD_KEEP_ACKED_MS`` (for
 inspection), then deleted. The event bus keeps an event until every group has settled it
 *and* it is older than ``CMDBUS_EVT_RETENTION_MS`` (the subscribers' replay window). On
 both, a dead letter is kept ``CMDBUS_DEAD_RETENTION_MS`` unless requeued or purged first.
-Sort keys are never reused (the log's ``AUTOINCREMENT`` remembers the largest). The tier
-keeps history for ever by default; a tier with ``CMDBUS_TIER_<TIER>_RETENTION_MS`` set deletes
-the history of an execution nothing was appended to for that long.
+Sort keys are never reused (the log's ``AUTOINCREMENT`` remembers the largest). (The tier's
+retention: :mod:`cmdbus_trio.tier.retention`.)
 
 With ``CMDBUS_EVT_MAX_BYTES`` set, the event log is also kept under that many bytes of
 pages in use whatever the groups did: the oldest events are evicted, and what a group had
@@ -24,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from functools import partial
 
 import attrs
@@ -37,18 +36,14 @@ from cmdbus_trio.bus.committer import Ticket
 from cmdbus_trio.bus.groups import ConsumerGroups
 from cmdbus_trio.config import Config
 from cmdbus_trio.logs import event
-from cmdbus_trio.storage import StoreUnavailable
+from cmdbus_trio.loop.paced import in_steps
+from cmdbus_trio.storage import VACUUM_PAGES, StoreUnavailable
 from cmdbus_trio.storage.buslog import BusLog, Windows
-from cmdbus_trio.storage.tier import TierStore
 
 log = logging.getLogger(__name__)
 
-VACUUM_PAGES = 2048
-"""Free pages (8 MiB of 4 KiB pages) a step gives back to the file system at most."""
 EVICT_MARGIN = 1 / 16
 """An eviction burst goes this fraction of the cap below it (the cap's low-water mark)."""
-IDLE_EXECUTIONS_PER_STEP = 100
-"""Executions one tier retention step deletes at most."""
 MARKS_PER_WINDOW = 1000
 """Marks kept over the longest window at most: a record's age is known to 1/1000 of it."""
 
@@ -192,54 +187,7 @@ async def run_retention(
         return more
 
     task_status.started()
-    await _in_steps(step, policy.interval)
-
-
-async def run_tier_retention(
-    store: TierStore,
-    windows: Mapping[str, float],
-    interval: float,
-    *,
-    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Delete, every ``interval`` seconds, the history of executions nothing was appended
-    to for their tier's window (``windows``: tier -> seconds), up to
-    :data:`IDLE_EXECUTIONS_PER_STEP` per tier a step, resting as :func:`run_retention`
-    does.
-
-    Cancellation and error handling: as :func:`run_retention`."""
-    limiter = trio.CapacityLimiter(1)
-
-    async def step() -> bool:
-        more = False
-        for tier, window in windows.items():
-            idle = await run_in_thread(
-                store.idle_executions, tier, window, IDLE_EXECUTIONS_PER_STEP, limiter=limiter
-            )
-            for execution_id in idle:  # one appended to meanwhile is skipped
-                delete = partial(store.delete_execution, tier, execution_id, idle_for=window)
-                deleted = await run_in_thread(delete, limiter=limiter)
-                metrics.RETAINED.labels(store="tier", kind="records").inc(deleted)
-            more = more or len(idle) == IDLE_EXECUTIONS_PER_STEP
-        await run_in_thread(store.vacuum_step, VACUUM_PAGES, limiter=limiter)
-        return more
-
-    task_status.started()
-    await _in_steps(step, interval)
-
-
-async def _in_steps(step: Callable[[], Awaitable[bool]], interval: float) -> None:
-    """Run ``step`` for ever: while it says there is more, again after resting as long as
-    it took (so it holds the store's write lock at most half the time); else after
-    ``interval``. A step that finds its store poisoned or closed is over until the next
-    pass."""
-    while True:
-        started = trio.current_time()
-        try:
-            more = await step()
-        except StoreUnavailable:
-            more = False
-        await trio.sleep(trio.current_time() - started if more else interval)
+    await in_steps(step, policy.interval, over=StoreUnavailable)
 
 
 def retention_for(bus: str, config: Config) -> RetentionPolicy:
@@ -252,14 +200,3 @@ def retention_for(bus: str, config: Config) -> RetentionPolicy:
         keep_dead=config.dead_retention_ms / 1000,
         interval=config.retention_interval_ms / 1000,
     )
-
-
-def tier_windows(config: Config) -> dict[str, float]:
-    """Seconds each tier keeps an idle execution's history, for the tiers that do not keep
-    it for ever."""
-    windows = {
-        "eventlog": config.tier_eventlog_retention_ms,
-        "projection": config.tier_projection_retention_ms,
-        "catalog": config.tier_catalog_retention_ms,
-    }
-    return {tier: ms / 1000 for tier, ms in windows.items() if ms}
