@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +9,8 @@ from hypothesis import settings
 
 from cmdbus_trio import metrics
 from cmdbus_trio.config import DATA_FACE_NAMES, Config, load
+
+from .helpers import serving
 
 # Hypothesis's default deadline (200 ms an example) is a wall-clock assertion: on a loaded
 # CI machine a decoder test failed it once. Tests assert behaviour, never speed.
@@ -65,3 +67,15 @@ def make_config(tmp_path: Path) -> Callable[..., Config]:
         return load(base, environ={})
 
     return make
+
+
+@pytest.fixture(scope="module")
+def server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, str]]:
+    """A writer (``cmdbus-trio serve``, every face on port 0) shared by the tests of a
+    module, with that module's ``WRITER_SETTINGS`` (``CMDBUS_*`` variables); its ports."""
+    settings: dict[str, str] = getattr(request.module, "WRITER_SETTINGS", {})
+    name = request.module.__name__.rpartition(".")[2]
+    with serving(tmp_path_factory.mktemp(name), **settings) as (_, ports):
+        yield ports

@@ -15,11 +15,6 @@ SYSTEM = "commands.system.shard.0"
 
 
 @pytest.fixture
-def autojump_clock() -> trio.testing.MockClock:
-    return trio.testing.MockClock(autojump_threshold=0)
-
-
-@pytest.fixture
 async def claims(autojump_clock: trio.testing.MockClock) -> AsyncIterator[Claims]:
     dead: list[tuple[int, str, int]] = []
     coordinator = Claims(

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +15,7 @@ from .helpers import cli, serving
 pytestmark = pytest.mark.e2e  # each test runs the command line, most against a writer
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    with serving(tmp_path_factory.mktemp("cli"), CMDBUS_MAX_DELIVER="1") as (_, ports):
-        yield ports
+WRITER_SETTINGS = {"CMDBUS_MAX_DELIVER": "1"}  # the `server` fixture's (conftest.py)
 
 
 def run(*args: str, stdin: str = "", timeout: float = 60) -> subprocess.CompletedProcess[str]:

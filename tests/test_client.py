@@ -39,12 +39,7 @@ from cmdbus_trio.protocol.subjects import shard_of
 
 from .helpers import metric_sum, metrics_text, serving
 
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    queue = {"CMDBUS_TIER_MAX_WAITERS": "256", "CMDBUS_MAX_DELIVER": "1"}
-    with serving(tmp_path_factory.mktemp("client"), **queue) as (_, ports):
-        yield ports
+WRITER_SETTINGS = {"CMDBUS_TIER_MAX_WAITERS": "256", "CMDBUS_MAX_DELIVER": "1"}  # `server`'s
 
 
 @pytest.fixture(scope="module")

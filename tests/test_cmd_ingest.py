@@ -6,7 +6,7 @@ import json
 import signal
 import sqlite3
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +22,7 @@ from .helpers import frame_client, running_writer, serving
 ONLY_INGEST = {"CMDBUS_TIER_BIND": ""}
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    with serving(tmp_path_factory.mktemp("ingest"), **ONLY_INGEST) as (_, ports):
-        yield ports
+WRITER_SETTINGS = ONLY_INGEST  # the `server` fixture's (conftest.py)
 
 
 def record(execution_id: Any = 1, pool: str | None = None, **extra: Any) -> dict[str, Any]:

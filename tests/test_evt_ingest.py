@@ -4,19 +4,12 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from .helpers import frame_client, serving
 
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    with serving(tmp_path_factory.mktemp("events"), CMDBUS_TIER_BIND="") as (_, ports):
-        yield ports
+WRITER_SETTINGS = {"CMDBUS_TIER_BIND": ""}  # the `server` fixture's (conftest.py)
 
 
 def event(event_type: Any = None, execution_id: Any = 1) -> dict[str, Any]:

@@ -21,11 +21,6 @@ from cmdbus_trio.config import cpu_quota, load
 from cmdbus_trio.gates import CLAIM_MAX_READS, gate_for
 
 
-@pytest.fixture
-def autojump_clock() -> trio.testing.MockClock:
-    return trio.testing.MockClock(autojump_threshold=0)
-
-
 def make_gate(face: str = "test", **overrides: float) -> Gate:
     settings = {"max_inflight": 1, "max_waiters": 1, "shed_after": 1.0, "default_budget": 10.0}
     settings.update(overrides)

@@ -13,12 +13,6 @@ from cmdbus_trio.admission import Gate, GateClosed, Shed, ShedReason, Slot
 
 from .test_gate import held, make_gate
 
-
-@pytest.fixture
-def autojump_clock() -> trio.testing.MockClock:
-    return trio.testing.MockClock(autojump_threshold=0)
-
-
 Outcomes = list["Slot | Shed | GateClosed"]
 
 

@@ -14,11 +14,7 @@ from .helpers import frame_client, metric_sum, metrics_text, serving
 SMALL_REPLY_CAP = 4096
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    gate = {"CMDBUS_TIER_MAX_INFLIGHT": "2", "CMDBUS_TIER_MAX_WAITERS": "16"}
-    with serving(tmp_path_factory.mktemp("tier"), **gate) as (_, ports):
-        yield ports
+WRITER_SETTINGS = {"CMDBUS_TIER_MAX_INFLIGHT": "2", "CMDBUS_TIER_MAX_WAITERS": "16"}  # `server`'s
 
 
 @pytest.fixture(scope="module")
