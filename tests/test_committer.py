@@ -284,3 +284,15 @@ async def test_a_failing_store_fails_the_batch_without_isolating(log: BusLog) ->
     tickets = [publish(), publish()]
     await commit_together(committer, tickets)
     assert all(isinstance(t.error, StoreUnavailable) for t in tickets)
+
+
+def test_a_batch_takes_the_oldest_up_to_its_weight_and_never_none() -> None:
+    from collections import deque
+
+    from cmdbus_trio.loop.batcher import take_up_to
+
+    queue = deque([3, 3, 3, 10])
+    assert take_up_to(queue, 6, int) == [3, 3]
+    assert take_up_to(queue, 5, int) == [3]
+    assert take_up_to(queue, 5, int) == [10]  # over the limit alone: taken all the same
+    assert take_up_to(queue, 5, int) == [] and not queue

@@ -24,7 +24,7 @@ import trio
 
 from cmdbus_trio import metrics
 from cmdbus_trio.logs import event
-from cmdbus_trio.loop.batcher import ThreadBatcher
+from cmdbus_trio.loop.batcher import ThreadBatcher, take_up_to
 from cmdbus_trio.loop.steps import MAX_SETTLE_STEP, Steps
 from cmdbus_trio.protocol.bus import PublishRecord, SubjectRule
 from cmdbus_trio.storage import StoreUnavailable
@@ -130,13 +130,7 @@ class GroupCommitter:
         await self._batches.run(task_status=task_status)
 
     def _take(self, queue: deque[Ticket]) -> list[Ticket]:
-        batch: list[Ticket] = []
-        size = 0
-        while queue and (not batch or size + _size(queue[0]) <= self.max_batch):
-            ticket = queue.popleft()
-            size += _size(ticket)
-            batch.append(ticket)
-        return batch
+        return take_up_to(queue, self.max_batch, _size)
 
     def _settle(self, batch: list[Ticket], outcome: Exception | None) -> None:
         """On the loop, as a plain callback (not a task): it must not raise, so each

@@ -17,7 +17,19 @@ T = TypeVar("T")
 B = TypeVar("B")
 R = TypeVar("R")
 
-__all__ = ["ThreadBatcher"]
+__all__ = ["ThreadBatcher", "take_up_to"]
+
+
+def take_up_to(queue: deque[T], limit: int, weight: Callable[[T], int]) -> list[T]:
+    """The oldest items of ``queue`` whose weights add up to at most ``limit``, and at
+    least one: a group commit's ``take`` (tickets weigh their records)."""
+    batch: list[T] = []
+    total = 0
+    while queue and (not batch or total + weight(queue[0]) <= limit):
+        item = queue.popleft()
+        total += weight(item)
+        batch.append(item)
+    return batch
 
 
 class ThreadBatcher(Generic[T, B, R]):

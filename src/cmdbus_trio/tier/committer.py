@@ -28,7 +28,7 @@ from cmdbus_trio import metrics
 from cmdbus_trio.admission import run_in_thread
 from cmdbus_trio.logs import event
 from cmdbus_trio.loop import Task
-from cmdbus_trio.loop.batcher import ThreadBatcher
+from cmdbus_trio.loop.batcher import ThreadBatcher, take_up_to
 from cmdbus_trio.loop.steps import MAX_SETTLE_STEP, Steps
 from cmdbus_trio.storage.tier import Appending, AppendResult, TierStore
 
@@ -86,13 +86,7 @@ class TierCommitter:
         await self._batches.run(task_status=task_status)
 
     def _take(self, queue: deque[AppendTicket]) -> list[AppendTicket]:
-        batch: list[AppendTicket] = []
-        records = 0
-        while queue and (not batch or records + queue[0].records <= self.max_records):
-            ticket = queue.popleft()
-            records += ticket.records
-            batch.append(ticket)
-        return batch
+        return take_up_to(queue, self.max_records, lambda ticket: ticket.records)
 
     def _commit(self, batch: list[AppendTicket]) -> None:
         """In the thread: make each ticket's request, append them all, encode replies."""
