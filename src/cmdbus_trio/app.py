@@ -4,7 +4,7 @@
 
     Writer.run
     └── control nursery        heartbeat, control face             (stops last)
-        └── background nursery shed-burst watchers, committers (buses, tier), body
+        └── background nursery Gate timers, committers (buses, tier), body
             │                  readers, claim timers, lag samplers, consumer groups
             └── data nursery   one supervised child nursery per data face
 """

@@ -254,5 +254,5 @@ def _size(ticket: Ticket) -> int:
 
 def _settle_cost(ticket: Ticket) -> int:
     """A ticket's share of a settling step: its reply, and a little per record the
-    listeners are told of (a batch of 32 records costs about four single publishes)."""
+    listeners are told of (a batch of 32 records costs five single publishes)."""
     return 1 + _size(ticket) // 8
