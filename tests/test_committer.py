@@ -296,3 +296,21 @@ def test_a_batch_takes_the_oldest_up_to_its_weight_and_never_none() -> None:
     assert take_up_to(queue, 5, int) == [3]
     assert take_up_to(queue, 5, int) == [10]  # over the limit alone: taken all the same
     assert take_up_to(queue, 5, int) == [] and not queue
+
+
+async def test_a_batcher_cancelled_with_work_queued_does_it_first() -> None:
+    """The drain cancels the committers once the faces are done: an ack queued by a
+    connection that has ended must still be committed (docs/architecture.md, drain)."""
+    from cmdbus_trio.loop.batcher import ThreadBatcher
+
+    done: list[int] = []
+    batcher: ThreadBatcher[int, list[int], None] = ThreadBatcher(
+        lambda queue: [queue.popleft()], done.extend, lambda batch, outcome: None
+    )
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(batcher.run)
+            for n in range(5):
+                batcher.put(n)
+            nursery.cancel_scope.cancel()
+    assert done == [0, 1, 2, 3, 4] and not batcher.queue
