@@ -120,6 +120,11 @@ def test_import_errors_are_one_line(tmp_path: Path) -> None:
     assert unreachable.returncode == 1
     (line,) = unreachable.stderr.splitlines()
     assert line.startswith("cmdbus-trio import-tier: 127.0.0.1:1:")
+    malformed = run_import(tmp_path, "no-port", "127.0.0.1:1")
+    assert malformed.returncode == 1
+    assert malformed.stderr == (
+        "cmdbus-trio import-tier: --from: address 'no-port': expected HOST:PORT\n"
+    )
 
 
 def test_long_runs_are_split_under_the_request_cap(tmp_path: Path) -> None:

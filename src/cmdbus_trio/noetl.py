@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 
 import attrs
 
-from .config import SETTINGS_BY_NAME, ConfigError, Setting
+from .config import SETTINGS_BY_NAME, Bind, ConfigError, Setting
 from .config._values import boolean, host_value
 
 PREFIX = "NOETL_"
@@ -135,7 +135,7 @@ def translate(
                 values[name] = ("", [switch])
         else:
             lag, port = LAG_PORTS[switch]
-            values.setdefault(lag, (f"{_bind_host(environ, flags)}:{port}", [switch]))
+            values.setdefault(lag, (str(Bind(_bind_host(environ, flags), port)), [switch]))
     out = dict(environ)
     used: set[tuple[str, str]] = set()
     for name, (value, aliases) in values.items():
@@ -156,12 +156,11 @@ def translate(
 
 
 def _bind_host(environ: Mapping[str, str], flags: Mapping[str, str | None]) -> str:
-    """``CMDBUS_BIND_HOST`` as ``load`` will read it, bracketed for a bind (a bad one is
-    reported by ``load``, under its own name)."""
+    """``CMDBUS_BIND_HOST`` as ``load`` will read it (a bad one is reported by ``load``,
+    under its own name)."""
     setting = SETTINGS_BY_NAME["bind_host"]
     text = flags.get(setting.name) or environ.get(setting.env) or setting.default
     try:
-        host = host_value(text)
+        return host_value(text)
     except ValueError:
-        host = host_value(setting.default)
-    return f"[{host}]" if ":" in host else host
+        return host_value(setting.default)

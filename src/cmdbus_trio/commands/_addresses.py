@@ -11,6 +11,8 @@ from typing import Final
 
 from cmdbus_trio.config import DEFAULT_PORTS, SETTINGS_BY_NAME
 
+from ._scrape import control_url
+
 PORTS_FILE: Final = SETTINGS_BY_NAME["ports_file"].env
 
 STARTING_WAIT: Final = 5.0
@@ -41,3 +43,8 @@ def default_address(face: str, *, wait: float = STARTING_WAIT) -> str:
     except KeyError:
         raise ValueError(f"{PORTS_FILE}={named}: the writer serves no {face} face") from None
     return str(address)
+
+
+def default_control_url(*, wait: float = STARTING_WAIT) -> str:
+    """The control face's URL when none is given (see :func:`default_address`)."""
+    return control_url(default_address("control", wait=wait))

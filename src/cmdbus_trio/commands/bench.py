@@ -38,7 +38,7 @@ import trio
 from cmdbus_trio.client import Busy, ClientError
 from cmdbus_trio.client.trio import ClaimClient, IngestClient, TierClient
 
-from ._addresses import default_address
+from ._addresses import default_control_url
 from ._output import Output, fail, leaves
 from ._scrape import control_url
 from .client import add_connection_arguments, connection_options
@@ -384,7 +384,7 @@ def run(args: argparse.Namespace) -> int:
             return fail("bench", "--plot needs matplotlib: pip install 'cmdbus-trio[plot]'")
     process = None
     try:
-        url = args.url or ("" if args.spawn else control_url(default_address("control", wait=0)))
+        url = args.url or ("" if args.spawn else default_control_url(wait=0))
     except ValueError as exc:
         return fail("bench", str(exc))
     try:

@@ -23,7 +23,7 @@ import attrs
 from cmdbus_trio.client import CannotConnect, ClientError, ShardMap, blocking
 from cmdbus_trio.protocol.subjects import as_i64
 
-from ._addresses import STARTING_WAIT, default_address
+from ._addresses import STARTING_WAIT, default_address, default_control_url
 from ._output import Output, fail
 from ._scrape import control_url
 
@@ -147,10 +147,11 @@ def _connect(cls: type[Client], face: str, args: argparse.Namespace) -> Client:
     """A client of ``face`` (``--addr``, else :func:`default_address`), waiting up to
     :data:`STARTING_WAIT` for a writer that is starting."""
     deadline = time.monotonic() + STARTING_WAIT
+    options = connection_options(args)  # (reads the CA file: once, not each attempt)
     while True:
         address = args.addr or default_address(face)
         try:
-            return cls.connect(address, **connection_options(args))
+            return cls.connect(address, **options)
         except CannotConnect as exc:
             if time.monotonic() >= deadline:
                 raise CannotConnect(f"{exc} (waited {STARTING_WAIT:g} s)") from None
@@ -362,7 +363,7 @@ def fetch(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
 
 
 def _health(args: argparse.Namespace, output: Output) -> int:
-    url = (args.url or control_url(default_address("control"))) + "/healthz"
+    url = (args.url or default_control_url()) + "/healthz"
     try:
         status, body = fetch(url)
     except OSError as exc:

@@ -38,7 +38,7 @@ from typing import Any
 
 import attrs
 
-from ._addresses import default_address
+from ._addresses import default_control_url
 from ._output import Output, fail
 from ._scrape import Scrape, control_url, delta, histogram_deltas, label, quantile, show
 from .client import fetch
@@ -431,7 +431,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.interval > 0 or not args.timeout > 0:
         return fail("diagnose", "--interval and --timeout must be > 0 seconds")
     try:
-        url = args.url or control_url(default_address("control"))
+        url = args.url or default_control_url()
     except ValueError as exc:
         return fail("diagnose", str(exc))
     findings = diagnose(url, interval=args.interval, timeout=args.timeout)

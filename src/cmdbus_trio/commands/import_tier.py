@@ -39,6 +39,7 @@ from cmdbus_trio.client import (
     blocking,
 )
 from cmdbus_trio.client import _calls as calls
+from cmdbus_trio.client._core import split_address
 from cmdbus_trio.protocol import CLOSED, NEED_DATA, FrameDecoder, encode_frame
 from cmdbus_trio.protocol.tier import TIERS
 
@@ -72,6 +73,7 @@ class V1TierReader:
 
     def __init__(self, address: str, *, timeout: float = CALL_TIMEOUT) -> None:
         self.address = address
+        self._host, self._port = split_address(address)  # ValueError: not HOST:PORT
         self.timeout = timeout
         self._sock: socket.socket | None = None
         self._decoder = FrameDecoder(64 << 20)
@@ -104,8 +106,7 @@ class V1TierReader:
 
     def _exchange(self, frame: bytes) -> bytes:
         if self._sock is None:
-            host, _, port = self.address.rpartition(":")
-            self._sock = socket.create_connection((host.strip("[]"), int(port)), self.timeout)
+            self._sock = socket.create_connection((self._host, self._port), self.timeout)
             self._decoder = FrameDecoder(64 << 20)
         self._sock.sendall(encode_frame(frame))
         while (reply := self._decoder.next_frame()) is NEED_DATA:
@@ -407,7 +408,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     output = Output(human=args.human)
-    source = V1TierReader(args.source)
+    try:
+        source = V1TierReader(args.source)
+    except ValueError as exc:  # --from is not HOST:PORT
+        return fail("import-tier", f"--from: {exc}")
     try:
         address = args.to or default_address("tier", wait=STARTING_WAIT)
         retry = RetryPolicy(attempts=ATTEMPTS)

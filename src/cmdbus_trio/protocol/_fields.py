@@ -61,14 +61,14 @@ def transaction_id(value: Any, field: str = "transaction_id") -> str:
     return storable_text(value, field)
 
 
-_SURROGATE: Final = re.compile("[\ud800-\udfff]")
+SURROGATE: Final = re.compile("[\ud800-\udfff]")
 
 
 def storable_text(value: str, field: str) -> str:
     """``value``, which is stored as text as it is: refused if it holds a lone surrogate
     (JSON can escape one, ``"\\ud800"``; UTF-8 cannot hold it, so storing it would fail
     the whole transaction it joined)."""
-    if _SURROGATE.search(value):
+    if SURROGATE.search(value):
         raise FieldError(field, "expected Unicode text; a lone surrogate (\\ud800-\\udfff) is not")
     return value
 

@@ -14,6 +14,7 @@ from typing import Any, Final
 import xxhash
 
 from ._errors import ErrorCode, RemoteProtocolError
+from ._fields import SURROGATE
 
 SHARED_POOL: Final = "shared"
 UNKNOWN_EVENT: Final = "unknown"
@@ -21,7 +22,6 @@ _I64_TEXT = re.compile(r"[+-]?[0-9]+")
 _I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
 _BAD_POOL = re.compile("[.*>\\s\ud800-\udfff]")  # a lone surrogate cannot be stored as text
 _BAD_EVENT_TYPE = re.compile("[*>\\s\ud800-\udfff]")
-_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class SubjectError(RemoteProtocolError):
@@ -86,7 +86,7 @@ def parse_filter(text: Any, field: str = "filter") -> tuple[str, ...]:
     token, or a ``>`` that is not the last token."""
     if not isinstance(text, str) or not text:
         raise SubjectError(f"{field}: expected a non-empty subject filter")
-    if _SURROGATE.search(text):  # matches nothing, and SQLite cannot take it as text
+    if SURROGATE.search(text):  # matches nothing, and SQLite cannot take it as text
         raise SubjectError(f"{field}: a lone surrogate (\\ud800-\\udfff) is not Unicode text")
     tokens = tuple(text.split("."))
     if any(token == "" for token in tokens):
