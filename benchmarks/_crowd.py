@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import trio
-from _client import Client, http_get, percentiles
 
+from _client import Client, http_get, percentiles
 from cmdbus_trio.commands.spawn import spawn_writer
 
 FACES = ("cmd_ingest", "cmd_claim", "evt_ingest", "evt_claim", "evt_subscribe")

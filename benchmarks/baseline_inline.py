@@ -29,6 +29,7 @@ from cmdbus_trio.protocol import (
     dumps,
     encode_frame,
     encode_ok,
+    pages,
     parse_request,
 )
 from cmdbus_trio.protocol import tier as codec
@@ -82,7 +83,7 @@ def handle(store: TierStore, body: bytes) -> bytes:
             "record_count": count or 0,
             "returned": len(fragments),
         }
-        return codec.with_records(head, fragments, {"next_after": last if more else None})
+        return pages.with_records(head, fragments, {"next_after": last if more else None})
     return dumps(
         {"id": request.id, "ok": False, "error": {"code": "unsupported", "message": request.op}}
     )

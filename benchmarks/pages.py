@@ -10,7 +10,7 @@ with the row:
 - ``per record`` (the design before, kept here as the baseline): split the row into one
   ``(key, fragment)`` pair per record, then walk the pairs to cut the reply by count and
   by bytes, then join them;
-- ``cmdbus-trio``: ``protocol.tier.Fragments`` (the keys and the fragments' ends, computed
+- ``cmdbus-trio``: ``protocol.paging.Fragments`` (the keys and the fragments' ends, computed
   in C) and ``protocol.tier.page``, which takes a prefix of each page's blob by bisecting.
 
 Each is timed alone and beside a thread that holds the GIL in 1 ms slices half of the
@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from cmdbus_trio.protocol import tier as codec
+from cmdbus_trio.protocol import pages as paging
 from cmdbus_trio.storage import _tier_pages
 from cmdbus_trio.storage import tier as tier_store
 from cmdbus_trio.storage.tier import NewRecord, TierStore
@@ -68,7 +68,7 @@ def per_record_pages(store: TierStore, after: int) -> Iterator[list[tuple[int, b
 
 def per_record_reply(store: TierStore, after: int) -> bytes:
     head: dict[str, Any] = {"id": 1, "ok": True}
-    overhead = codec.reply_size(head | {"returned": LIMIT}, 0, 0, {"next_after": 1 << 63})
+    overhead = paging.reply_size(head | {"returned": LIMIT}, 0, 0, {"next_after": 1 << 63})
     fragments: list[bytes] = []
     size = 0
     last = None
@@ -88,13 +88,13 @@ def per_record_reply(store: TierStore, after: int) -> bytes:
         if more:
             break
     head["returned"] = len(fragments)
-    return codec.with_records(head, fragments, {"next_after": last if more else None})
+    return paging.with_records(head, fragments, {"next_after": last if more else None})
 
 
 def cmdbus_reply(store: TierStore, after: int) -> bytes:
     pages = store.iter_execution_encoded("eventlog", "big", after=after)
     head: dict[str, Any] = {"id": 1, "ok": True}
-    return codec.page(head, pages, limit=LIMIT, max_reply=MAX_REPLY, name="record", returned=True)
+    return paging.page(head, pages, limit=LIMIT, max_reply=MAX_REPLY, name="record", returned=True)
 
 
 def timed(

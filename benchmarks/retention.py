@@ -40,7 +40,6 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _client import Client, open_loop, percentiles
-
 from cmdbus_trio.commands.spawn import spawn_writer
 
 TARGETS = {

@@ -39,7 +39,6 @@ from cmdbus_trio.commands.spawn import spawn_writer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _client import Client, http_get, percentiles
-
 from cmdbus_trio.client import RetryBudget, RetryPolicy
 from cmdbus_trio.client.trio import TierClient
 from cmdbus_trio.protocol import encode_frame

@@ -42,7 +42,6 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _client import Client, http_get, open_loop, percentiles
-
 from cmdbus_trio.config import cpu_quota
 from cmdbus_trio.storage.tier import NewRecord, TierStore
 

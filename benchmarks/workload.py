@@ -4,7 +4,7 @@
     python benchmarks/workload.py --minutes 10 --rate 40
     python benchmarks/workload.py --minutes 2 --faults   # the writer SIGKILLed twice too
 
-The same scenario as the system test (tests/system/deployment.py), stretched: two servers
+The same scenario as the system test (harness/deployment.py), stretched: two servers
 publish commands in bursts with idle gaps (2.5 s) to both pools at about --rate commands
 a second; workers in v1 and v2 wait for them, run them, append their events to the tier
 and publish them to the event bus, then ack (some nack, some run past ack_wait with
@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.system.deployment import GAP, figures, run, violations
+from harness.deployment import GAP, figures, run, violations
 
 
 def main() -> None:

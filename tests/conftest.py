@@ -26,7 +26,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--scale-records",
         type=int,
         default=6000,
-        help="records published through three writers (tests/test_scale_out.py)",
+        help="records published through three writers (tests/client/test_scale_out.py)",
     )
 
 

@@ -20,8 +20,11 @@ import h11
 import trio
 
 from cmdbus_trio.app import Writer
+from cmdbus_trio.bus.committer import GroupCommitter, Ticket
 from cmdbus_trio.config import Config
 from cmdbus_trio.faces import FaceServe
+from cmdbus_trio.protocol.bus import PublishRecord
+from cmdbus_trio.storage.buslog import BusEntry, BusLog
 
 
 @attrs.frozen
@@ -264,6 +267,44 @@ def metric_sum(text: str, prefix: str) -> float:
     return sum(
         float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix)
     )
+
+
+# --- publishing, at each level a test may need -------------------------------------------
+
+
+def publish_to_log(log: BusLog, count: int, *, subject: str, size: int = 10) -> list[int]:
+    """``count`` records straight into a bus log (no committer), each padded by ``size``
+    bytes; their sort keys."""
+    entries = [BusEntry(subject, json.dumps({"pad": "x" * size})) for _ in range(count)]
+    return [p.sort_key for p in log.publish(entries)]
+
+
+def publish_ticket(payload: str, n: int = 0) -> Ticket:
+    """A ticket of one record (JSON text) for a bus's group committer."""
+    return Ticket([(PublishRecord(n, payload), None, "record")])
+
+
+async def publish_through(committer: GroupCommitter, payloads: Sequence[str]) -> list[int]:
+    """One ticket per payload, queued on a running group committer in order; their sort
+    keys once committed."""
+    tickets = [publish_ticket(p, n) for n, p in enumerate(payloads)]
+    for ticket in tickets:
+        committer.enqueue(ticket)
+    return [(await ticket.wait())[0].sort_key for ticket in tickets]
+
+
+async def publish_over_wire(
+    address: str, records: Sequence[dict[str, Any]], *, batch: int = 100
+) -> list[int]:
+    """``records`` through an ingest face's v2 ``publish_batch``, ``batch`` at a time;
+    their sort keys."""
+    keys: list[int] = []
+    async with frame_client(address) as client:
+        for first in range(0, len(records), batch):
+            reply = await client.request("publish_batch", records=records[first : first + batch])
+            assert reply["ok"], reply
+            keys += reply["sort_keys"]
+    return keys
 
 
 async def commit_together(committer: Any, tickets: Sequence[Any]) -> None:

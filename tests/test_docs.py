@@ -1,5 +1,6 @@
 """The docs stand alone: every file the repository's text cites (a ``*.md`` page, a
-markdown link, a ``docs/``, ``src/``, ``tests/``, ``benchmarks/`` or ``deploy/`` path)
+markdown link, a ``docs/``, ``src/``, ``tests/``, ``benchmarks/``, ``harness/`` or ``deploy/``
+path)
 is in the repository. The docs once cited design notes and contracts that were not."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ TEXTS = [
     *ROOT.glob("src/**/*.py"),
     *ROOT.glob("tests/**/*.py"),
     *ROOT.glob("benchmarks/**/*.py"),
+    *ROOT.glob("harness/**/*.py"),
     *ROOT.glob("deploy/**/*.yaml"),
     ROOT / "deploy" / "Dockerfile",
     ROOT / "pyproject.toml",
@@ -21,7 +23,7 @@ TEXTS = [
 ]
 CITED_PAGE = re.compile(r"(?<![\w/.-])([\w./-]*[\w-]+\.md)\b")
 CITED_PATH = re.compile(
-    r"(?<![\w/.-])((?:docs|src|tests|benchmarks|deploy|fuzz)/[\w./*-]*[\w*-])(?:::|\b)"
+    r"(?<![\w/.-])((?:docs|src|tests|benchmarks|harness|deploy|fuzz)/[\w./*-]*[\w*-])(?:::|\b)"
 )
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")  # markdown's: only in *.md
 

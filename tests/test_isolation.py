@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import trio
 
+from .faces.test_memory_bounds import rss_mib
 from .helpers import FrameClient, frame_client, metric_sum, metrics_text, serving
-from .test_memory_bounds import rss_mib
 
 
 async def pipelined(
@@ -65,7 +65,7 @@ async def test_subscribe_frames_keep_to_the_reply_cap(tmp_path: Path) -> None:
     used to carry 500 records whatever their size: 500 events of 150 KiB made a 75 MiB
     frame, which the bundled client refuses, so it reconnected to the same frame for
     ever.)"""
-    from .test_evt_subscribe import publish
+    from .faces.test_evt_subscribe import publish
 
     cap = 64 << 10
     settings = {"CMDBUS_MAX_REPLY_BYTES": str(cap), "CMDBUS_TIER_BIND": ""}
@@ -124,7 +124,7 @@ async def test_a_publisher_retrying_an_evicted_record_is_told(tmp_path: Path) ->
 async def test_an_event_groups_lag_waits_for_a_gate_slot(tmp_path: Path) -> None:
     """``lag`` on an event group walks the group's backlog: it is admitted by the face's
     Gate like any other work (counted under its op), where it used to run beside it."""
-    from .test_evt_subscribe import publish
+    from .faces.test_evt_subscribe import publish
 
     with trio.fail_after(30), serving(tmp_path, CMDBUS_TIER_BIND="") as (_, ports):
         await publish(ports["evt_ingest"], 50)
@@ -142,7 +142,7 @@ async def test_groups_that_never_consume_owe_nothing(tmp_path: Path) -> None:
     (90,000 rows, written in the group commit every publish and ack waits for, and all
     loaded at a restart). A lagging group now keeps its position and owes nothing; a
     restart still gives it every event."""
-    from .test_evt_subscribe import publish
+    from .faces.test_evt_subscribe import publish
 
     settings = {"CMDBUS_TIER_BIND": "", "CMDBUS_STUCK_AFTER_MS": "200", "CMDBUS_EVT_GROUPS": ""}
     with trio.fail_after(90):
@@ -171,7 +171,7 @@ async def test_a_restart_costs_the_same_with_100_lagging_groups_as_with_one(
     one such group: restarted, the writer holds the same memory (a lagging group costs
     its position, not a row or an entry per record behind it; each used to owe a row
     per record, all loaded at a restart), and each group still has all 15,000."""
-    from .test_evt_subscribe import publish
+    from .faces.test_evt_subscribe import publish
 
     settings = {"CMDBUS_TIER_BIND": "", "CMDBUS_STUCK_AFTER_MS": "200", "CMDBUS_EVT_GROUPS": ""}
     resident = {}
@@ -333,8 +333,8 @@ async def test_frames_being_read_count_against_the_face_budget(tmp_path: Path) -
     ``CMDBUS_FACE_PENDING_BYTES`` (8 MiB) of requests, and a connection reads a frame
     larger than one read only once that frame's bytes are lent to it. Each connection
     used to read up to two whole frames first, outside the budget (RSS +270-330 MiB)."""
+    from .faces.test_memory_bounds import watch_peak
     from .helpers import get
-    from .test_memory_bounds import watch_peak
 
     settings = {"CMDBUS_TIER_BIND": "", "CMDBUS_DEBUG_HOOKS": "true"}
     record = {"execution_id": 1, "payload": json.dumps({"pad": "x" * 1_000_000})}

@@ -105,6 +105,20 @@ def test_each_room_imports_only_the_rooms_below_it() -> None:
     assert layering_violations({"app": {"faces", "bus"}, "faces": {"metrics"}}) == []
 
 
+def test_tests_and_benchmarks_never_import_each_other() -> None:
+    """What both use (the deployment harness) lives where both may import it."""
+    root = SRC.parent.parent
+    rule = {"tests": "benchmarks", "benchmarks": "tests", "harness": "tests"}
+    found = {
+        f"{path.relative_to(root)} imports {rule[folder]}"
+        for folder in rule
+        for path in (root / folder).rglob("*.py")
+        if rule[folder] in imported_modules(path)
+    }
+    assert not found
+    assert "harness" in imported_modules(root / "benchmarks" / "workload.py")  # it looks
+
+
 def test_no_module_is_longer_than_the_cap() -> None:
     lengths = {p.relative_to(SRC): len(p.read_text().splitlines()) for p in SRC.rglob("*.py")}
     too_long = {str(path): n for path, n in lengths.items() if n > MAX_MODULE_LINES}

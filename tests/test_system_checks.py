@@ -1,4 +1,4 @@
-"""The system test's judge (tests/system/deployment.py) is itself held to the facts: a
+"""The system test's judge (harness/deployment.py) is itself held to the facts: a
 redelivery, or a command nobody saw acked, is excused only by what happened, whatever
 order the processes noted things in."""
 
@@ -8,7 +8,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from .system.deployment import ACK_WAIT, Outcome, _ack_lost_with_the_writer, _redelivery_explained
+from harness.deployment import ACK_WAIT, Outcome, _ack_lost_with_the_writer, _redelivery_explained
 
 
 def outcome(

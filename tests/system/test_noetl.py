@@ -1,4 +1,4 @@
-"""A NoETL-shaped deployment, run the way NoETL runs it (tests/system/deployment.py):
+"""A NoETL-shaped deployment, run the way NoETL runs it (harness/deployment.py):
 servers publishing in bursts with idle gaps longer than every timer, workers in both
 dialects and both clients that wait for work, crash mid-command and are replaced, event
 groups (two created mid-run), a push subscriber, a reader, and probes from outside. Then
@@ -13,11 +13,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from harness.deployment import ACK_WAIT, Deployment, figures, free_ports, run, violations
 
 from cmdbus_trio.client import blocking
 
 from ..helpers import cli, environment, serving
-from .deployment import ACK_WAIT, Deployment, figures, free_ports, run, violations
 
 pytestmark = pytest.mark.system
 

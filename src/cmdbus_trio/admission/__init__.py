@@ -16,7 +16,7 @@ from ._bursts import ShedBursts
 from ._bytes import ByteBudget
 from ._gate import Gate, GateClosed, GateStatistics, Shed, ShedReason
 from ._slot import DeadlineExceeded, Slot
-from ._threads import run_in_thread
+from ._threads import checked_pages, each_checked, run_in_thread
 
 __all__ = [
     "ByteBudget",
@@ -28,5 +28,7 @@ __all__ = [
     "ShedBursts",
     "ShedReason",
     "Slot",
+    "checked_pages",
+    "each_checked",
     "run_in_thread",
 ]

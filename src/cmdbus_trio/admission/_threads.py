@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar, TypeVarTuple
 
 import trio
 
 T = TypeVar("T")
+P = TypeVar("P")
 Ts = TypeVarTuple("Ts")
 
 
@@ -22,3 +23,17 @@ async def run_in_thread(fn: Callable[[*Ts], T], *args: *Ts, limiter: trio.Capaci
     ``trio.from_thread.check_cancelled()`` (long work does so between pages).
     """
     return await trio.to_thread.run_sync(fn, *args, limiter=limiter, abandon_on_cancel=False)
+
+
+def checked_pages(pages: Iterable[P]) -> Iterator[P]:
+    """``pages``, read in a worker thread, with a cancellation check before each: an
+    expired budget or a vanished client stops the thread within one page."""
+    for page in pages:
+        trio.from_thread.check_cancelled()
+        yield page
+
+
+def each_checked(pages: Iterable[Iterable[T]]) -> Iterator[T]:
+    """The items of :func:`checked_pages`."""
+    for page in checked_pages(pages):
+        yield from page

@@ -14,19 +14,14 @@ answered without a thread hop.
 
 from __future__ import annotations
 
-import logging
 from collections import OrderedDict, deque
-from collections.abc import Callable
 
 import attrs
 import trio
 
 from cmdbus_trio import metrics
-from cmdbus_trio.logs import event
 from cmdbus_trio.loop.batcher import ThreadBatcher
 from cmdbus_trio.storage.buslog import MAX_READ_MANY, BusLog, StoredRecord
-
-log = logging.getLogger(__name__)
 
 MAX_BATCHES_PER_HOP = 16
 """Batches one worker-thread call reads back to back before it returns to the loop."""
@@ -44,7 +39,6 @@ class _Ask:
     done: trio.Event = attrs.field(factory=trio.Event)
     record: StoredRecord | None = None
     error: Exception | None = None
-    then: Callable[[StoredRecord | Exception], None] | None = None
 
     def outcome(self) -> StoredRecord | Exception:
         if self.error is not None:
@@ -106,17 +100,6 @@ class BodyReader:
             raise outcome
         return outcome
 
-    def read_then(self, sort_key: int, then: Callable[[StoredRecord | Exception], None]) -> None:
-        """:meth:`read` for a caller that is not a task: ``then`` is called on the loop with
-        the record or the error :meth:`read` would raise. It must not raise; if it does,
-        that is logged and the other asks are answered all the same. A recent body is
-        handed over at once, before this returns."""
-        recent = self._kept(sort_key)
-        if recent is None:
-            self._ask(sort_key, then)
-            return
-        _call(then, recent)
-
     def _kept(self, sort_key: int) -> StoredRecord | None:
         kept = self._recent.get(sort_key)
         if kept is None:
@@ -146,10 +129,8 @@ class BodyReader:
         _, (_, record) = self._recent.popitem(last=False)
         self._recent_size -= len(record) + _ENTRY_BYTES
 
-    def _ask(
-        self, sort_key: int, then: Callable[[StoredRecord | Exception], None] | None = None
-    ) -> _Ask:
-        ask = _Ask(sort_key, then=then)
+    def _ask(self, sort_key: int) -> _Ask:
+        ask = _Ask(sort_key)
         self._batches.put(ask)
         self._asked += 1
         return ask
@@ -186,14 +167,3 @@ class BodyReader:
             else:
                 ask.record = outcome.get(ask.sort_key)
             ask.done.set()
-            if ask.then is not None:
-                _call(ask.then, ask.outcome())
-
-
-def _call(
-    then: Callable[[StoredRecord | Exception], None], outcome: StoredRecord | Exception
-) -> None:
-    try:
-        then(outcome)
-    except Exception as exc:  # a callback on the loop must not raise
-        event(log, logging.ERROR, "body_callback_failed", exc_info=exc)

@@ -23,8 +23,10 @@ import attrs
 import trio
 
 from cmdbus_trio import metrics
+from cmdbus_trio.admission import Slot
 from cmdbus_trio.logs import event
 from cmdbus_trio.loop.batcher import ThreadBatcher, take_up_to
+from cmdbus_trio.loop.deferred import Deferred
 from cmdbus_trio.loop.steps import MAX_SETTLE_STEP, Steps
 from cmdbus_trio.protocol.bus import PublishRecord, SubjectRule
 from cmdbus_trio.storage import StoreUnavailable
@@ -122,6 +124,26 @@ class GroupCommitter:
     def enqueue(self, ticket: Ticket) -> None:
         """Queue a ticket; never blocks (the caller's Gate slot bounds the queue)."""
         self._batches.put(ticket)
+
+    def publish(self, ticket: Ticket, slot: Slot) -> Deferred[list[Published]]:
+        """Queue a publish's ticket now (in the order its connection sent it), admitted
+        by ``slot``, which is held until the commit is settled: a drain waits for it, so
+        nothing accepted is dropped. Completes by the commit's callback, with no task
+        (under pipelined load a task per publish was most of the loop's time): the
+        records' places, or the error (a bad record, the wrong shard, the store's)."""
+        published: Deferred[list[Published]] = Deferred()
+
+        def settled(ticket: Ticket) -> None:
+            slot.release()
+            if ticket.error is not None:
+                published.settle(ticket.error)
+            else:
+                assert ticket.published is not None
+                published.settle(ticket.published)
+
+        ticket.on_settled = settled
+        self.enqueue(ticket)
+        return published
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Commit queued tickets until cancelled (in the background nursery): batch after

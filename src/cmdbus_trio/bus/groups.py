@@ -139,6 +139,24 @@ class ConsumerGroups:
             raise FieldError("group", "expected the name of a consumer group")
         return await self.get(group, start)
 
+    def known(self, group: Any) -> Claims | None:
+        """The coordinator a request's ``group`` names, without waiting: for the requests
+        that create no group (``ack``, ``nack``, ``extend``). None while the group is
+        being created or deleted: nothing of it can be held yet, or any more.
+
+        Error handling: :class:`FieldError` naming the field, as :meth:`resolve`."""
+        if self.fixed is not None:
+            if group is not None:
+                raise FieldError("group", "the command bus has no consumer groups")
+            return self.claims[self.fixed]
+        if not isinstance(group, str):
+            raise FieldError("group", "expected the name of a consumer group")
+        claims = self.claims.get(group)
+        if claims is None and group not in self._creating:
+            _check_name(group)
+            raise _unknown(group)
+        return claims
+
     async def get(self, name: str, start: str | None = None) -> Claims:
         """The group's coordinator; created when ``start`` is ``beginning`` or ``tail``.
 
@@ -155,13 +173,9 @@ class ConsumerGroups:
             await self._creating[name].done.wait()
         if claims is not None:
             return claims
-        if not GROUP_NAME.fullmatch(name):
-            raise FieldError("group", f"expected {GROUP_NAME_RULE}")
+        _check_name(name)
         if start is None:
-            raise FieldError(
-                "group",
-                f"unknown group {name!r}; name it with from (beginning or tail) to create it",
-            )
+            raise _unknown(name)
         if start not in ("beginning", "tail"):
             raise FieldError("from", "expected beginning or tail")
         if len(self.claims) + len(self._creating) >= self.max_groups:
@@ -326,6 +340,17 @@ class ConsumerGroups:
             metrics.EVENTS_GROUP_LAG.labels(group=name).set(claims.total)
         else:
             export_feed_lag(claims, self._shard)
+
+
+def _check_name(name: str) -> None:
+    if not GROUP_NAME.fullmatch(name):
+        raise FieldError("group", f"expected {GROUP_NAME_RULE}")
+
+
+def _unknown(name: str) -> FieldError:
+    return FieldError(
+        "group", f"unknown group {name!r}; name it with from (beginning or tail) to create it"
+    )
 
 
 def export_feed_lag(claims: Claims, shard: str) -> None:

@@ -3,7 +3,7 @@ unasync): the face methods are the same calls, with and without ``await``.
 
     python -m cmdbus_trio.client._unasync        # rewrites _blocking_faces.py
 
-``tests/test_client_unasync.py`` fails when the generated file is not what this makes of
+``tests/client/test_client_unasync.py`` fails when the generated file is not what this makes of
 the source, so the two clients cannot drift apart.
 """
 

@@ -10,8 +10,8 @@ memory; the reader also notices when the client goes away, which cancels that
 connection's read work.
 
 A v2 request is answered by a task of its own, or, when the handler returns a
-:class:`Deferred`, by the callback that settles it (the group committer, the body
-reader); either way through the connection's :class:`Outbox`.
+:class:`Deferred`, by the callback that settles it (a group committer, the Gate); which
+one is the op's. Either way the reply goes through the connection's :class:`Outbox`.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from cmdbus_trio import __version__, metrics
 from cmdbus_trio.admission import Gate, Shed, ShedReason
 from cmdbus_trio.logs import event
 from cmdbus_trio.loop import turns
+from cmdbus_trio.loop.deferred import Deferred
 from cmdbus_trio.protocol import ErrorCode, Request, UnsupportedOp, encode_frame
 from cmdbus_trio.protocol.server import (
     UNKNOWN_OP,
@@ -39,7 +40,7 @@ from cmdbus_trio.protocol.server import (
 )
 
 from . import FaceContext
-from ._handler import CloseConnection, Deferred, FaceError, FaceHandler, Sender, as_face_error
+from ._handler import CloseConnection, FaceError, FaceHandler, Sender, as_face_error
 from ._outbox import Outbox
 from ._reader import MAX_INFLIGHT_PER_CONNECTION, Batch, Reader
 

@@ -2,21 +2,23 @@
 
 A face supplies a :class:`FaceHandler` (how to answer a v1 frame and a v2 request);
 ``faces._connection`` runs the connections. A v2 request is answered by the awaitable the
-handler returns, or, when it returns a :class:`Deferred`, by the callback that settles it
-(the group committer, the body reader), with no task of its own.
+handler returns, run in a task, or, when it returns a :class:`Deferred`, by the callback
+that settles it (a group committer, the Gate), with no task of its own. Which of the two
+is the op's, never the moment's: an op has one way to complete.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import Protocol, TypeVar
 
 import attrs
-import trio
 
 from cmdbus_trio.admission import DeadlineExceeded, GateClosed, Shed
+from cmdbus_trio.loop.deferred import Deferred
 from cmdbus_trio.protocol import ErrorCode, LocalProtocolError, RemoteProtocolError, Request
 from cmdbus_trio.storage import StoreUnavailable
+from cmdbus_trio.storage.tier import VersionConflict
 
 T = TypeVar("T")
 P = TypeVar("P")
@@ -46,60 +48,6 @@ Sender = Callable[[bytes], Awaitable[bool]]
 """Sends bytes on the connection, in order; False once the peer is gone."""
 
 
-class Deferred:
-    """A v2 reply that a callback on the loop settles (the group committer settling a
-    ticket), so that the connection needs no task to wait for it. Under pipelined load a
-    task and a wake-up per request were most of the loop's time."""
-
-    __slots__ = ("_callback", "_outcome")
-
-    def __init__(self) -> None:
-        self._callback: Callable[[bytes | Exception], None] | None = None
-        self._outcome: bytes | Exception | None = None
-
-    def settle(self, outcome: bytes | Exception) -> None:
-        """The reply body, or the exception to answer with (as a handler would raise)."""
-        if self._outcome is not None:
-            raise RuntimeError("a reply is settled once")
-        self._outcome = outcome
-        if self._callback is not None:
-            self._callback(outcome)
-
-    def when_settled(self, callback: Callable[[bytes | Exception], None]) -> None:
-        """Call ``callback`` with the outcome, now if it is already settled."""
-        self._callback = callback
-        if self._outcome is not None:
-            callback(self._outcome)
-
-    async def outcome(self) -> bytes:
-        """Wait for the outcome in a task (the v1 dialect's): the body, or the exception
-        raised. Takes the one callback :meth:`when_settled` holds.
-
-        Cancellation: safe; the reply is settled all the same, for nobody."""
-        if self._outcome is None:
-            settled = trio.Event()
-            self.when_settled(lambda _: settled.set())
-            await settled.wait()
-        assert self._outcome is not None
-        if isinstance(self._outcome, Exception):
-            raise self._outcome
-        return self._outcome
-
-
-def checked_pages(pages: Iterable[P]) -> Iterator[P]:
-    """``pages``, read in a worker thread, with a cancellation check before each: an
-    expired budget or a vanished client stops the thread within one page."""
-    for page in pages:
-        trio.from_thread.check_cancelled()
-        yield page
-
-
-def each_checked(pages: Iterable[Iterable[T]]) -> Iterator[T]:
-    """The items of :func:`checked_pages`."""
-    for page in checked_pages(pages):
-        yield from page
-
-
 def as_face_error(exc: Exception) -> FaceError | None:
     """The answer for an exception from admission, the stores or the codecs."""
     if isinstance(exc, FaceError):
@@ -114,6 +62,8 @@ def as_face_error(exc: Exception) -> FaceError | None:
         return FaceError(ErrorCode.UNAVAILABLE, str(exc) or "the writer is draining")
     if isinstance(exc, StoreUnavailable):
         return FaceError(ErrorCode.UNAVAILABLE, str(exc))
+    if isinstance(exc, VersionConflict):
+        return FaceError(ErrorCode.CONFLICT, str(exc))
     if isinstance(exc, RemoteProtocolError | LocalProtocolError) and not exc.fatal:
         return FaceError(exc.code, exc.hint)  # a bad field, or a reply over the cap
     return None
@@ -138,7 +88,7 @@ class FaceHandler(Protocol):
         """Answer one v1 frame. Raise :class:`CloseConnection` to close instead."""
         ...
 
-    def v2(self, request: Request, arrival: float) -> Awaitable[bytes] | Deferred:
+    def v2(self, request: Request, arrival: float) -> Awaitable[bytes] | Deferred[bytes]:
         """Start one v2 request; the awaitable (run in a task of its own) or the
         :class:`Deferred` gives its reply body (``{"id": …, "ok": true, …}``). Called in
         the order the requests arrived, so whatever this does before returning keeps that

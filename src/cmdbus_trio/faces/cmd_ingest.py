@@ -3,24 +3,26 @@
 v1: a frame is one record; the reply is 8 raw bytes, the big-endian sort key, with no
 length prefix, sent once the record is durable; a bad record closes the connection. v2:
 ``publish`` and ``publish_batch``. Either way a publish is admitted by the face's Gate,
-queued for the group committer in the order its connection sent it, and answered after
-the commit.
+queued for the group committer in the order its connection sent it, and completes by
+the committer's callback once it is durable; v1 awaits that in its connection's task.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import trio
 
 from cmdbus_trio.admission import GateClosed, Shed, Slot
 from cmdbus_trio.bus import Bus
 from cmdbus_trio.bus.committer import Ticket
-from cmdbus_trio.protocol import RemoteProtocolError, Request, encode_ok
+from cmdbus_trio.loop.deferred import Deferred
+from cmdbus_trio.protocol import RemoteProtocolError, Request
 from cmdbus_trio.protocol import bus as codec
 from cmdbus_trio.storage import StoreUnavailable
-from cmdbus_trio.storage.buslog import Published
 
 from . import FaceContext
-from ._handler import CloseConnection, Deferred, V1Reply
+from ._handler import CloseConnection, V1Reply
 from ._listen import serve as serve_connections
 
 
@@ -38,8 +40,10 @@ class IngestHandler:
         except RemoteProtocolError:
             raise CloseConnection("protocol_error") from None
         slot = await self._admit_v1(arrival)
+        publishing = self.committer.publish(Ticket([(record, None, "record")]), slot)
         try:
-            published = await self._settle(Ticket([(record, None, "record")]), slot)
+            with trio.CancelScope(shield=True):  # accepted: answered once it is durable
+                published = await publishing.outcome()
         except RemoteProtocolError:  # a bad payload, or the wrong shard
             raise CloseConnection("protocol_error") from None
         except StoreUnavailable:
@@ -63,49 +67,16 @@ class IngestHandler:
             except GateClosed:
                 raise CloseConnection("closed") from None  # draining: v1 can only close
 
-    def v2(self, request: Request, arrival: float) -> Deferred:
+    def v2(self, request: Request, arrival: float) -> Deferred[bytes]:
         op = codec.decode_op(request.op, request.fields)
         slot = self.gate.acquire_nowait(op.op, budget=request.budget, arrival=arrival)
         if isinstance(op, codec.Publish):
             ticket = Ticket([(op.record, op.msg_id, "record")])
         else:
             ticket = Ticket([(r, None, f"records[{i}]") for i, r in enumerate(op.records)])
-        reply = Deferred()
-
-        def settled(ticket: Ticket) -> None:
-            # The slot is held until the commit, as in _settle: a drain flushes it.
-            slot.release()
-            if ticket.error is not None:
-                reply.settle(ticket.error)
-            else:
-                assert ticket.published is not None
-                reply.settle(_reply_body(request.id, op, ticket.published))
-
-        # Queued now, in arrival order; settled without a task (a callback from the
-        # committer): under pipelined load a task per publish was most of the loop's time.
-        ticket.on_settled = settled
-        self.committer.enqueue(ticket)
-        return reply
-
-    async def _settle(self, ticket: Ticket, slot: Slot) -> list[Published]:
-        """Queue the ticket now (in arrival order) and wait for its commit, holding the
-        slot until then: a drain waits for it, so nothing accepted is dropped."""
-        self.committer.enqueue(ticket)
-        with slot, trio.CancelScope(shield=True):
-            published = await ticket.wait()
-        return published
-
-
-def _reply_body(
-    request_id: int, op: codec.Publish | codec.PublishBatch, published: list[Published]
-) -> bytes:
-    if isinstance(op, codec.Publish):
-        first = published[0]
-        body = {"sort_key": first.sort_key, "subject": first.subject, "duplicate": first.duplicate}
-        if first.evicted:  # only then: the common reply stays as it was
-            body["evicted"] = True
-        return encode_ok(request_id, body)
-    return encode_ok(request_id, {"sort_keys": [p.sort_key for p in published]})
+        return self.committer.publish(ticket, slot).map(
+            partial(codec.publish_reply, request.id, op)
+        )
 
 
 async def serve(

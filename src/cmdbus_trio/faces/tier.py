@@ -22,7 +22,8 @@ from typing import Any
 import trio
 
 from cmdbus_trio import metrics
-from cmdbus_trio.admission import Slot
+from cmdbus_trio.admission import checked_pages, each_checked
+from cmdbus_trio.loop.deferred import Deferred
 from cmdbus_trio.protocol import (
     ErrorCode,
     FieldError,
@@ -33,22 +34,20 @@ from cmdbus_trio.protocol import (
     encode_frame,
     encode_ok,
 )
+from cmdbus_trio.protocol import pages as paging
 from cmdbus_trio.protocol import tier as codec
-from cmdbus_trio.storage.tier import Appending, AppendResult, NewRecord, VersionConflict
+from cmdbus_trio.storage.tier import Appending, AppendResult, NewRecord
 from cmdbus_trio.tier.committer import AppendTicket, Tier
 
 from . import FaceContext
 from ._handler import (
-    Deferred,
     FaceError,
     V1Reply,
     as_face_error,
-    checked_pages,
-    each_checked,
 )
 from ._listen import serve as serve_connections
 
-Pages = Iterator[codec.Fragments]
+Pages = Iterator[paging.Fragments]
 Appends = codec.Append | codec.AppendBatch
 
 __all__ = ["TierHandler", "serve"]
@@ -84,7 +83,7 @@ class TierHandler:
             return V1Reply("health", encode_frame(codec.V1_HEALTH_REPLY))
         try:
             if isinstance(request, Appends):
-                body = await self._append(request, _NO_ID, arrival, None).outcome()
+                body = await self._append(request, _NO_ID, None, arrival).outcome()
             else:
                 body = await self._run(request, arrival, None, _NO_ID)
         except Exception as exc:
@@ -104,14 +103,12 @@ class TierHandler:
     def _v1_text(self, text: bytes) -> bytes:
         return encode_frame(text[: self.max_reply])
 
-    def v2(self, request: Request, arrival: float) -> Awaitable[bytes] | Deferred:
+    def v2(self, request: Request, arrival: float) -> Awaitable[bytes] | Deferred[bytes]:
         tier_request = codec.decode_op(request.op, request.fields)
         if isinstance(tier_request, codec.Health):
-            reply = Deferred()
-            reply.settle(encode_ok(request.id, {"status": "ok", "service": "tier-service"}))
-            return reply
+            return Deferred.of(encode_ok(request.id, {"status": "ok", "service": "tier-service"}))
         if isinstance(tier_request, Appends):
-            return self._append(tier_request, request.id, arrival, request.budget)
+            return self._append(tier_request, request.id, request.budget, arrival)
         return self._run(tier_request, arrival, request.budget, request.id)
 
     async def _run(
@@ -124,38 +121,16 @@ class TierHandler:
             return await slot.run_cancellable(self._read, request, request_id)
 
     def _append(
-        self, request: Appends, request_id: int, arrival: float, budget: float | None
-    ) -> Deferred:
-        """Admit the append (or shed it), queue it for the group commit once admitted, in
-        admission order, and answer with the commit's outcome. The slot is held until the
-        append is settled, so a drain waits for it and nothing admitted is dropped; an
-        admitted append is committed even if its client has gone."""
-        reply = Deferred()
-
-        def admitted(slot: Slot | Exception) -> None:
-            if isinstance(slot, Exception):  # shed, or the Gate closed
-                reply.settle(slot)
-                return
-
-            def settled(ticket: AppendTicket) -> None:
-                slot.release()  # which may admit the next append in line
-                reply.settle(_outcome(ticket))
-
-            ticket = self._ticket(request, request_id)
-            ticket.on_settled = settled
-            self.committer.enqueue(ticket)
-
-        self.ctx.gate_of(request.op).acquire_later(
-            request.op, admitted, budget=budget, arrival=arrival
-        )
-        return reply
-
-    def _ticket(self, request: Appends, request_id: int) -> AppendTicket:
-        return AppendTicket(
+        self, request: Appends, request_id: int, budget: float | None, arrival: float
+    ) -> Deferred[bytes]:
+        """Its payloads checked and its reply encoded in the commit thread."""
+        ticket = AppendTicket(
             partial(_appending, request),
             partial(self._append_reply, request, request_id),
             records=len(request.payloads) if isinstance(request, codec.AppendBatch) else 1,
         )
+        lane = self.ctx.gate_of(request.op)
+        return self.committer.append(ticket, lane, request.op, budget=budget, arrival=arrival)
 
     # --- in the worker thread ------------------------------------------------------------
 
@@ -203,7 +178,7 @@ class TierHandler:
     def _read_v2(
         self, head: dict[str, Any], pages: Pages, limit: int, with_returned: bool
     ) -> bytes:
-        return codec.page(
+        return paging.page(
             head,
             checked_pages(pages),
             limit=limit,
@@ -234,10 +209,10 @@ class TierHandler:
         if with_returned:
             head["returned"] = count
         tail = {} if with_returned else {"next_after": last if more else None}
-        total = codec.reply_size(head, sizes, count, tail)
+        total = paging.reply_size(head, sizes, count, tail)
         if total > self.max_reply:
             raise FaceError(ErrorCode.TOO_LARGE, codec.too_large_message(total, self.max_reply))
-        return codec.with_records(head, fragments, tail)
+        return paging.with_records(head, fragments, tail)
 
 
 async def serve(
@@ -261,13 +236,3 @@ def _appending(request: Appends) -> Appending:
         for i, payload in enumerate(request.payloads)
     ]
     return Appending(request.tier, request.execution_id, records)
-
-
-def _outcome(ticket: AppendTicket) -> bytes | Exception:
-    """A settled ticket's reply, or the error to answer with."""
-    if isinstance(ticket.error, VersionConflict):
-        return FaceError(ErrorCode.CONFLICT, str(ticket.error))
-    if ticket.error is not None:
-        return ticket.error
-    assert ticket.replied is not None
-    return ticket.replied

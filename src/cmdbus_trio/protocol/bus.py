@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import enum
 import re
+from collections.abc import Sequence
 from typing import Any, Final
 
 import attrs
 
+from ._envelope import encode_ok
 from ._fields import (
     FieldError,
     UnsupportedOp,
@@ -88,6 +90,19 @@ def decode_record(value: Any, field: str = "record") -> PublishRecord:
         payload_text(value.get("payload"), f"{field}.payload"),
         None if tx is None else transaction_id(tx, f"{field}.transaction_id"),
     )
+
+
+def publish_reply(
+    request_id: int, op: Publish | PublishBatch, published: Sequence[Published]
+) -> bytes:
+    """The v2 reply to ``op``, its records placed as ``published`` (in order)."""
+    if isinstance(op, Publish):
+        first = published[0]
+        body = {"sort_key": first.sort_key, "subject": first.subject, "duplicate": first.duplicate}
+        if first.evicted:  # only then: the common reply stays as it was
+            body["evicted"] = True
+        return encode_ok(request_id, body)
+    return encode_ok(request_id, {"sort_keys": [p.sort_key for p in published]})
 
 
 def decode_v1_record(frame: bytes) -> PublishRecord:

@@ -1,4 +1,5 @@
-"""The claim faces' requests, both dialects (docs/protocol.md, "Command claim", "Event claim").
+"""The claim faces' requests and replies, both dialects (docs/protocol.md, "Command
+claim", "Event claim").
 
 Decoding checks every field but ``group`` and ``from`` and names the bad one; it never
 touches a coordinator. ``group`` and ``from`` are handed on as sent: which group they name
@@ -13,8 +14,9 @@ from typing import Any, Final
 
 import attrs
 
+from ._envelope import encode_ok
 from ._fields import I64_MAX, FieldError, UnsupportedOp, is_int, whole_number
-from ._json import loads
+from ._json import dumps, loads
 from .subjects import parse_filter
 
 OPS: Final = ("next", "ack", "nack", "extend", "lag", "dead", "requeue", "purge")
@@ -234,3 +236,46 @@ def _sort_keys(fields: Mapping[str, Any]) -> tuple[int, ...] | None:
             f"expected a list of at most {MAX_SORT_KEYS} integers in 1..{I64_MAX}",
         )
     return tuple(keys)
+
+
+# --- replies -------------------------------------------------------------------------------
+
+
+def with_record(head: dict[str, Any], record: str) -> bytes:
+    """``head`` as a JSON object with ``"record"`` last: the stored JSON text spliced in,
+    never decoded and encoded again (that took ~6 ms of the loop for a 0.9 MiB record)."""
+    return b"".join((dumps(head)[:-1], b',"record":', record.encode(), b"}"))
+
+
+def delivery(handed: Delivery, record: str) -> bytes:
+    """A delivery as ``next`` replies carry it, ``record`` the stored JSON text."""
+    return with_record(
+        {
+            "sort_key": handed.sort_key,
+            "subject": handed.subject,
+            "redelivered": handed.redelivered,
+            "deliveries": handed.deliveries,
+        },
+        record,
+    )
+
+
+def dead_letter(sort_key: int, subject: str, deliveries: int, record: str) -> bytes:
+    """A dead letter as ``dead`` pages list it, ``record`` the stored JSON text."""
+    return with_record(
+        {
+            "sort_key": sort_key,
+            "subject": subject,
+            "redelivered": deliveries > 1,
+            "deliveries": deliveries,
+        },
+        record,
+    )
+
+
+def next_reply(request_id: int, body: dict[str, Any], handed: bytes | None) -> bytes:
+    """A v2 ``next`` reply: ``body``'s fields and the delivery (:func:`delivery`, or None
+    for null)."""
+    if handed is None:
+        return encode_ok(request_id, {**body, "delivery": None})
+    return b"".join((encode_ok(request_id, body)[:-1], b',"delivery":', handed, b"}"))

@@ -6,7 +6,8 @@ from __future__ import annotations
 import sqlite3
 from typing import Any, Final
 
-from cmdbus_trio.protocol.tier import Fragments, record_fragment
+from cmdbus_trio.protocol.pages import Fragments
+from cmdbus_trio.protocol.tier import record_fragment
 
 # A record's reply fragment made by SQLite, which escapes the payload without the GIL: a
 # reader's page then holds the GIL only to copy bytes, not to escape a megabyte of JSON
@@ -32,7 +33,7 @@ BOUNDED_PAGE_SQL: Final = (
 # the subquery feeds it; a test holds it). The sqlite3 module releases and retakes the GIL
 # for every row, and beside a busy loop each retake can wait: pages of one row per record
 # read at about half speed (docs/benchmarks.md). A reply then takes a page's records by
-# slicing the blob (protocol.tier.Fragments), with no Python code per record.
+# slicing the blob (protocol.pages.Fragments), with no Python code per record.
 FRAGMENTS_SQL: Final = (
     "SELECT group_concat(global_sequence), group_concat(length(fragment)), "
     "CAST(group_concat(fragment, ',') AS BLOB) FROM ({page})"

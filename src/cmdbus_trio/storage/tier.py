@@ -15,7 +15,8 @@ from typing import Any, Final, TypeVar
 
 import attrs
 
-from cmdbus_trio.protocol.tier import Fragments, TierRecord
+from cmdbus_trio.protocol.pages import Fragments
+from cmdbus_trio.protocol.tier import TierRecord
 
 from ._common import StoreState, StoreUnavailable
 from ._guard import refuses_loop_thread

@@ -25,10 +25,11 @@ import attrs
 import trio
 
 from cmdbus_trio import metrics
-from cmdbus_trio.admission import run_in_thread
+from cmdbus_trio.admission import Gate, Slot, run_in_thread
 from cmdbus_trio.logs import event
 from cmdbus_trio.loop import Task
 from cmdbus_trio.loop.batcher import ThreadBatcher, take_up_to
+from cmdbus_trio.loop.deferred import Deferred
 from cmdbus_trio.loop.steps import MAX_SETTLE_STEP, Steps
 from cmdbus_trio.storage.tier import Appending, AppendResult, TierStore
 
@@ -79,6 +80,44 @@ class TierCommitter:
     def enqueue(self, ticket: AppendTicket) -> None:
         """Queue a ticket; never blocks (the caller's Gate slot bounds the queue)."""
         self._batches.put(ticket)
+
+    def append(
+        self,
+        ticket: AppendTicket,
+        lane: Gate,
+        op: str,
+        *,
+        budget: float | None,
+        arrival: float,
+    ) -> Deferred[bytes]:
+        """Admit an append by the write ``lane`` (its place waited for as a callback, or
+        shed), queue it for the group commit once admitted, in admission order, and
+        complete by the commit's callback: the reply, or the error to answer with (a
+        :class:`Shed` or :class:`GateClosed`, a ``FieldError``, a ``VersionConflict``,
+        the store's). No task, even while it waits in line: under overload most appends
+        wait, and a task each was a third of the loop's time. The slot is held until the
+        ticket is settled, so a drain waits for it and nothing admitted is dropped; an
+        admitted append is committed even if its client has gone."""
+        reply: Deferred[bytes] = Deferred()
+
+        def admitted(slot: Slot | Exception) -> None:
+            if isinstance(slot, Exception):  # shed, or the Gate closed
+                reply.settle(slot)
+                return
+
+            def settled(ticket: AppendTicket) -> None:
+                slot.release()  # which may admit the next append in line
+                if ticket.error is not None:
+                    reply.settle(ticket.error)
+                else:
+                    assert ticket.replied is not None
+                    reply.settle(ticket.replied)
+
+            ticket.on_settled = settled
+            self.enqueue(ticket)
+
+        lane.acquire_later(op, admitted, budget=budget, arrival=arrival)
+        return reply
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Commit queued tickets until cancelled (in the background nursery); batches

@@ -1,0 +1,122 @@
+"""benchmarks/bus.py runs and measures: a short steady end-to-end run against the writer
+and the floor prints, for each, the records delivered, their latency, the server's CPU
+and the load generators' CPU, and the writer's /healthz latency beside it. (The figures
+themselves are for docs/benchmarks.md, never asserted here.)"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cmdbus_trio.protocol import FrameDecoder, encode_frame
+
+pytestmark = pytest.mark.slow
+
+BUS = Path(__file__).resolve().parents[2] / "benchmarks" / "bus.py"
+FLOOR = BUS.parent / "floor_server.py"
+
+
+def test_the_steady_workload_reports_rates_latency_and_cpu(tmp_path: Path) -> None:
+    command = [sys.executable, str(BUS), "--floor", "--rate", "100", "--duration", "2"]
+    done = subprocess.run(
+        [*command, "--only", "steady"], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    rows = {
+        line.split()[3]: line.split()
+        for line in done.stdout.splitlines()
+        if line.startswith("steady 100/s e2e") and not line.endswith("x")  # not a ratio
+    }
+    assert set(rows) == {"cmdbus-trio", "floor", "floor+disk"}
+    for name, row in rows.items():
+        delivered, latency, cores, us_per_op, generator_cores = row[4:9]
+        assert float(delivered) > 50, f"{name} delivered {delivered}/s of 100/s"
+        p50, p99 = map(float, latency.split("/"))
+        assert 0 < p50 <= p99
+        assert float(cores) > 0 and float(us_per_op) > 0 and float(generator_cores) > 0
+    healthz = rows["cmdbus-trio"][9]
+    assert all(float(ms) > 0 for ms in healthz.split("/"))
+    assert len(rows["floor"]) == len(rows["floor+disk"]) == 9  # no control face: no probe
+
+
+def test_rounds_report_medians_and_each_rounds_ratio(tmp_path: Path) -> None:
+    """--rounds N runs everything N times (the servers' order reversed each round) and
+    reports the median of each figure, and of the rounds' ratios beside each of them."""
+    command = [sys.executable, str(BUS), "--floor", "--duration", "1", "--rounds", "2"]
+    done = subprocess.run(
+        [*command, "--only", "publish x16 batched"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "medians of 2 rounds" in done.stdout
+    (ratio,) = [
+        line
+        for line in done.stdout.splitlines()
+        if line.startswith("publish x16 batched") and "(" in line
+    ]
+    cells = re.findall(r"([\d.]+)x \(([\d. ]+)\)", ratio)
+    assert len(cells) == 2, ratio  # ours / floor, ours / floor+disk
+    for median, rounds in cells:
+        each = [float(x) for x in rounds.split()]
+        assert len(each) == 2 and all(x > 0 for x in each)
+        assert float(median) == pytest.approx(sum(each) / 2, abs=0.011)
+
+
+def test_the_durable_floor_replies_only_after_its_commit(tmp_path: Path) -> None:
+    """floor_server.py --durable: a publish's or an ack's reply means it is in the
+    database (read here by another connection, as after a crash)."""
+    ports, database = tmp_path / "ports.json", tmp_path / "floor.sqlite3"
+    server = subprocess.Popen([sys.executable, str(FLOOR), str(ports), "--durable", str(database)])
+    try:
+        deadline = time.monotonic() + 30
+        while not ports.exists():
+            assert server.poll() is None and time.monotonic() < deadline, "no floor"
+            time.sleep(0.05)
+        host, port = json.loads(ports.read_text())["cmd_ingest"].split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            decoder = FrameDecoder(1 << 20)
+
+            def ask(request: dict[str, object]) -> dict[str, object]:
+                sock.sendall(encode_frame(json.dumps(request).encode()))
+                while not isinstance(frame := decoder.next_frame(), bytes):
+                    decoder.receive_data(sock.recv(65536))
+                reply: dict[str, object] = json.loads(frame)
+                return reply
+
+            assert ask({"protocol": 2, "hello": True})["ok"]
+            published = ask({"id": 1, "op": "publish", "record": {"n": 1}})
+            stored = sqlite3.connect(database).execute("SELECT * FROM records").fetchall()
+            assert stored == [(published["sort_key"], '{"n": 1}')]
+            batch = ask({"id": 2, "op": "publish_batch", "records": [{"n": 2}, {"n": 3}]})
+            assert len(sqlite3.connect(database).execute("SELECT * FROM records").fetchall()) == 3
+            delivered = ask({"id": 3, "op": "next", "filter": "commands.>"})["delivery"]
+            assert isinstance(delivered, dict) and delivered["sort_key"] == published["sort_key"]
+            assert ask({"id": 4, "op": "ack", "sort_key": delivered["sort_key"]})["acked"]
+            acks = sqlite3.connect(database).execute("SELECT * FROM acks").fetchall()
+            assert acks == [(delivered["sort_key"],)] and batch["sort_keys"] == [2, 3]
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def test_rounds_below_one_are_refused(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(BUS), "--rounds", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 2
+    assert "--rounds must be at least 1, not 0" in done.stderr

@@ -1,0 +1,218 @@
+"""One client's bad input never fails another client's request: payloads nested 100,000
+deep (200 KB, under every cap) and lone surrogates, sent beside honest publishers, are
+answered `invalid` naming the field and cost nobody else anything."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from cmdbus_trio.client import Invalid
+from cmdbus_trio.client.trio import IngestClient, TierClient
+
+from ..helpers import frame_client, metric_sum, metrics_text, server_log, serving
+
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.fixture(scope="module")
+def writer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict[str, str]]]:
+    tmp_path = tmp_path_factory.mktemp("hostile")
+    with serving(tmp_path) as (_, ports):
+        yield tmp_path, ports
+
+
+async def test_deep_payloads_beside_honest_publishers(
+    writer: tuple[Path, dict[str, str]],
+) -> None:
+    tmp_path, ports = writer
+    honest: list[int] = []
+    refused: list[str] = []
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            stop = trio.Event()
+
+            async def publisher(n: int) -> None:
+                async with await IngestClient.connect(ports["cmd_ingest"]) as ingest:
+                    while not stop.is_set():
+                        record = {"execution_id": n, "payload": json.dumps({"n": n})}
+                        honest.append((await ingest.publish(record)).sort_key)
+
+            async def hostile() -> None:
+                async with await IngestClient.connect(ports["cmd_ingest"]) as ingest:
+                    for payload in (DEEP, '{"a": ' * 200 + "1" + "}" * 200) * 10:
+                        try:
+                            await ingest.publish({"execution_id": 1, "payload": payload})
+                        except Invalid as exc:
+                            refused.append(str(exc))
+                        await trio.sleep(0.05)
+                stop.set()
+
+            for n in range(8):
+                nursery.start_soon(publisher, n)
+            nursery.start_soon(hostile)
+    assert len(refused) == 20 and all("record.payload" in r for r in refused), refused[:2]
+    assert "nested deeper than 128 levels" in refused[0]
+    assert len(honest) > 100 and len(set(honest)) == len(honest)
+    lines = server_log(tmp_path).splitlines()
+    assert not [line for line in lines if '"level": "error"' in line]
+
+
+async def test_tier_appends_of_deep_payloads_are_invalid(
+    writer: tuple[Path, dict[str, str]],
+) -> None:
+    _, ports = writer
+    with trio.fail_after(20):
+        async with await TierClient.connect(ports["tier"]) as tier:
+            with pytest.raises(Invalid, match="payload: nested deeper than 128 levels"):
+                await tier.append("deep-1", DEEP)
+            with pytest.raises(Invalid, match=r"payloads\[1\]"):
+                await tier.append_batch("deep-1", ['{"event_id": 1}', DEEP])
+            appended = await tier.append("deep-1", '{"event_id": 2}')  # the face goes on
+            assert appended.log_record_count >= 1
+
+
+@pytest.mark.parametrize(
+    ("face", "frame"),
+    [
+        ("cmd_ingest", "[" * 100_000 + "]" * 100_000),
+        ("tier", '{"id": 1, "op": "scan", "x": ' + DEEP + "}"),
+    ],
+)
+async def test_a_frame_nested_too_deep_gets_the_documented_answer(
+    writer: tuple[Path, dict[str, str]], face: str, frame: str
+) -> None:
+    """An unparseable v2 frame: an error with `"id": null`, then the connection closes
+    (it used to close without a word, after an internal error)."""
+    _, ports = writer
+    with trio.fail_after(10):
+        async with frame_client(ports[face]) as client:
+            await client.send(frame.encode())
+            reply: dict[str, Any] = await client.receive_json()
+            assert reply["id"] is None and reply["ok"] is False
+            assert reply["error"]["code"] == "invalid"
+            assert await client.receive() is None
+
+
+async def test_lone_surrogates_are_invalid_or_stored_as_json_escapes(
+    writer: tuple[Path, dict[str, str]],
+) -> None:
+    """A lone surrogate (JSON may carry one as an escape) in a msg_id, a pool or a
+    transaction_id cannot be stored as text: `invalid`, naming the field. Inside a
+    payload's string it is kept, as the same escape. The writer answers every request."""
+    _, ports = writer
+    with trio.fail_after(10):
+        async with frame_client(ports["cmd_ingest"]) as client:
+            record = '{"execution_id": 1, "payload": "{}"}'
+            await client.send(
+                (
+                    '{"id": 1, "op": "publish", "msg_id": "\\ud800", "record": ' + record + "}"
+                ).encode()
+            )
+            reply = await client.receive_json()
+            assert reply["error"]["code"] == "invalid" and "msg_id" in reply["error"]["message"]
+            pool = '{\\"execution_pool\\": \\"\\\\udc00\\"}'
+            await client.send(
+                ('{"id": 2, "op": "publish", "record": {"execution_id": 1, "payload": "'
+                 + pool + '"}}').encode()
+            )  # fmt: skip
+            reply = await client.receive_json()
+            assert reply["error"]["code"] == "invalid" and "execution_pool" in str(reply)
+            await client.send(
+                b'{"id": 3, "op": "publish", "record": {"execution_id": 1, "payload": "{}",'
+                b' "transaction_id": "\\ud800"}}'
+            )
+            reply = await client.receive_json()
+            assert reply["error"]["code"] == "invalid" and "transaction_id" in str(reply)
+            payload = '{\\"s\\": \\"\\\\ud800\\"}'
+            await client.send(
+                ('{"id": 4, "op": "publish", "record": {"execution_id": 1, "payload": "'
+                 + payload + '"}}').encode()
+            )  # fmt: skip
+            reply = await client.receive_json()
+            assert reply["ok"], reply
+        text = await trio.to_thread.run_sync(metrics_text, ports)
+        assert metric_sum(text, 'cmdbus_request_duration_seconds_count{face="cmd_ingest"') > 0
+
+
+HUGE = 10**400  # JSON has no integer limit; every field that takes one has
+I64_MAX = (1 << 63) - 1
+OUT_OF_RANGE: list[tuple[str, str, dict[str, Any], str]] = [
+    ("cmd_ingest", "publish", {"record": {"execution_id": 1, "payload": "{}"},
+                               "deadline_ms": HUGE}, "deadline_ms"),
+    ("cmd_ingest", "publish", {"record": {"execution_id": 1, "payload": "{}"},
+                               "deadline_ms": 1.5}, "deadline_ms"),
+    ("cmd_claim", "next", {"filter": "commands.>", "timeout_ms": HUGE}, "timeout_ms"),
+    ("cmd_claim", "next", {"filter": "commands.>", "timeout_ms": 1e300}, "timeout_ms"),
+    ("cmd_claim", "next", {"filter": "commands.\ud800"}, "filter"),
+    ("cmd_claim", "nack", {"sort_key": 1, "delay_ms": HUGE}, "delay_ms"),
+    ("cmd_claim", "ack", {"sort_key": 1 << 64}, "sort_key"),
+    ("cmd_claim", "ack", {"sort_key": 1.0}, "sort_key"),
+    ("cmd_claim", "extend", {"sort_key": I64_MAX + 1}, "sort_key"),
+    ("cmd_claim", "dead", {"after": 1 << 64}, "after"),
+    ("cmd_claim", "dead", {"filter": "commands.\udc00"}, "filter"),
+    ("cmd_claim", "lag", {"filter": "\ud800"}, "filter"),
+    ("cmd_claim", "requeue", {"sort_keys": [1 << 64]}, "sort_keys"),
+    ("evt_claim", "next", {"filter": "events.>", "group": "\ud800"}, "group"),
+    ("evt_subscribe", "subscribe", {"from": 1 << 64}, "from"),
+    ("evt_subscribe", "subscribe", {"filter": "events.\ud800"}, "filter"),
+    ("tier", "read_execution", {"execution_id": "x", "after": 1 << 64}, "after"),
+    ("tier", "scan", {"after": HUGE}, "after"),
+    ("tier", "append", {"execution_id": "x", "payload": "{}", "expected_version": 1 << 64},
+     "expected_version"),
+    ("tier", "append", {"execution_id": "x", "payload": '"\ud800"'}, "payload"),
+    ("tier", "append", {"execution_id": "x", "payload": "{}", "transaction_id": "\udfff"},
+     "transaction_id"),
+]  # fmt: skip
+
+
+STILL_SERVING: dict[str, tuple[str, dict[str, Any]]] = {
+    "cmd_ingest": ("publish", {"record": {"execution_id": 1, "payload": "{}"}}),
+    "cmd_claim": ("lag", {}),
+    "tier": ("health", {}),
+}
+
+
+@pytest.fixture(scope="module")
+def guarded_writer(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[Path, dict[str, str]]]:
+    tmp_path = tmp_path_factory.mktemp("guarded")
+    with serving(tmp_path, CMDBUS_AUTH_TOKEN="sesame") as (_, ports):
+        yield tmp_path, ports
+
+
+async def test_numbers_past_any_range_and_lone_surrogates_are_invalid_without_an_error_line(
+    guarded_writer: tuple[Path, dict[str, str]],
+) -> None:
+    """Integers past 2^63-1 (or 10^400), floats where integers belong and lone surrogates
+    where text is kept or compared: each answers `invalid` naming its field, the
+    connection goes on, and the log has no ERROR line (they used to answer `internal`
+    with a traceback; a token of "\\ud800" did so before authentication)."""
+    tmp_path, ports = guarded_writer
+    with trio.fail_after(30):
+        for face, op, fields, field in OUT_OF_RANGE:
+            async with frame_client(ports[face], v2=False) as client:
+                await client.send(
+                    json.dumps({"hello": {"protocol": 2, "token": "sesame"}}).encode()
+                )
+                assert (await client.receive_json())["ok"]
+                reply = await client.request(op, **fields)
+                assert reply["ok"] is False, (op, fields, reply)
+                assert reply["error"]["code"] == "invalid", (op, fields, reply)
+                assert reply["error"]["message"].startswith(field), (op, fields, reply)
+                if face in STILL_SERVING:  # the connection goes on
+                    good_op, good_fields = STILL_SERVING[face]
+                    assert (await client.request(good_op, **good_fields))["ok"]
+        async with frame_client(ports["tier"], v2=False) as client:
+            await client.send(json.dumps({"hello": {"protocol": 2, "token": "\ud800"}}).encode())
+            refused = await client.receive_json()
+            assert refused["error"]["message"].startswith("hello.token")
+            assert await client.receive() is None
+    errors = [line for line in server_log(tmp_path).splitlines() if '"level": "error"' in line]
+    assert not errors, errors[:3]

@@ -1,0 +1,193 @@
+from __future__ import annotations
+
+import sqlite3
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cmdbus_trio.storage import StoreState, StoreUnavailable
+from cmdbus_trio.storage.buslog import MAX_READ_MANY, BusEntry, BusLog, Published, Settlements
+
+from ..helpers import watch_the_write_lock
+
+
+@pytest.fixture
+def log(tmp_path: Path) -> Iterator[BusLog]:
+    opened = BusLog.open(tmp_path / "commands.sqlite3")
+    yield opened
+    opened.close()
+
+
+def entry(
+    n: int = 0, msg_id: str | None = None, subject: str = "commands.shared.shard.0"
+) -> BusEntry:
+    return BusEntry(subject, f'{{"execution_id":{n},"payload":"{{}}"}}', msg_id)
+
+
+def test_sort_keys_ascend_from_1(log: BusLog) -> None:
+    assert log.last_sort_key == 0
+    results = log.publish([entry(1), entry(2, subject="commands.system.shard.0")])
+    assert results == [
+        Published(1, "commands.shared.shard.0", False),
+        Published(2, "commands.system.shard.0", False),
+    ]
+    assert log.publish([entry(3)])[0].sort_key == 3
+    assert log.last_sort_key == 3
+    stored = log.read_after(1, 10)
+    assert [(r.sort_key, r.subject) for r in stored] == [
+        (2, "commands.system.shard.0"),
+        (3, "commands.shared.shard.0"),
+    ]
+    assert stored[0].record == '{"execution_id":2,"payload":"{}"}'
+
+
+def test_sort_keys_survive_reopen_and_are_never_reused(tmp_path: Path) -> None:
+    path = tmp_path / "c.sqlite3"
+    log = BusLog.open(path)
+    log.publish([entry(), entry(), entry()])
+    log.close()
+    raw = sqlite3.connect(path)
+    raw.execute("DELETE FROM records WHERE sort_key = 3")
+    raw.commit()
+    raw.close()
+    log = BusLog.open(path)
+    assert log.last_sort_key == 3
+    assert log.publish([entry()])[0].sort_key == 4
+    log.close()
+
+
+def test_msg_id_dedup_within_the_window_survives_restart(tmp_path: Path) -> None:
+    now = [1000.0]
+    path = tmp_path / "c.sqlite3"
+    log = BusLog.open(path, dedup_window=120.0, wall_clock=lambda: now[0])
+    first = log.publish([entry(1, "m-1")])[0]
+    assert log.publish([entry(1, "m-1")])[0] == Published(first.sort_key, first.subject, True)
+    log.close()
+    now[0] += 60
+    log = BusLog.open(path, dedup_window=120.0, wall_clock=lambda: now[0])
+    assert log.publish([entry(1, "m-1")])[0].duplicate  # still in the window after a restart
+    now[0] += 61  # 121 s after the first publish: out of the window
+    again = log.publish([entry(1, "m-1")])[0]
+    assert not again.duplicate and again.sort_key == first.sort_key + 1
+    log.close()
+
+
+def test_dedup_within_one_batch(log: BusLog) -> None:
+    results = log.publish([entry(1, "x"), entry(1, "x"), entry(2)])
+    assert [(r.sort_key, r.duplicate) for r in results] == [(1, False), (1, True), (2, False)]
+
+
+def test_expired_msg_ids_are_pruned(tmp_path: Path) -> None:
+    now = [0.0]
+    log = BusLog.open(tmp_path / "c.sqlite3", dedup_window=10.0, wall_clock=lambda: now[0])
+    log.publish([entry(i, f"m{i}") for i in range(50)])
+    now[0] = 100.0
+    log.publish([entry()])
+    log.close()
+    count = (
+        sqlite3.connect(tmp_path / "c.sqlite3")
+        .execute("SELECT COUNT(*) FROM msg_ids")
+        .fetchone()[0]
+    )
+    assert count == 0
+
+
+def test_a_failed_batch_stores_nothing(log: BusLog) -> None:
+    def fail() -> None:
+        raise RuntimeError("crash before commit")
+
+    log.before_commit = fail
+    with pytest.raises(RuntimeError):
+        log.publish([entry(), entry()])
+    log.before_commit = None
+    assert log.read_after(0, 10) == []
+    assert log.last_sort_key == 0
+
+
+def test_io_error_poisons(log: BusLog) -> None:
+    def io_error() -> None:
+        error = sqlite3.OperationalError("disk I/O error")
+        error.sqlite_errorcode = 10  # type: ignore[attr-defined]
+        raise error
+
+    log.before_commit = io_error
+    with pytest.raises(StoreUnavailable, match="commands store is poisoned"):
+        log.publish([entry()])
+    assert log.state is StoreState.POISONED
+
+
+def test_publishes_from_many_threads(log: BusLog) -> None:
+    keys: list[int] = []
+    lock = threading.Lock()
+
+    def publish() -> None:
+        for _ in range(50):
+            key = log.publish([entry()])[0].sort_key
+            with lock:
+                keys.append(key)
+
+    threads = [threading.Thread(target=publish) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(keys) == list(range(1, 301))
+
+
+def test_positions_prune_acks_and_start_the_reload(log: BusLog) -> None:
+    log.publish([entry(i) for i in range(10)])
+    log.commit(done=Settlements(acks=[("commands", key) for key in (1, 2, 3, 5)]))
+    assert [key for key, *_ in log.unsettled("commands", 0, 100)] == [4, 6, 7, 8, 9, 10]
+    # 1-3 settled: their acks are not needed
+    log.commit(done=Settlements(positions=[("commands", 4)]))
+    assert log.settled_below("commands") == 4
+    with log._connection() as connection:
+        acks = connection.execute("SELECT sort_key FROM acks ORDER BY sort_key").fetchall()
+    assert acks == [(5,)]
+    assert [key for key, *_ in log.unsettled("commands", 0, 100)] == [4, 6, 7, 8, 9, 10]
+    log.commit(done=Settlements(positions=[("commands", 2)]))  # a position never goes back
+    assert log.settled_below("commands") == 4
+    assert log.settled_below("someone-else") == 0
+
+
+def test_read_many_reads_the_keys_that_exist(log: BusLog) -> None:
+    log.publish([entry(1), entry(2), entry(3)])
+    records = log.read_many([3, 1, 99])
+    assert sorted(records) == [1, 3]
+    assert records[3].record == '{"execution_id":3,"payload":"{}"}'
+    assert log.read_many([]) == {}
+
+
+def test_read_many_refuses_more_than_its_bound(log: BusLog) -> None:
+    assert log.read_many(list(range(1, MAX_READ_MANY + 1))) == {}
+    with pytest.raises(ValueError, match=f"at most {MAX_READ_MANY} sort keys"):
+        log.read_many(list(range(MAX_READ_MANY + 1)))
+
+
+def test_delivery_counts_are_kept_until_the_record_settles(log: BusLog) -> None:
+    log.publish([entry(i) for i in range(6)])
+    log.commit(done=Settlements(counts=[("commands", key, key) for key in range(1, 7)]))
+    # the latest count wins
+    log.commit(done=Settlements(counts=[("commands", 1, 4), ("other", 1, 9)]))
+    counts = {key: count for key, _, count in log.unsettled("commands", 0, 100)}
+    assert counts == {1: 4, 2: 2, 3: 3, 4: 4, 5: 5, 6: 6}
+    assert [c for k, _, c in log.unsettled("other", 0, 100) if k == 1] == [9]
+    log.commit(done=Settlements(acks=[("commands", 2)], dead=[("commands", 3, 3)]))
+    log.commit(done=Settlements(positions=[("commands", 5)]))  # 1-4 settled for "commands"
+    with log._connection() as connection:
+        rows = connection.execute(
+            "SELECT consumer, sort_key FROM deliveries ORDER BY consumer, sort_key"
+        ).fetchall()
+    assert rows == [("commands", 5), ("commands", 6), ("other", 1)]
+
+
+def test_the_logs_counts_change_under_the_write_lock(log: BusLog) -> None:
+    """The committer's appends and retention's deletes, in two threads, both change the
+    record count: each change is made under the write lock."""
+    held = watch_the_write_lock(log)
+    log.commit([entry(1), entry(2)])
+    log.evict(1)
+    assert len(held) == 2 and all(held)
+    assert log.records == 1
