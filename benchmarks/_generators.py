@@ -72,20 +72,21 @@ class CmdbusClient:
         for reply in await self._calls(self.ingest, frames):
             assert reply["ok"], reply
 
-    async def claim(self) -> dict[str, Any] | None:
-        """One next (waiting up to 1 s) and the ack of what it got: the record."""
+    async def claim(self, batch: int) -> list[dict[str, Any]]:
+        """One next (waiting up to 1 s) and the ack of what it got: the records. With
+        ``batch`` > 1, ``next`` with ``max`` and one ``ack`` of every sort key."""
+        asked = {"max": batch} if batch > 1 else {}
         (got,) = await self._calls(
-            self.claims, [self._frame("next", filter="commands.>", timeout_ms=1000)]
+            self.claims, [self._frame("next", filter="commands.>", timeout_ms=1000, **asked)]
         )
-        delivery: dict[str, Any] | None = got["delivery"]
-        if delivery is None:
-            return None
-        (acked,) = await self._calls(
-            self.claims, [self._frame("ack", sort_key=delivery["sort_key"])]
-        )
+        deliveries = got["deliveries"] if batch > 1 else [got["delivery"]] * bool(got["delivery"])
+        if not deliveries:
+            return []
+        keys = [delivery["sort_key"] for delivery in deliveries]
+        settle = {"sort_keys": keys} if batch > 1 else {"sort_key": keys[0]}
+        (acked,) = await self._calls(self.claims, [self._frame("ack", **settle)])
         assert acked["acked"], acked
-        record: dict[str, Any] = delivery["record"]
-        return record
+        return [delivery["record"] for delivery in deliveries]
 
 
 async def _dial(address: str) -> Any:
@@ -130,14 +131,18 @@ class RedisClient:
         fields = [item for pair in body(n, sent_at).items() for item in pair]
         await self._commands([["XADD", "commands", "*", *fields] for _ in range(count)])
 
-    async def claim(self) -> dict[str, Any] | None:
-        read = ["XREADGROUP", "GROUP", "workers", self.name, "COUNT", 1, "BLOCK", 1000]
+    async def claim(self, batch: int) -> list[dict[str, Any]]:
+        """``XREADGROUP COUNT batch`` (waiting up to 1 s), then one ``XACK`` of every id."""
+        read = ["XREADGROUP", "GROUP", "workers", self.name, "COUNT", batch, "BLOCK", 1000]
         (got,) = await self._commands([[*read, "STREAMS", "commands", ">"]])
         if not got:
-            return None
-        key, fields = got[0][1][0]
-        await self._commands([["XACK", "commands", "workers", key]])
-        return {fields[i].decode(): fields[i + 1].decode() for i in range(0, len(fields), 2)}
+            return []
+        entries = got[0][1]
+        await self._commands([["XACK", "commands", "workers", *(key for key, _ in entries)]])
+        return [
+            {fields[i].decode(): fields[i + 1].decode() for i in range(0, len(fields), 2)}
+            for _, fields in entries
+        ]
 
 
 def _resp(command: list[Any]) -> bytes:
@@ -220,18 +225,31 @@ class NatsClient:
             _, _, ack = await self._message()
             assert b'"seq"' in ack, ack
 
-    async def claim(self) -> dict[str, Any] | None:
-        ask = b'{"batch": 1, "expires": 1000000000}'  # 1 s, in nanoseconds
-        self.writer.write(
-            self._pub("$JS.API.CONSUMER.MSG.NEXT.COMMANDS.workers", f"{self.inbox}.f", ask)
-        )
-        ack_subject, headers, data = await self._message()
-        if headers or not data:  # a status (408: no message within expires)
-            return None
-        self.writer.write(self._pub(ack_subject.decode(), f"{self.inbox}.a", b""))
-        await self._message()  # the ack confirmed
-        record: dict[str, Any] = json.loads(data)
-        return record
+    async def claim(self, batch: int) -> list[dict[str, Any]]:
+        """A pull of up to ``batch`` messages, then each acked, the acks pipelined and
+        every one confirmed. A batch pull asks with ``no_wait`` first, as nats-py's
+        ``fetch(n)`` does: what is there now, then a 404 status; only when nothing was
+        there does it ask again, for one, waiting up to 1 s."""
+        records: list[dict[str, Any]] = []
+        acks: list[bytes] = []
+        asks = [{"batch": batch, "no_wait": True}] if batch > 1 else []
+        asks.append({"batch": 1, "expires": 1_000_000_000})  # 1 s, in nanoseconds
+        for ask in asks:
+            request = json.dumps(ask).encode()
+            subject = "$JS.API.CONSUMER.MSG.NEXT.COMMANDS.workers"
+            self.writer.write(self._pub(subject, f"{self.inbox}.f", request))
+            while len(records) < ask["batch"]:
+                ack_subject, headers, data = await self._message()
+                if headers or not data:  # a status: 404 (none now), 408 (none in time)
+                    break
+                acks.append(ack_subject)
+                records.append(json.loads(data))
+            if records:
+                break
+        self.writer.write(b"".join(self._pub(a.decode(), f"{self.inbox}.a", b"") for a in acks))
+        for _ in acks:
+            await self._message()  # each ack confirmed
+        return records
 
 
 class Scraper:
@@ -279,9 +297,11 @@ async def run(
     target: str, address: str, kind: str, clients: int, count: float, start_at: float, span: float
 ) -> dict[str, Any]:
     """``count``: records a second per client (produce), else requests in flight or
-    records a request."""
+    records a request (claims: at most)."""
     opened = [await open_client(target, address, i, kind) for i in range(clients)]
     ops = [0] * clients
+    empty = [0] * clients  # claims that found nothing: the backlog ran out
+    claims = [0] * clients  # claim requests that found records
     latencies: list[float] = []
     end_at = start_at + span
 
@@ -309,18 +329,27 @@ async def run(
                 n += 1
                 continue
             started = time.monotonic()
-            record = await c.claim()
-            if record is None:
-                continue
+            records = await c.claim(int(count))  # count: records a request at most
             done = time.monotonic()
-            ops[index] += 1
-            latencies.append(done - (sent_at(record) if kind == "consume" else started))
+            ops[index] += len(records)
+            empty[index] += not records
+            claims[index] += bool(records)
+            if kind == "consume":
+                latencies.extend(done - sent_at(record) for record in records)
+            elif records:
+                latencies.append(done - started)
 
     await asyncio.sleep(max(0.0, start_at - time.monotonic()))
     cpu_before = _cpu()
     await asyncio.gather(*(client(i) for i in range(clients)))
     cpu = _cpu() - cpu_before
-    return {"ops": sum(ops), "latencies": latencies, "cpu": cpu}
+    return {
+        "ops": sum(ops),
+        "latencies": latencies,
+        "cpu": cpu,
+        "empty": sum(empty),
+        "claims": sum(claims),
+    }
 
 
 def _cpu() -> float:

@@ -10,12 +10,17 @@ Workloads (each --duration seconds): durable publish with 1 and 16 producers, on
 (ack-each), 32 in flight (pipelined: 32 single-record requests) and 32 records per round
 trip (batched: cmdbus-trio's publish_batch; Redis and NATS have no multi-record publish, so
 for them this is their pipelined workload again); claim+ack cycles with 1 and 16 consumers
-over a preloaded backlog; and, on cmdbus-trio only, publish x16 again beside a scrape
-flood (32 keep-alive HTTP clients asking for /metrics, and the lag port's, as fast as
-they are answered), against publish x16 alone. --rate R adds, first, on an empty bus,
-the steady end-to-end workload: 16 producers publishing R records a second between them
+over a preloaded backlog, one record a request, and with 16 consumers in batches of 16 and
+64 (cmdbus-trio: `next` with `max`, one `ack` of every sort key; Redis: `XREADGROUP COUNT
+n`, one `XACK` of every id; NATS: a pull of n, `no_wait` first as nats-py's `fetch(n)`,
+each ack confirmed; not on the floor servers); and, on cmdbus-trio only, publish x16
+again beside a scrape flood (32 keep-alive HTTP clients asking for /metrics, and the lag
+port's, as fast as they are answered), against publish x16 alone. --rate R adds, first,
+on an empty bus, the steady end-to-end workload: 16 producers publishing R records a
+second between them
 (an open loop, each record stamped with its publish time), 16 consumers claiming and
-acking, and the latency of each record from its publish to its delivery.
+acking, and the latency of each record from its publish to its delivery; then the same
+with the consumers claiming and acking in batches of up to 16.
 
 For every workload and server: ops/s; latency p50/p99 (claim+ack: the next and the ack;
 steady: publish to delivery); the server's CPU (utime + stime of its process, all
@@ -73,7 +78,11 @@ WORKLOADS = [  # (mode, clients, style)
     ("publish", 16, "batched"),
     ("claim+ack", 1, "single"),
     ("claim+ack", 16, "single"),
+    ("claim+ack", 16, "batch 16"),
+    ("claim+ack", 16, "batch 64"),
 ]
+BATCHED_CONSUMERS = 16
+"""Records a request at most for the steady workload's batched consumers."""
 
 
 def body(n: int) -> dict[str, Any]:
@@ -317,15 +326,29 @@ def run_workload(
         "server_us": server_cpu / max(ops, 1) * 1e6,
         "generator_cores": sum(r["cpu"] for _, r in results) / duration,
         "probe": percentiles(probes) if probes else None,
+        "ran_dry": any(r.get("empty") for i, r in results if loads[i][0] == "claim+ack"),
+        "per_claim": ops
+        / max(1, sum(r.get("claims", 0) for i, r in results if i == len(loads) - 1)),
     }
 
 
 def preload(server: Server, records: int) -> None:
-    """Publish about ``records`` records (pipelined, 4 producers) for the claim workloads."""
-    per_second = run_workload(server, [("publish", 4, PIPELINE)], 2.0)["rate"]
+    """Publish about ``records`` records (4 producers, 32 records a round trip: batched
+    where the server has batches, else pipelined) for the claim workloads."""
+    kind = "publish" if server.name.startswith("floor") else "batched"
+    per_second = run_workload(server, [(kind, 4, PIPELINE)], 2.0)["rate"]
     remaining = max(0.0, (records - per_second * 2.0) / max(per_second, 1.0))
     if remaining:
-        run_workload(server, [("publish", 4, PIPELINE)], remaining)
+        run_workload(server, [(kind, 4, PIPELINE)], remaining)
+
+
+def drain(server: Server) -> None:
+    """Claim and ack what an earlier workload left (in batches, where the server takes
+    them), so that a steady workload starts on an empty bus."""
+    batch = 1 if server.name.startswith("floor") else 64
+    for _ in range(30):  # 2 s each; a round that finds nothing ends it
+        if not run_workload(server, [("claim+ack", 16, batch)], 2.0)["rate"]:
+            return
 
 
 def measure_memory(backlog: int, workdir: Path) -> None:
@@ -381,9 +404,15 @@ def workloads(rate: float | None) -> list[tuple[str, list[tuple[str, int, float]
     """(name, loads) in the order they run: the steady one first, on an empty bus."""
     runs = []
     if rate:
-        runs.append((f"steady {rate:.0f}/s e2e", [("produce", 16, rate / 16), ("consume", 16, 1)]))
+        produce = ("produce", 16, rate / 16)
+        runs.append((f"steady {rate:.0f}/s e2e", [produce, ("consume", 16, 1)]))
+        batched = f"steady {rate:.0f}/s e2e batch {BATCHED_CONSUMERS}"
+        runs.append((batched, [produce, ("consume", 16, BATCHED_CONSUMERS)]))
     for mode, clients, style in WORKLOADS:
         name = f"{mode} x{clients}" + ("" if style == "single" else f" {style}")
+        if style.startswith("batch "):
+            runs.append((name, [(mode, clients, int(style.split()[1]))]))
+            continue
         kind = {"single": mode, "pipelined": "publish"}.get(style, style)
         runs.append((name, [(kind, clients, 1 if style == "single" else PIPELINE)]))
     # The scrape flood, on cmdbus-trio only: 32 keep-alive clients asking as fast as they
@@ -421,10 +450,11 @@ def report(names: list[str], rounds: list[dict[str, dict[str, Any]]], duration: 
     print(
         f"\n{duration:.0f} s per workload{medians}. ops/s; latency p50/p99 ms (claim+ack: "
         "next and ack; steady: publish to delivery); server CPU in cores and us per op; the load "
-        "generators' CPU in cores; /healthz p50/p99/max ms during the workload."
+        "generators' CPU in cores; /healthz p50/p99/max ms during the workload. *: the "
+        "claims ran out of backlog in the window (the figure is a lower bound)."
     )
     print(
-        f"{'workload':<24}{'server':<18}{'ops/s':>9}{'latency':>15}{'cores':>7}{'us/op':>8}"
+        f"{'workload':<28}{'server':<18}{'ops/s':>9}{'latency':>15}{'cores':>7}{'us/op':>8}"
         f"{'gen':>6}{'healthz':>18}"
     )
     for key in results[names[0]]:
@@ -436,10 +466,20 @@ def report(names: list[str], rounds: list[dict[str, dict[str, Any]]], duration: 
             lat = f"{latency['p50']:.1f}/{latency['p99']:.1f}" if key[0] in "cs" else ""
             probe = r["probe"]
             probed = f"{probe['p50']:.0f}/{probe['p99']:.0f}/{probe['max']:.0f}" if probe else ""
+            dry = "*" if r.get("ran_dry") else " "
             print(
-                f"{key:<24}{name:<18}{r['rate']:>9.0f}{lat:>15}{r['server_cores']:>7.2f}"
+                f"{key:<28}{name:<18}{r['rate']:>8.0f}{dry}{lat:>15}{r['server_cores']:>7.2f}"
                 f"{r['server_us']:>8.0f}{r['generator_cores']:>6.2f}{probed:>18}"
             )
+    batched = [
+        f"{key} {name} {results[name][key]['per_claim']:.1f}"
+        for key in results[names[0]]
+        if " batch " in key
+        for name in names
+        if key in results[name]
+    ]
+    if batched:
+        print("records per claim request: " + "; ".join(batched))
     for name in names:
         flood, alone = results[name].get(SCRAPE_FLOOD), results[name].get("publish x16")
         if flood is not None and alone is not None:
@@ -453,10 +493,12 @@ def report(names: list[str], rounds: list[dict[str, dict[str, Any]]], duration: 
     spread = 5 * len(rounds) + 2 if len(rounds) > 1 else 0  # " (0.77 0.72)": each round
     widths = [max(16, len(f"ours / {n}") + 2) + spread for n in others]
     print(
-        f"\n{'ratios (ops/s)':<24}"
+        f"\n{'ratios (ops/s)':<28}"
         + "".join(f"{'ours / ' + n:>{w}}" for n, w in zip(others, widths, strict=True))
     )
     for key in results[names[0]]:
+        if not any(key in results[other] for other in others):
+            continue  # ours alone (the floors take no batches)
         cells = []
         for other, width in zip(others, widths, strict=True):
             if key not in results[other]:
@@ -467,7 +509,7 @@ def report(names: list[str], rounds: list[dict[str, dict[str, Any]]], duration: 
             if len(rounds) > 1:
                 cell += " (" + " ".join(f"{x:.2f}" for x in ratios) + ")"
             cells.append(f"{cell:>{width}}")
-        print(f"{key:<24}" + "".join(cells))
+        print(f"{key:<28}" + "".join(cells))
 
 
 def main() -> None:
@@ -530,8 +572,12 @@ def main() -> None:
                 for key, loads in runs:
                     if key == SCRAPE_FLOOD and server.scraped is None:
                         continue  # no control face
-                    if key.startswith("claim+ack x1"):
-                        preload(server, args.backlog)
+                    if " batch " in key and name.startswith("floor"):
+                        continue  # the floor servers take one record a request
+                    if key.startswith("claim+ack x1"):  # batches take more in a workload
+                        preload(server, args.backlog * (8 if " batch " in key else 1))
+                    if key.startswith("steady") and results[name]:
+                        drain(server)  # what the workload before it left behind
                     results[name][key] = run_workload(server, loads, args.duration)
             finally:
                 stop(server.process)

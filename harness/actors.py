@@ -193,49 +193,75 @@ def worker(args: argparse.Namespace, record: Recorder) -> None:
         _worker_v1(args, record)
 
 
+BATCHED_SHARE = 0.5
+"""Of a trio worker's claims, the share taken in batches (``next_batch``, ``ack_many``)."""
+WORKER_BATCH = 4
+"""Records a batched claim takes at most: short commands only, all run within ack_wait."""
+
+
 async def _worker_trio(args: argparse.Namespace, record: Recorder) -> None:
     rng = random.Random(args.seed)
     filter = f"commands.{args.pool}.>"
     claim = trio_client.ClaimClient(args.ports["cmd_claim"], retry=retry_policy())
     tier = trio_client.TierClient(args.ports["tier"], retry=retry_policy())
     events = trio_client.IngestClient(args.ports["evt_ingest"], retry=retry_policy())
+
+    async def run(delivery: Any, batched: bool) -> bool:
+        """One command: nacked (False), or run, its events recorded (True: ack it)."""
+        sort_key, execution_id = delivery.sort_key, str(delivery.record["execution_id"])
+        plan = Plan(rng, delivery.redelivered, args.ack_wait, v2=not batched)
+        if plan.nack:
+            record("nacking", sort_key=sort_key)  # before: the nack redelivers at once
+            record("nacked", sort_key=sort_key, ok=await claim.nack(sort_key))
+            return False
+        started = trio.current_time()
+        while (left := plan.seconds - (trio.current_time() - started)) > 0:
+            await trio.sleep(min(left, plan.extend_every))
+            if plan.long and trio.current_time() - started < plan.seconds:
+                record("extending", sort_key=sort_key)
+                record("extended", sort_key=sort_key, ok=await claim.extend(sort_key))
+        for kind in EVENT_KINDS:
+            payload = event_payload(execution_id, kind, sort_key)
+            await persist(lambda e=execution_id, p=payload: tier.append(e, p), record, "append")
+            published = await events.publish(
+                {"execution_id": execution_id, "payload": payload},
+                msg_id=f"evt-{execution_id}-{kind}",
+            )
+            _event_published(record, published)
+        return True
+
     record("ready")
     while True:
-        try:
-            delivery = await claim.next(filter)  # waits as long as it takes
+        batched = rng.random() < BATCHED_SHARE
+        try:  # either waits as long as it takes
+            if batched:
+                deliveries = await claim.next_batch(filter, WORKER_BATCH)
+            else:
+                deliveries = [await claim.next(filter)]
         except TRANSIENT as exc:
             record("transient", what="next", error=type(exc).__name__)
             await trio.sleep(0.1)
             continue
-        assert delivery is not None
-        sort_key, execution_id = delivery.sort_key, str(delivery.record["execution_id"])
-        _claimed(record, delivery.sort_key, execution_id, delivery.redelivered, delivery.deliveries)
-        plan = Plan(rng, delivery.redelivered, args.ack_wait, v2=True)
+        for delivery in deliveries:
+            _claimed(
+                record,
+                delivery.sort_key,
+                str(delivery.record["execution_id"]),
+                delivery.redelivered,
+                delivery.deliveries,
+                batch=len(deliveries) if batched else None,
+            )
+        held = [delivery.sort_key for delivery in deliveries]
         try:
-            if plan.nack:
-                record("nacking", sort_key=sort_key)  # before: the nack redelivers at once
-                record("nacked", sort_key=sort_key, ok=await claim.nack(sort_key))
-                continue
-            started = trio.current_time()
-            while (left := plan.seconds - (trio.current_time() - started)) > 0:
-                await trio.sleep(min(left, plan.extend_every))
-                if plan.long and trio.current_time() - started < plan.seconds:
-                    record("extending", sort_key=sort_key)
-                    record("extended", sort_key=sort_key, ok=await claim.extend(sort_key))
-            for kind in EVENT_KINDS:
-                payload = event_payload(execution_id, kind, sort_key)
-                await persist(lambda e=execution_id, p=payload: tier.append(e, p), record, "append")
-                published = await events.publish(
-                    {"execution_id": execution_id, "payload": payload},
-                    msg_id=f"evt-{execution_id}-{kind}",
-                )
-                record(
-                    "event_published", sort_key=published.sort_key, duplicate=published.duplicate
-                )
-            record("acking", sort_key=sort_key)
-            record("acked", sort_key=sort_key, ok=await claim.ack(sort_key), dialect="v2")
+            done = [delivery.sort_key for delivery in deliveries if await run(delivery, batched)]
+            for sort_key in done:
+                record("acking", sort_key=sort_key)
+            acked = await claim.ack_many(done) if batched else [await claim.ack(k) for k in done]
+            for sort_key, ok in zip(done, acked, strict=True):
+                record("acked", sort_key=sort_key, ok=ok, dialect="v2")
         except TRANSIENT as exc:  # the writer went away mid-command: it comes back
-            record("transient", what="command", error=type(exc).__name__, sort_key=sort_key)
+            for sort_key in held:
+                record("transient", what="command", error=type(exc).__name__, sort_key=sort_key)
 
 
 def _worker_blocking(args: argparse.Namespace, record: Recorder) -> None:
@@ -291,7 +317,12 @@ def _event_published(record: Recorder, published: Any) -> None:
 
 
 def _claimed(
-    record: Recorder, sort_key: int, execution_id: str, redelivered: bool, deliveries: int | None
+    record: Recorder,
+    sort_key: int,
+    execution_id: str,
+    redelivered: bool,
+    deliveries: int | None,
+    batch: int | None = None,
 ) -> None:
     record(
         "claimed",
@@ -299,6 +330,7 @@ def _claimed(
         execution_id=execution_id,
         redelivered=redelivered,
         deliveries=deliveries,
+        **({} if batch is None else {"batch": batch}),
     )
 
 

@@ -301,7 +301,8 @@ def run(
 ) -> Outcome:
     """Run the deployment: two servers (trio and blocking clients) publishing ``bursts``
     bursts of ``burst`` commands each with idle gaps of :data:`GAP`; ``workers`` workers
-    of each kind per pool in v1 (NoETL's dialect) and v2 (trio and blocking clients), two
+    of each kind per pool in v1 (NoETL's dialect) and v2 (trio and blocking clients; the
+    trio workers take half their claims in batches and ack each batch in one request), two
     of them SIGKILLed
     mid-command and replaced; the three default event groups, two more created
     mid-run from the beginning and one created and abandoned mid-run, then deleted; a

@@ -33,6 +33,8 @@ from cmdbus_trio.protocol.subjects import parse_filter
 from cmdbus_trio.storage import StoreUnavailable
 from cmdbus_trio.storage.buslog import BusEntry, BusLog
 
+from ..helpers import publish_through
+
 SUBJECT = "commands.shared.shard.0"
 
 
@@ -42,6 +44,7 @@ class Setup:
     claims: Claims
     gate: Gate
     log: BusLog
+    ctx: FaceContext
 
 
 @pytest.fixture
@@ -64,7 +67,7 @@ async def setup(tmp_path: Path) -> AsyncIterator[Setup]:
     async with trio.open_nursery() as nursery:
         await nursery.start(committer.run)
         await nursery.start(bus.bodies.run)
-        yield Setup(ClaimHandler(ctx, bus), claims, gate, log)
+        yield Setup(ClaimHandler(ctx, bus), claims, gate, log, ctx)
         nursery.cancel_scope.cancel()
     await trio.to_thread.run_sync(log.close)
 
@@ -322,3 +325,135 @@ async def test_a_record_given_back_by_a_shed_next_wakes_one_parked_consumer(
             await two.wait()
             assert outcomes == ["busy", "delivered"]
             nursery.cancel_scope.cancel()
+
+
+# --- batches (issue 41): `next` with `max`, `ack`/`nack`/`extend` with `sort_keys` ------
+
+
+async def publish_more(setup: Setup, count: int, size: int = 10) -> None:
+    """Records 3 onwards, committed through the bus so that the group learns of them."""
+    payloads = [json.dumps({"pad": "x" * size, "execution_pool": "shared"})] * count
+    await publish_through(setup.handler.bus.committer, payloads)
+
+
+async def test_a_batch_leases_each_record_on_its_own_and_acks_in_one_commit(
+    setup: Setup,
+) -> None:
+    await publish_more(setup, 3)  # 1..5 in all
+    reply = await answer(setup.handler.v2(request("next", filter="commands.>", max=4), 0.0))
+    handed = [delivery["sort_key"] for delivery in reply["deliveries"]]
+    assert handed == [1, 2, 3, 4] and "delivery" not in reply
+    assert setup.claims.leased == 4  # four leases, not one
+    acking = setup.handler.v2(request("ack", sort_keys=[4, 99, 2, 2]), 0.0)
+    assert isinstance(acking, Deferred)
+    assert (await answer(acking))["acked"] == [True, False, True, False]
+    assert setup.claims.leased == 2 and setup.claims.lag() == {SUBJECT: 3}
+    nacked = await answer(setup.handler.v2(request("nack", sort_keys=[3]), 0.0))
+    assert nacked["nacked"] == [True]
+    extended = await answer(setup.handler.v2(request("extend", sort_keys=[1, 3]), 0.0))
+    assert extended == {"id": 1, "ok": True, "extended": [True, False], "lease_ms": 30000}
+    again = await answer(setup.handler.v2(request("next", filter="commands.>", max=10), 0.0))
+    # Record 3 alone is redelivered (nacked); 1 is still leased; 5 was never handed out.
+    assert [(d["sort_key"], d["redelivered"]) for d in again["deliveries"]] == [
+        (3, True),
+        (5, False),
+    ]
+
+
+async def test_a_batch_takes_what_is_there_and_an_empty_one_times_out(setup: Setup) -> None:
+    reply = await answer(setup.handler.v2(request("next", filter="commands.>", max=1000), 0.0))
+    assert [d["sort_key"] for d in reply["deliveries"]] == [1, 2]  # what was there
+    with trio.fail_after(10):
+        empty = setup.handler.v2(request("next", filter="commands.>", max=5, timeout_ms=50), 0.0)
+        assert (await answer(empty))["deliveries"] == []
+
+
+async def test_a_batch_stays_within_the_reply_cap_and_gives_the_rest_back(
+    setup: Setup,
+) -> None:
+    await publish_more(setup, 6, size=3000)  # 3..8, about 3 kB each
+    setup.handler.max_reply = 10_000
+    reply = await answer(setup.handler.v2(request("next", filter="commands.>", max=8), 0.0))
+    handed = [d["sort_key"] for d in reply["deliveries"]]
+    assert handed == [1, 2, 3, 4, 5]  # two small, then what fits of the 3 kB ones
+    assert len(json.dumps(reply, separators=(",", ":"))) <= 10_000
+    assert setup.claims.leased == 5
+    rest = await answer(setup.handler.v2(request("next", filter="commands.>", max=8), 0.0))
+    assert [(d["sort_key"], d["deliveries"]) for d in rest["deliveries"]] == [
+        (6, 1),
+        (7, 1),
+        (8, 1),
+    ]
+
+
+async def test_a_batch_record_whose_lease_lapses_redelivers_alone(setup: Setup) -> None:
+    """The timer (ack_wait, set to 0.2 s) is shorter than the wait (0.6 s)."""
+    setup.claims.ack_wait = 0.2
+    async with trio.open_nursery() as nursery:
+        await nursery.start(setup.claims.run_timers)
+        reply = await answer(setup.handler.v2(request("next", filter="commands.>", max=2), 0.0))
+        assert [d["sort_key"] for d in reply["deliveries"]] == [1, 2]
+        assert (await answer(setup.handler.v2(request("ack", sort_keys=[2]), 0.0)))["acked"] == [
+            True
+        ]
+        await trio.sleep(0.6)
+        again = await answer(setup.handler.v2(request("next", filter="commands.>", max=2), 0.0))
+        assert [(d["sort_key"], d["deliveries"]) for d in again["deliveries"]] == [(1, 2)]
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_disconnect_releases_the_whole_batch(setup: Setup) -> None:
+    await answer(setup.handler.v2(request("next", filter="commands.>", max=2), 0.0))
+    assert setup.claims.leased == 2
+    setup.handler.closed("closed")
+    assert setup.claims.leased == 0 and setup.claims.lag() == {SUBJECT: 2}
+    other = ClaimHandler(setup.ctx, setup.handler.bus)
+    again = await answer(other.v2(request("next", filter="commands.>", max=2), 0.0))
+    assert [d["redelivered"] for d in again["deliveries"]] == [True, True]
+
+
+async def test_a_shed_batch_gives_every_record_back_uncounted(setup: Setup) -> None:
+    held = saturated_gate(setup)
+    with pytest.raises(Shed):
+        await answer(setup.handler.v2(request("next", filter="commands.>", max=2), 0.0))
+    assert setup.claims.leased == 0
+    held.release()
+    reply = await answer(setup.handler.v2(request("next", filter="commands.>", max=2), 0.0))
+    assert [(d["deliveries"], d["redelivered"]) for d in reply["deliveries"]] == [
+        (1, False),
+        (1, False),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("op", "fields", "field"),
+    [
+        ("next", {"filter": ">", "max": 0}, "max"),
+        ("next", {"filter": ">", "max": 1001}, "max"),
+        ("next", {"filter": ">", "max": 2.0}, "max"),
+        ("next", {"filter": ">", "max": True}, "max"),
+        ("ack", {"sort_keys": []}, "sort_keys"),
+        ("ack", {"sort_keys": list(range(1, 1002))}, "sort_keys"),
+        ("ack", {"sort_keys": [1, 0]}, "sort_keys"),
+        ("nack", {"sort_keys": 5}, "sort_keys"),
+        ("extend", {"sort_keys": [1], "sort_key": 1}, "sort_keys"),
+        ("ack", {}, "sort_key"),
+    ],
+)
+def test_batch_fields_out_of_bounds_are_invalid_naming_the_field(
+    op: str, fields: dict[str, Any], field: str
+) -> None:
+    with pytest.raises(FieldError, match=f"^{field}:"):
+        codec.decode_op(op, fields, named_groups=False)
+
+
+@pytest.mark.parametrize("op", ["ack", "nack", "extend"])
+def test_batch_fields_at_their_bounds_are_taken(op: str) -> None:
+    keys = list(range(1, 1001))
+    decoded = codec.decode_op(op, {"sort_keys": keys}, named_groups=False)
+    assert decoded.sort_keys == tuple(keys) and decoded.many  # type: ignore[union-attr]
+    one = codec.decode_op(op, {"sort_key": 7}, named_groups=False)
+    assert one.sort_keys == (7,) and not one.many  # type: ignore[union-attr]
+    for most in (1, 1000):
+        taken = codec.decode_op("next", {"filter": ">", "max": most}, named_groups=False)
+        assert isinstance(taken, codec.Next) and taken.max == most

@@ -491,6 +491,39 @@ async def test_the_sharded_trio_claim_client_claims_acks_and_waits(
             assert raised.value.shard == 0
 
 
+async def test_batches_in_the_trio_and_sharded_clients(server: dict[str, str]) -> None:
+    execution = new_execution()
+    shards = ShardMap.parse(f"0@{server['cmd_claim']}")
+    with trio.fail_after(20):
+        async with await IngestClient.connect(server["cmd_ingest"]) as ingest:
+            keys = await ingest.publish_batch([command(execution, "batchtrio")] * 5)
+        async with await ClaimClient.connect(server["cmd_claim"]) as claim:
+            batch = await claim.next_batch("commands.batchtrio.>", 3, wait=1)
+            assert [d.sort_key for d in batch] == keys[:3]
+            assert batch[0].record["execution_id"] == execution
+            assert await claim.extend_many([keys[0], 1 << 62]) == [True, False]
+            assert await claim.nack_many([keys[2]]) == [True]  # after ack_wait
+            assert await claim.ack_many([keys[0], keys[1], keys[2]]) == [True, True, False]
+        async with ShardedClaimClient(shards) as cluster:
+            claimed = await cluster.next_batch("commands.batchtrio.>", 10, wait=1)
+            assert [(c.shard, c.delivery.sort_key) for c in claimed] == [(0, k) for k in keys[3:]]
+            assert await cluster.ack_many(claimed) == [True, True]
+            assert await cluster.next_batch("commands.batchtrio.>", 10, wait=0.05) == []
+
+
+def test_batches_in_the_blocking_client(server: dict[str, str]) -> None:
+    execution = new_execution()
+    with (
+        blocking.IngestClient.connect(server["cmd_ingest"]) as ingest,
+        blocking.ClaimClient.connect(server["cmd_claim"]) as claim,
+    ):
+        keys = ingest.publish_batch([command(execution, "batchblocking")] * 3)
+        batch = claim.next_batch("commands.batchblocking.>", 1000, wait=1)
+        assert [d.sort_key for d in batch] == keys
+        assert claim.ack_many(keys) == [True] * 3
+        assert claim.next_batch("commands.batchblocking.>", 1, wait=0.05) == []
+
+
 # --- idle gaps longer than the server's idle timeout ------------------------------------
 
 

@@ -50,6 +50,41 @@ async def next_delivery(
     return reply["delivery"]
 
 
+async def test_batches_over_the_wire(server: dict[str, str]) -> None:
+    """Issue 41, v2: `next` with `max` answers `deliveries` as soon as one record is
+    there; `ack`, `nack` and `extend` with `sort_keys` answer a list in order."""
+    async with frame_client(server["cmd_claim"]) as client:
+        empty = await client.request("next", filter="commands.>", max=10, timeout_ms=100)
+        assert empty == {"id": empty["id"], "ok": True, "deliveries": []}
+        async with trio.open_nursery() as nursery:
+            replies: list[Any] = []
+
+            async def parked() -> None:
+                replies.append(await client.request("next", filter="commands.>", max=10))
+
+            nursery.start_soon(parked)
+            await trio.sleep(0.2)  # parked: nothing there yet
+            keys = await publish(server, [record(n) for n in range(3)])
+        (reply,) = replies
+        taken = [d["sort_key"] for d in reply["deliveries"]]
+        assert 1 <= len(taken) <= 3 and taken == keys[: len(taken)]
+        rest = await client.request("next", filter="commands.>", max=10, timeout_ms=0)
+        taken += [d["sort_key"] for d in rest["deliveries"]]
+        assert taken == keys
+        extended = await client.request("extend", sort_keys=[keys[0], 999_999])
+        assert (extended["extended"], extended["lease_ms"]) == ([True, False], 400)
+        nacked = await client.request("nack", sort_keys=[keys[1]])
+        assert nacked["nacked"] == [True]
+        acked = await client.request("ack", sort_keys=[keys[0], keys[1], keys[2]])
+        assert acked["acked"] == [True, False, True]  # the nacked one is no longer held
+        again = await client.request("next", filter="commands.>", max=10, timeout_ms=1000)
+        assert [(d["sort_key"], d["redelivered"]) for d in again["deliveries"]] == [(keys[1], True)]
+        bad = await client.request("next", filter="commands.>", max=1001)
+        assert bad["error"]["code"] == "invalid" and bad["error"]["message"].startswith("max:")
+        both = await client.request("ack", sort_key=keys[1], sort_keys=[keys[1]])
+        assert both["error"]["message"].startswith("sort_keys:")
+
+
 async def test_deliver_ack_and_shapes(server: dict[str, str]) -> None:
     keys = await publish(server, [record(1), record(2, pool="system")])
     async with frame_client(server["cmd_claim"]) as client:

@@ -73,6 +73,40 @@ async def test_members_of_a_group_compete(server: dict[str, str]) -> None:
     assert set(acked) == keys and set(acked.values()) == {1}
 
 
+async def test_members_of_a_group_compete_in_batches(server: dict[str, str]) -> None:
+    """Issue 41: `next` with `max` and `ack` with `sort_keys` on an event group; every
+    record reaches the group once, and a member that leaves with its batch unacked
+    gives it back whole."""
+    keys = await publish(server, 300)
+    async with frame_client(server["evt_claim"]) as leaver:
+        first = await leaver.request(
+            "next", filter="events.>", group="batched", max=40, **{"from": "beginning"}
+        )
+        assert [d["sort_key"] for d in first["deliveries"]] == keys[:40]
+    acked: Counter[int] = Counter()
+
+    async def member() -> None:
+        async with frame_client(server["evt_claim"]) as client:
+            while True:
+                reply = await client.request(
+                    "next", filter="events.>", group="batched", max=64, timeout_ms=300
+                )
+                batch = [d["sort_key"] for d in reply["deliveries"]]
+                if not batch:
+                    return
+                ack = await client.request("ack", sort_keys=batch, group="batched")
+                assert ack["acked"] == [True] * len(batch)
+                acked.update(batch)
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            for _ in range(3):
+                nursery.start_soon(member)
+    assert set(acked) == set(keys) and set(acked.values()) == {1}
+    async with frame_client(server["evt_claim"]) as client:
+        assert (await client.request("lag", group="batched"))["total"] == 0
+
+
 async def test_groups_are_created_from_the_beginning_or_the_tail(server: dict[str, str]) -> None:
     before = await publish(server, 3)
     async with frame_client(server["evt_claim"]) as client:

@@ -25,11 +25,17 @@ def test_each_op_decodes_to_its_request() -> None:
     assert decode(
         "next", {"group": "g", "from": "tail", "filter": ">"}, named_groups=True
     ) == claim.Next("g", "tail", (">",), None)
-    assert decode("ack", {"sort_key": 3}, named_groups=False) == claim.Ack(None, 3)
-    assert decode("extend", {"sort_key": 3, "group": "g"}, named_groups=True) == claim.Extend(
-        "g", 3
+    assert decode("next", {"filter": ">", "max": 9}, named_groups=False) == claim.Next(
+        None, None, (">",), None, 9
     )
-    assert decode("nack", {"sort_key": 3}, named_groups=False) == claim.Nack(None, 3, 0)
+    assert decode("ack", {"sort_key": 3}, named_groups=False) == claim.Ack(None, (3,))
+    assert decode("ack", {"sort_keys": [3, 1]}, named_groups=False) == claim.Ack(
+        None, (3, 1), many=True
+    )
+    assert decode("extend", {"sort_key": 3, "group": "g"}, named_groups=True) == claim.Extend(
+        "g", (3,)
+    )
+    assert decode("nack", {"sort_key": 3}, named_groups=False) == claim.Nack(None, (3,), 0)
     assert decode("nack", {"sort_key": 3, "delay_ms": 9}, named_groups=False).delay_ms == 9
     assert decode("lag", {}, named_groups=False) == claim.Lag(None, None)
     assert decode("lag", {"filter": "a.*"}, named_groups=False) == claim.Lag(None, ("a", "*"))

@@ -63,7 +63,7 @@ field_names = st.sampled_from(
     ["execution_id", "payload", "payloads", "tier", "after", "limit", "transaction_id",
      "expected_version", "record", "records", "msg_id", "filter", "group", "from",
      "sort_key", "timeout_ms", "delay_ms", "member", "id", "op", "other", "sort_keys",
-     "Next", "Ack", "Nack", "shard", "cursor"]
+     "Next", "Ack", "Nack", "shard", "cursor", "max"]
 )  # fmt: skip
 fields = st.dictionaries(field_names, json_values, max_size=5)
 
@@ -200,6 +200,8 @@ def test_bus_decoders_raise_only_protocol_errors(
 
 @given(st.sampled_from([*claim.GROUP_OPS, "subscribe", "x"]), fields, st.booleans())
 @example("nack", {"sort_key": 1, "delay_ms": 1 << 64}, False)
+@example("ack", {"sort_keys": [1, 1 << 63]}, False)
+@example("next", {"filter": ">", "max": 1 << 64}, False)
 @example("subscribe", {"from": 10**400}, False)
 def test_claim_and_subscribe_decoders_raise_only_protocol_errors(
     op: str, request: dict[str, Any], named_groups: bool

@@ -34,6 +34,8 @@ def test_a_day_in_a_minute(tmp_path: Path) -> None:
     assert not problems, report(figures(outcome), problems)
     assert len(outcome.killed) == 2  # the crashes happened
     assert outcome.kind("extended")  # some command outlived its lease, extended
+    batched = [x for x in outcome.kind("claimed") if "batch" in x]
+    assert batched and len(batched) < len(outcome.kind("claimed"))  # part of the work
 
 
 def test_a_day_in_a_minute_with_the_writer_killed_twice(tmp_path: Path) -> None:

@@ -100,6 +100,23 @@ class BodyReader:
             raise outcome
         return outcome
 
+    async def read_many(self, sort_keys: list[int]) -> list[StoredRecord | Exception]:
+        """The records with ``sort_keys``, in order, each the record or the error
+        :meth:`read` would raise: those not kept in memory are asked for together, so
+        they go into the same batch.
+
+        Cancellation: only the wait stops; the reads go on for the others."""
+        outcomes: list[StoredRecord | Exception | None] = []
+        asked: list[tuple[int, _Ask]] = []
+        for sort_key in sort_keys:
+            outcomes.append(self._kept(sort_key))
+            if outcomes[-1] is None:
+                asked.append((len(outcomes) - 1, self._ask(sort_key)))
+        for index, ask in asked:
+            await ask.done.wait()
+            outcomes[index] = ask.outcome()
+        return [outcome for outcome in outcomes if outcome is not None]
+
     def _kept(self, sort_key: int) -> StoredRecord | None:
         kept = self._recent.get(sort_key)
         if kept is None:

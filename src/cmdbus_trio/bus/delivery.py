@@ -16,6 +16,7 @@ task's; ``ack`` completes when its commit is settled, by the committer's callbac
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import trio
@@ -81,103 +82,165 @@ class Consumer:
         filter_tokens: tuple[str, ...],
         budget: float | None,
         *,
+        encode: Callable[[Delivery, str], bytes],
+        most: int = 1,
+        room: int | None = None,
         patient: bool = False,
-    ) -> tuple[Delivery, StoredRecord]:
-        """Wait for a matching record, lease it, then read its body under a Gate slot.
+    ) -> list[bytes]:
+        """Wait for a matching record, lease it and up to ``most - 1`` more that match
+        then, read their bodies under one Gate slot, and return each delivery as
+        ``encode`` makes it (from the lease and the stored JSON text), in lease order.
+        ``room``: bytes the encoded deliveries may take, with a comma between two; the
+        first is taken whatever its size (its reply is then ``too_large``, as a single
+        one's), and those that do not fit after it are given back.
 
+        Each record is leased on its own (its own lease, delivery count, redelivery).
         The wait for a record is the client's (``timeout_ms``, or unbounded): the Gate
         and the request's budget see the request only once a record is handed to it, so
         a parked consumer holds no slot, and its budget is not spent by waiting. A
-        ``next`` that is then shed gives its record back as if it had never been
-        delivered (its delivery count restored, not ``redelivered``), offered to the
+        ``next`` that is then shed gives its records back as if they had never been
+        delivered (their delivery counts restored, not ``redelivered``), offered to the
         parked consumers once the Gate frees a slot (see :meth:`Claims.give_back`).
 
         Cancellation: nothing stays leased when cancelled while waiting; once its slot
-        is had, the body is read whatever is cancelled (a batch takes a hop, not a
+        is had, the bodies are read whatever is cancelled (a batch takes a hop, not a
         client's patience).
 
         Error handling: :class:`Shed` when admission refuses, unless ``patient`` (v1,
         which has no way to say ``busy``): then it waits ``retry_after`` and tries again.
         :class:`GateClosed` when the writer drains or the group is deleted; the store's
-        errors, the record given back.
+        errors, the records given back.
         """
         while True:
-            delivery = await claims.next(filter_tokens, self)
+            leased = [await claims.next(filter_tokens, self)]
+            while len(leased) < most and (more := claims.next_nowait(filter_tokens, self)):
+                leased.append(more)
             try:
                 slot = await self.gate.acquire("next", budget=budget)
             except Shed as shed:
-                claims.give_back(delivery.sort_key, self, offer=False)
+                for delivery in leased:
+                    claims.give_back(delivery.sort_key, self, offer=False)
                 self.gate.when_free(claims.offer_held)
                 if not patient:
                     raise
                 await trio.sleep((shed.retry_after_ms or 1000 * self.gate.shed_after) / 1000)
                 continue
             except BaseException:
-                claims.give_back(delivery.sort_key, self)
+                self._give_back(claims, leased)
                 raise
             with slot:
                 try:
                     with trio.CancelScope(shield=True):
-                        stored = await self.bus.bodies.read(delivery.sort_key)
-                except LookupError:
-                    if delivery.sort_key > claims.evicted_through:  # a bug: internal
-                        claims.give_back(delivery.sort_key, self)
-                        raise
-                    # Evicted (CMDBUS_EVT_MAX_BYTES) while this waited for its Gate slot:
-                    # the group forgot and counted it; take the next one.
-                    continue
+                        bodies = await self.bus.bodies.read_many([d.sort_key for d in leased])
                 except BaseException:
-                    claims.give_back(delivery.sort_key, self)  # never delivered
+                    self._give_back(claims, leased)  # never delivered
                     raise
-            return delivery, stored
+            handed = self._handed(claims, leased, bodies, encode, room)
+            if handed:
+                return handed
+            # Every one evicted (CMDBUS_EVT_MAX_BYTES) while this waited for its slot:
+            # the group forgot and counted them; take the next ones.
 
-    def ack(self, group: Any, sort_key: int) -> Deferred[bool]:
-        """Make the ack of a record this connection holds durable: group-committed like a
-        publish; True once the commit is settled, False at once when the connection holds
-        no record by that key. Once the commit settles, the claim index forgets the
-        record, or, if the commit failed, redelivers it and the outcome is the error.
+    def _handed(
+        self,
+        claims: Claims,
+        leased: list[Delivery],
+        bodies: list[StoredRecord | Exception],
+        encode: Callable[[Delivery, str], bytes],
+        room: int | None,
+    ) -> list[bytes]:
+        """The deliveries whose bodies were read, encoded, within ``room``; the others
+        given back. An error reading any but an evicted record gives them all back."""
+        failed = next(
+            (
+                body
+                for delivery, body in zip(leased, bodies, strict=True)
+                if isinstance(body, Exception) and not _evicted(claims, delivery, body)
+            ),
+            None,
+        )
+        if failed is not None:  # an evicted record is no error: the group forgot it
+            self._give_back(claims, leased)
+            raise failed
+        handed: list[bytes] = []
+        used = -1  # no comma before the first
+        full = False
+        for delivery, body in zip(leased, bodies, strict=True):
+            if isinstance(body, Exception):
+                continue  # evicted while this waited for its slot
+            if not full:
+                encoded = encode(delivery, body.record)
+                full = bool(handed) and room is not None and used + 1 + len(encoded) > room
+            if full:  # this one and the rest, oldest first, go to the next request
+                claims.give_back(delivery.sort_key, self)
+                continue
+            used += 1 + len(encoded)
+            handed.append(encoded)
+        return handed
+
+    def _give_back(self, claims: Claims, leased: list[Delivery]) -> None:
+        for delivery in leased:
+            claims.give_back(delivery.sort_key, self)
+
+    def ack(self, group: Any, sort_keys: Sequence[int]) -> Deferred[list[bool]]:
+        """Make the acks of records this connection holds durable, in one group commit
+        (with the publishes and acks queued meanwhile). For each key in order: True once
+        the commit is settled, False when the connection holds no record by that key
+        (answered at once when it holds none). Once the commit settles, the claim index
+        forgets the records, or, if the commit failed, redelivers them and the outcome
+        is the error.
 
         Error handling: :class:`FieldError` naming the group field (raised)."""
         claims = self.groups.known(group)
-        if claims is None or not claims.begin_ack(sort_key, self):
-            return Deferred.of(False)
-        acked: Deferred[bool] = Deferred()
+        begun = [claims is not None and claims.begin_ack(key, self) for key in sort_keys]
+        if claims is None or not any(begun):
+            return Deferred.of(begun)
+        started = [key for key, ok in zip(sort_keys, begun, strict=True) if ok]
+        acked: Deferred[list[bool]] = Deferred()
 
         def settled(ticket: Ticket) -> None:
-            if ticket.error is None:
-                claims.finish_ack(sort_key)
-                acked.settle(True)
-            else:
-                claims.abort_ack(sort_key)
-                acked.settle(ticket.error)
+            for key in started:
+                if ticket.error is None:
+                    claims.finish_ack(key)
+                else:
+                    claims.abort_ack(key)
+            acked.settle(begun if ticket.error is None else ticket.error)
 
-        self.bus.committer.enqueue(Ticket(acks=[(claims.group, sort_key)], on_settled=settled))
+        acks = [(claims.group, key) for key in started]
+        self.bus.committer.enqueue(Ticket(acks=acks, on_settled=settled))
         return acked
 
-    def nack(self, group: Any, sort_key: int, delay: float | None = None) -> bool:
-        """End this connection's lease of the record: it redelivers after ``delay``
-        seconds (None: the group's ``ack_wait``). False when the connection holds no
-        record by that key.
+    def nack(self, group: Any, sort_keys: Sequence[int], delay: float | None = None) -> list[bool]:
+        """End this connection's leases of the records: each redelivers after ``delay``
+        seconds (None: the group's ``ack_wait``). For each key: False when the
+        connection holds no record by it.
 
         Error handling: :class:`FieldError` naming the group field."""
         claims = self.groups.known(group)
         if claims is None:
-            return False
-        return claims.nack(sort_key, self, claims.ack_wait if delay is None else delay)
+            return [False] * len(sort_keys)
+        wait = claims.ack_wait if delay is None else delay
+        return [claims.nack(key, self, wait) for key in sort_keys]
 
     def nack_held(self, sort_key: int) -> bool:
         """v1's ``Nack`` naming no group: in whichever group this connection holds it."""
         return any(claims.nack(sort_key, self, claims.ack_wait) for claims in self._used.values())
 
-    def extend(self, group: Any, sort_key: int) -> bool:
-        """Renew this connection's lease of the record for :attr:`lease_seconds`; False
-        when the connection holds no record by that key.
+    def extend(self, group: Any, sort_keys: Sequence[int]) -> list[bool]:
+        """Renew this connection's leases of the records for :attr:`lease_seconds`. For
+        each key: False when the connection holds no record by it.
 
         Error handling: :class:`FieldError` naming the group field."""
         claims = self.groups.known(group)
-        return claims is not None and claims.extend(sort_key, self)
+        return [claims is not None and claims.extend(key, self) for key in sort_keys]
 
     @property
     def lease_seconds(self) -> float:
         """How long a lease lasts (``CMDBUS_ACK_WAIT_MS``), from its delivery or renewal."""
         return self.groups.ack_wait
+
+
+def _evicted(claims: Claims, delivery: Delivery, body: Exception) -> bool:
+    """The body is gone because the record was evicted (``CMDBUS_EVT_MAX_BYTES``) after
+    it was leased: the group forgot and counted it."""
+    return isinstance(body, LookupError) and delivery.sort_key <= claims.evicted_through

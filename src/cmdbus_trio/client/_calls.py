@@ -168,19 +168,71 @@ def next_delivery(
     start: str | None = None,
 ) -> Call[Delivery | None]:
     """``wait``: seconds to wait for a record (``None``: until one comes)."""
-    fields = _options(
-        filter=filter,
-        group=group,
-        timeout_ms=None if wait is None else max(0, round(wait * 1000)),
-        **{"from": start},
-    )
-    return Call(
-        "next",
-        fields,
+    return _next(
+        _next_fields(filter, wait, group, start),
         lambda reply: None if reply["delivery"] is None else delivery(reply["delivery"]),
-        idempotent=False,
-        wait=float("inf") if wait is None else wait,
+        wait,
     )
+
+
+def next_batch(
+    filter: str,
+    most: int,
+    *,
+    wait: float | None = None,
+    group: str | None = None,
+    start: str | None = None,
+) -> Call[list[Delivery]]:
+    """Up to ``most`` (1..1,000) records as soon as one is there; ``wait`` as for
+    :func:`next_delivery` (an empty list once it passes)."""
+    return _next(
+        {**_next_fields(filter, wait, group, start), "max": most},
+        lambda reply: [delivery(value) for value in reply["deliveries"]],
+        wait,
+    )
+
+
+def _next_fields(
+    filter: str, wait: float | None, group: str | None, start: str | None
+) -> dict[str, Any]:
+    timeout_ms = None if wait is None else max(0, round(wait * 1000))
+    return _options(filter=filter, group=group, timeout_ms=timeout_ms, **{"from": start})
+
+
+def _next(
+    fields: dict[str, Any], parse: Callable[[dict[str, Any]], T], wait: float | None
+) -> Call[T]:
+    wait = float("inf") if wait is None else wait
+    return Call("next", fields, parse, idempotent=False, wait=wait)
+
+
+def _settling(
+    op: str, sort_keys: Sequence[int], group: str | None, **fields: Any
+) -> Call[list[bool]]:
+    name = {"ack": "acked", "nack": "nacked", "extend": "extended"}[op]
+    return Call(
+        op,
+        _options(sort_keys=list(sort_keys), group=group, **fields),
+        lambda reply: [bool(outcome) for outcome in reply[name]],
+        idempotent=True,
+    )
+
+
+def ack_many(sort_keys: Sequence[int], group: str | None = None) -> Call[list[bool]]:
+    """Ack up to 1,000 records in one request (one group commit): for each, in order,
+    whether this connection held it."""
+    return _settling("ack", sort_keys, group)
+
+
+def nack_many(
+    sort_keys: Sequence[int], group: str | None = None, delay: float | None = None
+) -> Call[list[bool]]:
+    delay_ms = None if delay is None else max(0, round(delay * 1000))
+    return _settling("nack", sort_keys, group, delay_ms=delay_ms)
+
+
+def extend_many(sort_keys: Sequence[int], group: str | None = None) -> Call[list[bool]]:
+    return _settling("extend", sort_keys, group)
 
 
 def ack(sort_key: int, group: str | None = None) -> Call[bool]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import attrs
 
@@ -97,6 +97,14 @@ class ShardDelivery:
     delivery: Delivery
 
 
+def by_shard(claimed: Sequence[ShardDelivery]) -> dict[int, list[int]]:
+    """The sort keys of ``claimed`` per shard, in order (one request to each writer)."""
+    keys: dict[int, list[int]] = {}
+    for one in claimed:
+        keys.setdefault(one.shard, []).append(one.delivery.sort_key)
+    return keys
+
+
 class Rotation:
     """Round robin over shards: each call starts after the shard that served the last
     one, so a shard with pending work is asked first at least once every N calls."""
@@ -143,6 +151,10 @@ class ClaimRounds:
     def served(self, shard: int, delivery: Delivery) -> ShardDelivery:
         self.rotation.served(shard)
         return ShardDelivery(shard, delivery)
+
+    def served_many(self, shard: int, batch: list[Delivery]) -> list[ShardDelivery]:
+        self.rotation.served(shard)
+        return [ShardDelivery(shard, delivery) for delivery in batch]
 
     def pause(self, remaining: float) -> float | None:
         """After a round without a record: how long to sleep before the next one, or

@@ -28,7 +28,7 @@ from ._calls import (
     Record,
 )
 from ._errors import ClientError
-from ._shards import ClaimRounds, Rotation, ShardDelivery, ShardMap
+from ._shards import ClaimRounds, Rotation, ShardDelivery, ShardMap, by_shard
 from ._trio_connection import Connection
 
 __all__ = [
@@ -74,10 +74,49 @@ class ClaimClient(Connection):
         call = calls.next_delivery(filter, wait=wait, group=group, start=start)
         return await self.call(call, timeout=timeout)
 
+    async def next_batch(
+        self,
+        filter: str,
+        most: int,
+        *,
+        wait: float | None = None,
+        group: str | None = None,
+        start: str | None = None,
+        timeout: float | None = None,
+    ) -> list[Delivery]:
+        """Up to ``most`` (1..1,000) records for ``filter`` as soon as one is there, each
+        leased on its own (ack, nack or extend each, or many at once); an empty list
+        after ``wait`` seconds without one. The reply stays within the writer's reply
+        cap: fewer records, never a larger frame."""
+        call = calls.next_batch(filter, most, wait=wait, group=group, start=start)
+        return await self.call(call, timeout=timeout)
+
     async def ack(
         self, sort_key: int, *, group: str | None = None, timeout: float | None = None
     ) -> bool:
         return await self.call(calls.ack(sort_key, group), timeout=timeout)
+
+    async def ack_many(
+        self, sort_keys: Sequence[int], *, group: str | None = None, timeout: float | None = None
+    ) -> list[bool]:
+        """Ack up to 1,000 records in one request, durable in one group commit: for
+        each, in order, whether this connection held it."""
+        return await self.call(calls.ack_many(sort_keys, group), timeout=timeout)
+
+    async def nack_many(
+        self,
+        sort_keys: Sequence[int],
+        *,
+        group: str | None = None,
+        delay: float | None = None,
+        timeout: float | None = None,
+    ) -> list[bool]:
+        return await self.call(calls.nack_many(sort_keys, group, delay), timeout=timeout)
+
+    async def extend_many(
+        self, sort_keys: Sequence[int], *, group: str | None = None, timeout: float | None = None
+    ) -> list[bool]:
+        return await self.call(calls.extend_many(sort_keys, group), timeout=timeout)
 
     async def nack(
         self,
@@ -342,3 +381,50 @@ class ShardedClaimClient(_Writers[ClaimClient]):
             )
         except ClientError as error:
             raise self.shards.tag(error, claimed.shard) from None
+
+    async def next_batch(
+        self,
+        filter: str,
+        most: int,
+        *,
+        wait: float | None = None,
+        group: str | None = None,
+        start: str | None = None,
+        timeout: float | None = None,
+    ) -> list[ShardDelivery]:
+        """Up to ``most`` records from the first shard in the round that has any (the
+        rounds as for :meth:`next`); an empty list after ``wait``."""
+        deadline = math.inf if wait is None else trio.current_time() + wait
+        rounds = ClaimRounds(self.shards, self._rotation)
+        while True:
+            for shard in rounds.round():
+                try:
+                    batch = await self.writers[shard].next_batch(
+                        filter, most, wait=0, group=group, start=start, timeout=timeout
+                    )
+                except ClientError as error:
+                    rounds.failed(shard, error)  # raises unless the writer is down
+                    continue
+                if batch:
+                    return rounds.served_many(shard, batch)
+            pause = rounds.pause(deadline - trio.current_time())
+            if pause is None:
+                return []
+            await trio.sleep(pause)
+
+    async def ack_many(
+        self,
+        claimed: Sequence[ShardDelivery],
+        *,
+        group: str | None = None,
+        timeout: float | None = None,
+    ) -> list[bool]:
+        """Each shard's records acked in one request to it; the outcomes in order."""
+        outcomes: dict[tuple[int, int], bool] = {}
+        for shard, keys in by_shard(claimed).items():
+            try:
+                acked = await self.writers[shard].ack_many(keys, group=group, timeout=timeout)
+            except ClientError as error:
+                raise self.shards.tag(error, shard) from None
+            outcomes.update(((shard, key), ok) for key, ok in zip(keys, acked, strict=True))
+        return [outcomes[c.shard, c.delivery.sort_key] for c in claimed]

@@ -30,6 +30,8 @@ from ._scrape import control_url
 TOKEN_VARIABLE = "CMDBUS_CLIENT_TOKEN"
 CALL_TIMEOUT = 30.0
 """Seconds each request may take (sent as its deadline_ms); ``claim`` waits on top."""
+CLAIM_BATCH = 64
+"""Records ``claim`` takes in one request (and acks in one), at most."""
 
 
 HELP = "talk to a running writer"
@@ -249,24 +251,36 @@ def _claim(args: argparse.Namespace, output: Output) -> int:
         shards = ShardMap.parse(args.writers)
         with blocking.ShardedClaimClient(shards, **connection_options(args)) as many:
             while args.max is None or claimed < args.max:
-                got = many.next(args.filter, start=args.start, **options)
-                if got is None:
+                got = many.next_batch(
+                    args.filter, _batch(args, claimed), start=args.start, **options
+                )
+                if not got:
                     break
-                output.row({"shard": got.shard, **attrs.asdict(got.delivery)})
-                claimed += 1
+                for one in got:
+                    output.row({"shard": one.shard, **attrs.asdict(one.delivery)})
+                claimed += len(got)
                 if not args.no_ack:
-                    many.ack(got, group=args.group, timeout=CALL_TIMEOUT)
+                    many.ack_many(got, group=args.group, timeout=CALL_TIMEOUT)
         return 0
     with _connect(blocking.ClaimClient, _claim_face(args), args) as claim:
         while args.max is None or claimed < args.max:
-            delivery = claim.next(args.filter, start=args.start, **options)
-            if delivery is None:
+            batch = claim.next_batch(
+                args.filter, _batch(args, claimed), start=args.start, **options
+            )
+            if not batch:
                 break
-            output.row(delivery)
-            claimed += 1
+            for delivery in batch:
+                output.row(delivery)
+            claimed += len(batch)
             if not args.no_ack:
-                claim.ack(delivery.sort_key, group=args.group, timeout=CALL_TIMEOUT)
+                keys = [delivery.sort_key for delivery in batch]
+                claim.ack_many(keys, group=args.group, timeout=CALL_TIMEOUT)
     return 0
+
+
+def _batch(args: argparse.Namespace, claimed: int) -> int:
+    """Records to take in the next request: a batch, never past ``--max``."""
+    return CLAIM_BATCH if args.max is None else min(CLAIM_BATCH, args.max - claimed)
 
 
 def _tier_append(args: argparse.Namespace, output: Output) -> int:

@@ -12,13 +12,14 @@ paged ops wait, each in a task of its own; ``nack`` and ``extend`` complete at o
 from __future__ import annotations
 
 from collections.abc import Awaitable
+from functools import partial
 from typing import Any
 
 import trio
 
 from cmdbus_trio.admission import GateClosed
 from cmdbus_trio.bus import Bus, dead_letters
-from cmdbus_trio.bus.claims import Claims
+from cmdbus_trio.bus.claims import Claims, Delivery
 from cmdbus_trio.bus.delivery import Consumer
 from cmdbus_trio.loop.deferred import Deferred
 from cmdbus_trio.protocol import FieldError, Request, encode_frame, encode_ok
@@ -55,17 +56,17 @@ class ClaimHandler:
     # --- v1 --------------------------------------------------------------------------------
 
     async def v1(self, frame: bytes, arrival: float) -> V1Reply:
-        acking: Deferred[bool] | None = None
+        acking: Deferred[list[bool]] | None = None
         try:
             request = codec.decode_v1(frame)
             if isinstance(request, codec.V1Next):
                 claims = await self.consumer.group(request.group)
             elif isinstance(request, codec.V1Ack):
-                acking = self.consumer.ack(request.group, request.sort_key)
+                acking = self.consumer.ack(request.group, [request.sort_key])
             elif request.group is None:  # in whichever group this connection holds it
                 self.consumer.nack_held(request.sort_key)
             else:  # the record redelivers after ack_wait
-                self.consumer.nack(request.group, request.sort_key)
+                self.consumer.nack(request.group, [request.sort_key])
         except FieldError:
             raise CloseConnection("protocol_error") from None
         except Exception as exc:  # not JSON
@@ -78,15 +79,16 @@ class ClaimHandler:
 
     async def _v1_next(self, claims: Claims, filter_tokens: tuple[str, ...]) -> V1Reply:
         try:
-            delivery, stored = await self.consumer.next(claims, filter_tokens, None, patient=True)
+            (handed,) = await self.consumer.next(
+                claims, filter_tokens, None, encode=_v1_delivery, patient=True
+            )
         except GateClosed:
             raise CloseConnection("closed") from None  # draining: v1 can only close
         except StoreUnavailable:
             raise CloseConnection("unavailable") from None  # v1 has no error frame
-        reply = {"sort_key": delivery.sort_key, "redelivered": delivery.redelivered}
-        return V1Reply("next", encode_frame(codec.with_record(reply, stored.record)))
+        return V1Reply("next", encode_frame(handed))
 
-    async def _v1_ack(self, acking: Deferred[bool]) -> V1Reply:
+    async def _v1_ack(self, acking: Deferred[list[bool]]) -> V1Reply:
         try:
             with trio.CancelScope(shield=True):  # an ack that started finishes
                 await acking.outcome()
@@ -99,15 +101,18 @@ class ClaimHandler:
     def v2(self, request: Request, arrival: float) -> Awaitable[bytes] | Deferred[bytes]:
         op = codec.decode_op(request.op, request.fields, named_groups=self.groups.named)
         if isinstance(op, codec.Ack):
-            acking = self.consumer.ack(op.group, op.sort_key)
-            return acking.map(lambda acked: encode_ok(request.id, {"acked": acked}))
+            acking = self.consumer.ack(op.group, op.sort_keys)
+            return acking.map(partial(codec.settled_reply, request.id, "acked", many=op.many))
         if isinstance(op, codec.Nack):
-            nacked = self.consumer.nack(op.group, op.sort_key, op.delay_ms / 1000)
-            return Deferred.of(encode_ok(request.id, {"nacked": nacked}))
+            nacked = self.consumer.nack(op.group, op.sort_keys, op.delay_ms / 1000)
+            return Deferred.of(codec.settled_reply(request.id, "nacked", nacked, op.many))
         if isinstance(op, codec.Extend):
-            extended = self.consumer.extend(op.group, op.sort_key)
+            extended = self.consumer.extend(op.group, op.sort_keys)
             lease_ms = round(self.consumer.lease_seconds * 1000)
-            return Deferred.of(encode_ok(request.id, {"extended": extended, "lease_ms": lease_ms}))
+            reply = codec.settled_reply(
+                request.id, "extended", extended, op.many, lease_ms=lease_ms
+            )
+            return Deferred.of(reply)
         return self._v2(op, request.id, request.budget, arrival)
 
     async def _v2(
@@ -120,15 +125,7 @@ class ClaimHandler:
             op.group, op.start if isinstance(op, codec.Next) else None
         )
         if isinstance(op, codec.Next):
-            handed: bytes | None = None
-            timeout = float("inf") if op.timeout_ms is None else op.timeout_ms / 1000
-            with trio.move_on_after(timeout):
-                delivery, stored = await self.consumer.next(claims, op.filter, budget)
-                handed = codec.delivery(delivery, stored.record)
-            body: dict[str, Any] = {}
-            if op.start == "beginning" and (deleted := self.bus.log.deleted_through):
-                body["deleted_through"] = deleted  # the group starts at the oldest kept
-            return codec.next_reply(request_id, body, handed)
+            return await self._next(op, claims, request_id, budget)
         # The rest is work, so it waits for a slot. (An event group's lag walks its
         # backlog; the command bus's is a copy of counts kept as they change, but goes the
         # same way.)
@@ -147,6 +144,33 @@ class ClaimHandler:
                 self.bus, claims, slot, requeue=op.requeue, filter=op.filter, sort_keys=op.sort_keys
             )
         return encode_ok(request_id, {f"{op.op}d": moved})
+
+    async def _next(
+        self, op: codec.Next, claims: Claims, request_id: int, budget: float | None
+    ) -> bytes:
+        """Up to ``max`` deliveries (one without it) as soon as one is there, within the
+        reply cap; none after ``timeout_ms``."""
+        room: int | None = None
+        if op.max is not None:  # what the deliveries may take of the reply cap
+            worst = {"deleted_through": 1 << 63} if op.start == "beginning" else {}
+            room = self.max_reply - len(codec.deliveries_reply(request_id, worst, []))
+        handed: list[bytes] = []
+        timeout = float("inf") if op.timeout_ms is None else op.timeout_ms / 1000
+        with trio.move_on_after(timeout):
+            handed = await self.consumer.next(
+                claims, op.filter, budget, encode=codec.delivery, most=op.max or 1, room=room
+            )
+        body: dict[str, Any] = {}
+        if op.start == "beginning" and (deleted := self.bus.log.deleted_through):
+            body["deleted_through"] = deleted  # the group starts at the oldest kept
+        if op.max is not None:
+            return codec.deliveries_reply(request_id, body, handed)
+        return codec.next_reply(request_id, body, handed[0] if handed else None)
+
+
+def _v1_delivery(delivery: Delivery, record: str) -> bytes:
+    head = {"sort_key": delivery.sort_key, "redelivered": delivery.redelivered}
+    return codec.with_record(head, record)
 
 
 async def serve(

@@ -9,7 +9,7 @@ touches a coordinator. ``group`` and ``from`` are handed on as sent: which group
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 import attrs
@@ -27,12 +27,15 @@ MAX_DEAD_LIMIT: Final = 1000
 DEFAULT_DEAD_LIMIT: Final = 100
 MAX_SORT_KEYS: Final = 1000
 """Sort keys one ``requeue`` or ``purge`` may name."""
+MAX_CLAIM_BATCH: Final = 1000
+"""Records one ``next`` may take (``max``), and sort keys one ``ack``, ``nack`` or
+``extend`` may settle (``sort_keys``)."""
 
 _FIELDS: Final[Mapping[str, frozenset[str]]] = {
-    "next": frozenset({"filter", "group", "from", "member", "timeout_ms"}),
-    "ack": frozenset({"sort_key", "group"}),
-    "nack": frozenset({"sort_key", "group", "delay_ms"}),
-    "extend": frozenset({"sort_key", "group"}),
+    "next": frozenset({"filter", "group", "from", "member", "timeout_ms", "max"}),
+    "ack": frozenset({"sort_key", "sort_keys", "group"}),
+    "nack": frozenset({"sort_key", "sort_keys", "group", "delay_ms"}),
+    "extend": frozenset({"sort_key", "sort_keys", "group"}),
     "lag": frozenset({"filter", "group"}),
     "dead": frozenset({"filter", "group", "after", "limit"}),
     "requeue": frozenset({"sort_keys", "filter", "group"}),
@@ -59,28 +62,35 @@ class Next:
     """The request's ``from``: where a group it creates starts."""
     filter: tuple[str, ...]
     timeout_ms: int | None
+    max: int | None = None
+    """Take up to this many records (the reply's ``deliveries``); None: one
+    (``delivery``)."""
     op = "next"
 
 
 @attrs.frozen
 class Ack:
     group: Any
-    sort_key: int
+    sort_keys: tuple[int, ...]
+    many: bool = False
+    """Named by ``sort_keys`` (the reply is a list, in their order), not ``sort_key``."""
     op = "ack"
 
 
 @attrs.frozen
 class Nack:
     group: Any
-    sort_key: int
+    sort_keys: tuple[int, ...]
     delay_ms: int
+    many: bool = False
     op = "nack"
 
 
 @attrs.frozen
 class Extend:
     group: Any
-    sort_key: int
+    sort_keys: tuple[int, ...]
+    many: bool = False
     op = "extend"
 
 
@@ -139,12 +149,14 @@ def decode_op(op: str, fields: Mapping[str, Any], *, named_groups: bool) -> Clai
         raise FieldError(unknown[0], "unknown field")
     group = fields.get("group")
     if op == "next":
-        return Next(group, fields.get("from"), parse_filter(fields.get("filter")), _timeout(fields))
+        tokens = parse_filter(fields.get("filter"))
+        return Next(group, fields.get("from"), tokens, _timeout(fields), _max(fields))
     if op in ("ack", "extend"):
-        return (Ack if op == "ack" else Extend)(group, sort_key(fields))
+        keys, many = _settling(fields)
+        return (Ack if op == "ack" else Extend)(group, keys, many)
     if op == "nack":
-        key = sort_key(fields)
-        return Nack(group, key, whole_number(fields.get("delay_ms", 0), "delay_ms"))
+        keys, many = _settling(fields)
+        return Nack(group, keys, whole_number(fields.get("delay_ms", 0), "delay_ms"), many)
     if op == "lag":
         return Lag(group, None if fields.get("filter") is None else parse_filter(fields["filter"]))
     if op == "dead":
@@ -209,6 +221,35 @@ def sort_key(fields: Mapping[str, Any]) -> int:
     return whole_number(fields.get("sort_key"), "sort_key", lowest=1)
 
 
+def _max(fields: Mapping[str, Any]) -> int | None:
+    value = fields.get("max")
+    if value is None:
+        return None
+    if not (is_int(value) and 1 <= value <= MAX_CLAIM_BATCH):
+        raise FieldError("max", f"expected an integer in 1..{MAX_CLAIM_BATCH}")
+    return int(value)
+
+
+def _settling(fields: Mapping[str, Any]) -> tuple[tuple[int, ...], bool]:
+    """The records an ``ack``, ``nack`` or ``extend`` names: ``sort_key``, or a list in
+    ``sort_keys`` (then True: the reply is a list)."""
+    keys = fields.get("sort_keys")
+    if keys is None:
+        return (sort_key(fields),), False
+    if "sort_key" in fields:
+        raise FieldError("sort_keys", "name either sort_key or sort_keys, not both")
+    if not (
+        isinstance(keys, list)
+        and 1 <= len(keys) <= MAX_CLAIM_BATCH
+        and all(is_int(key) and 1 <= key <= I64_MAX for key in keys)
+    ):
+        raise FieldError(
+            "sort_keys",
+            f"expected a list of 1 to {MAX_CLAIM_BATCH} integers in 1..{I64_MAX}",
+        )
+    return tuple(keys), True
+
+
 def _timeout(fields: Mapping[str, Any]) -> int | None:
     timeout_ms = fields.get("timeout_ms")
     return None if timeout_ms is None else whole_number(timeout_ms, "timeout_ms")
@@ -271,6 +312,22 @@ def dead_letter(sort_key: int, subject: str, deliveries: int, record: str) -> by
         },
         record,
     )
+
+
+def settled_reply(
+    request_id: int, name: str, outcomes: Sequence[bool], many: bool, **extra: Any
+) -> bytes:
+    """The reply to an ``ack`` (``name`` ``acked``), ``nack`` or ``extend``: the outcome
+    of each sort key in order when the request named ``sort_keys`` (``many``), else of
+    its one ``sort_key``; ``extra`` fields after it."""
+    return encode_ok(request_id, {name: list(outcomes) if many else outcomes[0], **extra})
+
+
+def deliveries_reply(request_id: int, body: dict[str, Any], handed: Sequence[bytes]) -> bytes:
+    """A v2 ``next`` reply with ``max``: ``body``'s fields and the deliveries
+    (:func:`delivery`), in the order they were leased."""
+    head = encode_ok(request_id, body)[:-1]
+    return b"".join((head, b',"deliveries":[', b",".join(handed), b"]}"))
 
 
 def next_reply(request_id: int, body: dict[str, Any], handed: bytes | None) -> bytes:
