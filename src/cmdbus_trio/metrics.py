@@ -413,7 +413,8 @@ at start)."""
 def child(family: MetricWrapperBase, *labels: str) -> Any:
     """``family.labels(*labels)``, remembered: on the request path the lookup cost as much
     as the observation. Only for label values from a fixed set (faces, ops the writer
-    knows, outcomes), never from a client's input: each one is a series held forever."""
+    knows, outcomes) or a bounded one (a subject's :meth:`SubjectSeries.label`), never
+    from a client's input as it is: each one is a series held forever."""
     return family.labels(*labels)
 
 

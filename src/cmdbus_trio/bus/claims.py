@@ -240,11 +240,11 @@ class Claims(Owing):
         self._deliveries[sort_key] = deliveries
         deadline = trio.current_time() + self.ack_wait
         self._leases.grant(sort_key, owner, subject, deadline)
-        label = metrics.SUBJECTS.label(subject)  # not child(): subjects are input
-        metrics.DELIVERIES.labels(subject=label).inc()
+        label = metrics.SUBJECTS.label(subject)  # bounded: child() may remember it
+        metrics.child(metrics.DELIVERIES, label).inc()
         redelivered = deliveries > 1  # not a record given back undelivered
         if redelivered:
-            metrics.REDELIVERIES.labels(subject=label).inc()
+            metrics.child(metrics.REDELIVERIES, label).inc()
         return Delivery(sort_key, subject, redelivered, deliveries)
 
     async def next(self, filter_tokens: tuple[str, ...], owner: object) -> Delivery:

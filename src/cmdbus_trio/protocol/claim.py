@@ -16,7 +16,7 @@ import attrs
 
 from ._envelope import encode_ok
 from ._fields import I64_MAX, FieldError, UnsupportedOp, is_int, whole_number
-from ._json import dumps, loads
+from ._json import dumps, dumps_str, loads
 from .subjects import parse_filter
 
 OPS: Final = ("next", "ack", "nack", "extend", "lag", "dead", "requeue", "purge")
@@ -289,16 +289,18 @@ def with_record(head: dict[str, Any], record: str) -> bytes:
 
 
 def delivery(handed: Delivery, record: str) -> bytes:
-    """A delivery as ``next`` replies carry it, ``record`` the stored JSON text."""
-    return with_record(
-        {
-            "sort_key": handed.sort_key,
-            "subject": handed.subject,
-            "redelivered": handed.redelivered,
-            "deliveries": handed.deliveries,
-        },
-        record,
+    """A delivery as ``next`` replies carry it, ``record`` the stored JSON text.
+
+    Built from string pieces rather than by encoding a dict: this runs once per record a
+    ``next`` hands out, on the loop (in a batch of 64 the dict's encoding was a tenth of
+    the loop's time). The bytes are those of :func:`with_record` of that dict (a
+    property test checks it)."""
+    redelivered = "true" if handed.redelivered else "false"
+    head = (
+        f'{{"sort_key":{int(handed.sort_key)},"subject":{dumps_str(handed.subject)},'
+        f'"redelivered":{redelivered},"deliveries":{int(handed.deliveries)},"record":'
     )
+    return b"".join((head.encode("utf-8", "backslashreplace"), record.encode(), b"}"))
 
 
 def dead_letter(sort_key: int, subject: str, deliveries: int, record: str) -> bytes:
