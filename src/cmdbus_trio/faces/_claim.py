@@ -118,14 +118,12 @@ class ClaimHandler:
     async def _v2(
         self, op: _Waiting, request_id: int, budget: float | None, arrival: float
     ) -> bytes:
+        if isinstance(op, codec.Next):
+            return await self._next(op, request_id, budget)
         if isinstance(op, codec.DeleteGroup):
             # (the codec refuses it where groups are not named)
             return encode_ok(request_id, {"deleted": await self.groups.delete(op.group)})
-        claims = await self.consumer.group(
-            op.group, op.start if isinstance(op, codec.Next) else None
-        )
-        if isinstance(op, codec.Next):
-            return await self._next(op, claims, request_id, budget)
+        claims = await self.consumer.group(op.group)
         # The rest is work, so it waits for a slot. (An event group's lag walks its
         # backlog; the command bus's is a copy of counts kept as they change, but goes the
         # same way.)
@@ -145,11 +143,11 @@ class ClaimHandler:
             )
         return encode_ok(request_id, {f"{op.op}d": moved})
 
-    async def _next(
-        self, op: codec.Next, claims: Claims, request_id: int, budget: float | None
-    ) -> bytes:
+    async def _next(self, op: codec.Next, request_id: int, budget: float | None) -> bytes:
         """Up to ``max`` deliveries (one without it) as soon as one is there, within the
-        reply cap; none after ``timeout_ms``."""
+        reply cap; none after ``timeout_ms``. The group it names is created with
+        ``from``."""
+        claims = await self.consumer.group(op.group, op.start)
         room: int | None = None
         if op.max is not None:  # what the deliveries may take of the reply cap
             worst = {"deleted_through": 1 << 63} if op.start == "beginning" else {}
