@@ -90,12 +90,7 @@ class BodyReader:
         no one needs it, or evicted after :meth:`caught_up`: a consumer group asking for
         it is told first, so this is a bug unless the record was evicted).
         """
-        recent = self._kept(sort_key)
-        if recent is not None:
-            return recent
-        ask = self._ask(sort_key)
-        await ask.done.wait()
-        outcome = ask.outcome()
+        (outcome,) = await self.read_many([sort_key])
         if isinstance(outcome, Exception):
             raise outcome
         return outcome
@@ -106,16 +101,14 @@ class BodyReader:
         they go into the same batch.
 
         Cancellation: only the wait stops; the reads go on for the others."""
-        outcomes: list[StoredRecord | Exception | None] = []
-        asked: list[tuple[int, _Ask]] = []
+        pending: list[StoredRecord | _Ask] = []
         for sort_key in sort_keys:
-            outcomes.append(self._kept(sort_key))
-            if outcomes[-1] is None:
-                asked.append((len(outcomes) - 1, self._ask(sort_key)))
-        for index, ask in asked:
-            await ask.done.wait()
-            outcomes[index] = ask.outcome()
-        return [outcome for outcome in outcomes if outcome is not None]
+            kept = self._kept(sort_key)
+            pending.append(self._ask(sort_key) if kept is None else kept)
+        for item in pending:
+            if isinstance(item, _Ask):
+                await item.done.wait()
+        return [item.outcome() if isinstance(item, _Ask) else item for item in pending]
 
     def _kept(self, sort_key: int) -> StoredRecord | None:
         kept = self._recent.get(sort_key)

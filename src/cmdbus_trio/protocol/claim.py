@@ -238,16 +238,7 @@ def _settling(fields: Mapping[str, Any]) -> tuple[tuple[int, ...], bool]:
         return (sort_key(fields),), False
     if "sort_key" in fields:
         raise FieldError("sort_keys", "name either sort_key or sort_keys, not both")
-    if not (
-        isinstance(keys, list)
-        and 1 <= len(keys) <= MAX_CLAIM_BATCH
-        and all(is_int(key) and 1 <= key <= I64_MAX for key in keys)
-    ):
-        raise FieldError(
-            "sort_keys",
-            f"expected a list of 1 to {MAX_CLAIM_BATCH} integers in 1..{I64_MAX}",
-        )
-    return tuple(keys), True
+    return _key_list(keys, 1, MAX_CLAIM_BATCH), True
 
 
 def _timeout(fields: Mapping[str, Any]) -> int | None:
@@ -267,15 +258,18 @@ def _sort_keys(fields: Mapping[str, Any]) -> tuple[int, ...] | None:
         raise FieldError("sort_keys", "name either sort_keys (a list) or filter")
     if keys is None:
         return None
+    return _key_list(keys, 0, MAX_SORT_KEYS)
+
+
+def _key_list(keys: Any, least: int, most: int) -> tuple[int, ...]:
+    """``sort_keys``: a list of ``least`` to ``most`` sort keys."""
     if not (
         isinstance(keys, list)
-        and len(keys) <= MAX_SORT_KEYS
+        and least <= len(keys) <= most
         and all(is_int(key) and 1 <= key <= I64_MAX for key in keys)
     ):
-        raise FieldError(
-            "sort_keys",
-            f"expected a list of at most {MAX_SORT_KEYS} integers in 1..{I64_MAX}",
-        )
+        count = f"{least} to {most}" if least else f"at most {most}"
+        raise FieldError("sort_keys", f"expected a list of {count} integers in 1..{I64_MAX}")
     return tuple(keys)
 
 
