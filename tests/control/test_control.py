@@ -271,3 +271,23 @@ async def test_a_connection_reset_before_it_was_served_is_closed_and_forgotten()
     assert gone.closed
     with pytest.raises(ValueError, match="max_connections must be at least 1, got 0"):
         _Connections("cmd_lag", 0)
+
+
+async def test_loop_census_hook_counts_windows_and_refuses_a_bad_stop(
+    make_config: Callable[..., Config],
+) -> None:
+    with trio.fail_after(10):
+        async with running_writer(make_config(debug_hooks="true")) as (_, addresses):
+            control = addresses["control"]
+            assert (await get(control, "/debug/loop-census", "POST")).json() == {"census": None}
+            await trio.sleep(0.2)  # heartbeats: timer turns and steps
+            window = (await get(control, "/debug/loop-census?stop=1", "POST")).json()["census"]
+            assert window["seconds"] >= 0.2
+            assert sum(window["turns"].values()) >= 1 and window["steps"]
+            assert (await get(control, "/debug/loop-census?stop=1", "POST")).json() == {
+                "census": None
+            }
+            refused = await get(control, "/debug/loop-census?stop=yes", "POST")
+            assert refused.status == 400 and "stop must be 0 or 1" in refused.json()["error"]
+            absent = await get(control, "/debug/loop-census")
+            assert absent.status == 405

@@ -173,3 +173,62 @@ def test_a_first_item_pushed_as_the_run_ends_is_done_at_once() -> None:
 
     trio.run(main)
     assert done == [49]
+
+
+async def test_push_now_does_an_idle_steps_first_step_in_the_callers_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No turn of its own for an idle Steps: the items are done before push_now returns,
+    and what they pushed to another Steps right after them, in the same step."""
+    monkeypatch.setattr(turns, "DATA_PLANE_SHARE", 60.0)  # the test asks of max_step alone
+    done: list[str] = []
+    replies = Steps(done.append, max_step=60.0, name="replies")
+
+    def settle(n: int) -> None:
+        done.append(f"settled {n}")
+        replies.push(f"reply {n}")
+
+    settling = Steps(settle, max_step=60.0, name="settle")
+    await trio.lowlevel.checkpoint()  # a turn of its own: the budget's clock starts here
+    settling.push_now([1, 2])
+    assert done == ["settled 1", "settled 2", "reply 1", "reply 2"]
+    settling.push_now([3])  # idle again: the task was never needed
+    assert done[-2:] == ["settled 3", "reply 3"]
+
+
+async def test_push_now_leaves_items_behind_others_to_the_task() -> None:
+    """Items already waiting keep their one step a pass: push_now does not add a step
+    to a turn in which the task has work queued."""
+    done: list[int] = []
+    steps = Steps(done.append, max_step=0.0, name="test")
+    steps.push(1)
+    steps.push_now([2, 3])
+    assert done == []
+    await wait_for(done, 3)
+    assert done == [1, 2, 3]
+
+
+async def test_push_now_with_no_room_in_the_turn_wakes_the_task(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(turns, "DATA_PLANE_SHARE", 0.0)  # the share is always spent
+    done: list[int] = []
+    steps = Steps(done.append, max_step=60.0, name="test")
+    steps.push_now([1, 2])
+    assert done == []
+    await wait_for(done, 2)
+    assert done == [1, 2]
+
+
+async def test_push_now_bounds_its_step_and_the_task_does_the_rest() -> None:
+    counter = PassCounter()
+    seen: list[int] = []
+    steps = Steps(lambda _: seen.append(counter.passes), max_step=0.0, name="test")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(counter.run)
+        await trio.lowlevel.checkpoint()
+        steps.push_now(range(10))
+        assert len(seen) == 1  # max_step 0: one item now, the others a pass each
+        await wait_for(seen, 10)
+        nursery.cancel_scope.cancel()
+    assert seen[-1] - seen[0] >= 8

@@ -16,7 +16,7 @@ from ._bursts import ShedBursts
 from ._bytes import ByteBudget
 from ._gate import Gate, GateClosed, GateStatistics, Shed, ShedReason
 from ._slot import DeadlineExceeded, Slot
-from ._threads import checked_pages, each_checked, run_in_thread
+from ._threads import checked_pages, each_checked, run_in_thread, thread_calls
 
 __all__ = [
     "ByteBudget",
@@ -31,4 +31,5 @@ __all__ = [
     "checked_pages",
     "each_checked",
     "run_in_thread",
+    "thread_calls",
 ]

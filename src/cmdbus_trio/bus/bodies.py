@@ -72,7 +72,11 @@ class BodyReader:
         self._from_memory = metrics.BODY_READS.labels(store=log.name, source="memory")
         self._from_store = metrics.BODY_READS.labels(store=log.name, source="store")
         self._batches = ThreadBatcher(
-            self._take, self._read, self._settle, max_batches=MAX_BATCHES_PER_HOP
+            self._take,
+            self._read,
+            self._settle,
+            name=f"bodies:{log.name}",
+            max_batches=MAX_BATCHES_PER_HOP,
         )
         self.batches = 0
         """Batches read so far (one query each; one thread call reads several in a row)."""

@@ -109,9 +109,14 @@ class GroupCommitter:
         self.rule = rule
         self.max_batch = max_batch
         self._batches = ThreadBatcher(
-            self._take, self._commit_in_thread, self._settle, max_batches=MAX_BATCHES_PER_HOP
+            self._take,
+            self._commit_in_thread,
+            self._settle,
+            name=f"commit:{bus.name}",
+            max_batches=MAX_BATCHES_PER_HOP,
         )
         self._commit_seconds = metrics.COMMIT_SECONDS.labels(store=bus.name)
+        self._batch_records = metrics.COMMIT_BATCH.labels(store=bus.name)
         # Committed, their listeners not told and callbacks not run yet: in commit
         # order, a few tickets a step (see _settle).
         self._unsettled = Steps(self._settle_step, max_step=MAX_SETTLE_STEP, name="settle")
@@ -157,23 +162,21 @@ class GroupCommitter:
     def _settle(self, batch: list[Ticket], outcome: Exception | None) -> None:
         """On the loop, as a plain callback (not a task): it must not raise, so each
         listener and settle callback that does is logged and the others go on."""
-        metrics.COMMIT_BATCH.labels(store=self.bus.name).observe(
-            sum(len(ticket.records) for ticket in batch)
-        )
+        self._batch_records.observe(sum(len(ticket.records) for ticket in batch))
         if outcome is not None:  # the store failed (e.g. poisoned): every ticket learns it
             event(log, logging.ERROR, "commit_failed", store=self.bus.name, exc_info=outcome)
             for ticket in batch:
                 ticket.error = ticket.error or outcome
-        step: list[Ticket] = []
+        steps: list[list[Ticket]] = [[]]
         cost = 0
         for ticket in batch:
             ticket_cost = _settle_cost(ticket)
-            if step and cost + ticket_cost > SETTLE_STEP_COST:
-                self._unsettled.push(step)
-                step, cost = [], 0
-            step.append(ticket)
+            if steps[-1] and cost + ticket_cost > SETTLE_STEP_COST:
+                steps.append([])
+                cost = 0
+            steps[-1].append(ticket)
             cost += ticket_cost
-        self._unsettled.push(step)
+        self._unsettled.push_now(steps)
 
     def _settle_step(self, step: list[Ticket]) -> None:
         """Tell the listeners of a step's committed records, then settle its tickets."""

@@ -305,8 +305,9 @@ class Config:
     debug_hooks: bool = _setting(
         "false",
         boolean,
-        "enable POST /debug/block-loop, /debug/fail-writes and /debug/slow-commits on the "
-        "control face (for tests and drills; never in prod); with an auth token set they "
+        "enable POST /debug/block-loop, /debug/fail-writes, /debug/slow-commits and "
+        "/debug/loop-census on the control face (for tests, drills and benchmarks; never in "
+        "prod); with an auth token set they "
         "need 'Authorization: Bearer <token>', and a control bind beyond loopback needs one",
     )
 

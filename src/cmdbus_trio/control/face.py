@@ -33,7 +33,7 @@ from hypercorn.utils import wrap_app
 from .. import descriptors, metrics
 from ..config import Bind
 from ..logs import event
-from ..loop import turns
+from ..loop import census, turns
 from .health import Health
 
 log = logging.getLogger(__name__)
@@ -215,7 +215,19 @@ class ControlApp(_PlainApp):
         event(log, logging.WARNING, "debug_slow_commits", store=name, seconds=seconds)
         return _json(202, {"store": name, "slow_commits_s": seconds})
 
+    def _loop_census(self, scope: Scope) -> tuple[int, bytes, bytes]:
+        """Measuring hook (``CMDBUS_DEBUG_HOOKS``): what the event loop did since the
+        last call (its turns by cause, each task's steps: :mod:`cmdbus_trio.loop.census`),
+        and counting starts again; ``stop=1`` stops counting. The first call returns
+        ``{"census": null}``. Counting costs every task step a hook while it lasts."""
+        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        stop = query.get("stop", ["0"])[0]
+        if stop not in ("0", "1"):
+            return _json(400, {"error": f"stop must be 0 or 1, not {stop!r}"})
+        return _json(200, {"census": census.swap(again=stop == "0")})
+
     _DEBUG: ClassVar = {
+        "/debug/loop-census": _loop_census,
         "/debug/block-loop": _block_loop,
         "/debug/fail-writes": _fail_writes,
         "/debug/slow-commits": _slow_commits,

@@ -332,7 +332,7 @@ class Connection:
             # A unit of the data plane, as the readers' are: a commit wakes many such
             # tasks at once, and in one turn they made it (and every probe) long.
             await turns.current().wait()
-            await self._write(self._answer(request, outcome), arrival)
+            await self._write(self._answer(request, outcome), arrival, last=True)
         finally:
             done()
 
@@ -378,8 +378,8 @@ class Connection:
             error = FaceError(ErrorCode.INTERNAL, f"internal error ({type(exc).__name__})")
         return self.protocol.error(request_id, op, error.code, error.message, error.retry_after_ms)
 
-    async def _write(self, answer: Answer, arrival: float) -> None:
-        await self.outbox.send(answer.frame)
+    async def _write(self, answer: Answer, arrival: float, *, last: bool = False) -> None:
+        await self.outbox.send(answer.frame, last=last)
         self._observe(answer.op, answer.outcome, arrival)
 
     def _observe(self, op: str, outcome: str, arrival: float) -> None:

@@ -80,16 +80,21 @@ class Outbox:
         """More than ``max_unsent`` bytes wait to be written."""
         return self._unsent > self.max_unsent
 
-    async def send(self, data: bytes) -> bool:
+    async def send(self, data: bytes, *, last: bool = False) -> bool:
         """Send ``data`` after everything before it; False when it could not be
         delivered (the peer is gone). A sender whose frames pile up unread (a
-        subscription, a stream of pages) waits here for them to drain."""
+        subscription, a stream of pages) waits here for them to drain.
+
+        A send is a checkpoint, written at once or not, unless ``last`` (the caller's
+        task ends with it: a request's reply): then a reply written at once costs no
+        turn of the loop, which the task would only take to end."""
         if self.peer_gone:
             return False
         if not self._flushing:
             data = self._write_now(data)
             if not data:
-                await trio.lowlevel.checkpoint()  # a send is a checkpoint, written or not
+                if not last:
+                    await trio.lowlevel.checkpoint()
                 return not self.peer_gone
         self._put(data)
         if self._flushing:

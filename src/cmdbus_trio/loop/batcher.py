@@ -51,6 +51,8 @@ class ThreadBatcher(Generic[T, B, R]):
     The loop only appends to the queue; ``take``, in the thread, alone removes from it.
     ``settle`` runs as a plain callback, not in a task: it must not raise.
 
+    ``name`` names its thread while it runs (``commit:commands``, ``bodies:events``).
+
     Cancellation: batches that started are finished, and a lingering thread is waited for
     (at most ``linger``; the thread is never abandoned); :meth:`run` then stops.
     """
@@ -61,6 +63,7 @@ class ThreadBatcher(Generic[T, B, R]):
         work: Callable[[B], R],
         settle: Callable[[B, R | Exception], None],
         *,
+        name: str,
         max_batches: int = 16,
         linger: float = 0.002,
     ) -> None:
@@ -74,6 +77,7 @@ class ThreadBatcher(Generic[T, B, R]):
         self._settle = settle
         self.max_batches = max_batches
         self.linger = linger
+        self.name = name
         self._wake = trio.Event()
         self._arrived = threading.Event()  # for the thread lingering in _batches
         self._limiter = trio.CapacityLimiter(1)  # one thread: batches go one after another
@@ -92,7 +96,7 @@ class ThreadBatcher(Generic[T, B, R]):
             self._wake = trio.Event()
             while self.queue:
                 with trio.CancelScope(shield=True):
-                    await run_in_thread(self._batches, token, limiter=self._limiter)
+                    await run_in_thread(self._batches, token, limiter=self._limiter, name=self.name)
 
     def _batches(self, token: trio.lowlevel.TrioToken) -> None:
         for _ in range(self.max_batches):

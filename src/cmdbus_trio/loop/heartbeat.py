@@ -56,7 +56,9 @@ class Heartbeat:
         lag = max(0.0, now - expected)
         metrics.LOOP_LAG.observe(lag)
         synced, now_turns = self._turns_synced, turns.current().statistics()
+        metrics.LOOP_TURNS.inc(now_turns.turns - synced.turns)
         metrics.LOOP_TURNS_DEFERRED.inc(now_turns.deferred - synced.deferred)
+
         metrics.LOOP_BUSY.inc(now_turns.busy - synced.busy)
         metrics.LOOP_CONTROL_FIRST.inc(now_turns.control_first - synced.control_first)
         metrics.LOOP_CONTROL.inc(now_turns.control - synced.control)

@@ -14,8 +14,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
-from typing import Generic, TypeVar
+from collections.abc import Callable, Iterable
+from typing import Any, Generic, TypeVar
 
 import trio
 
@@ -34,6 +34,12 @@ MAX_SETTLE_STEP = 0.0003
 loop's other tasks run: the step of the buses' and the tier's committers."""
 
 
+_FOLLOWERS: trio.lowlevel.RunVar[list[Steps[Any]] | None] = trio.lowlevel.RunVar(
+    "cmdbus_steps_run_now", default=None
+)
+"""While a :meth:`Steps.push_now` runs: the ``Steps`` pushed to, done after it."""
+
+
 class Steps(Generic[T]):
     """Items done in order by ``do``, in steps of at most ``max_step`` seconds (and at
     least one item): between steps, every other runnable task runs. A step also ends
@@ -42,6 +48,13 @@ class Steps(Generic[T]):
 
     :meth:`push` never blocks and may be called from plain callbacks on the loop
     (``run_sync_soon``) and from ``do`` itself, not from other threads.
+
+    :meth:`push_now` does the first step in the caller's own step instead, when the turn
+    has room: the callback that learns of a group commit settles it at once, rather than
+    waking a task for a turn of its own (a turn is the loop's dearest unit at a steady
+    rate: docs/benchmarks.md, "What a record costs"). What the step pushes to other
+    ``Steps`` (the replies it queued) is done in the same step too, after it, so the
+    replies one step settled still go out in one write per connection.
 
     Cancellation: the items are done by a system task, which only the end of the run
     cancels: a nursery that drains (the writer stopping) never leaves an item undone.
@@ -59,10 +72,49 @@ class Steps(Generic[T]):
         self._items: deque[T] = deque()
         self._idle: trio.lowlevel.ParkingLot | None = None  # None: no task yet
         self._ended = False
+        self._parked = False  # the task waits for an item (it must be woken for one)
 
     def push(self, item: T) -> None:
         self._items.append(item)
-        self._wake()
+        followers = None if self._ended else _FOLLOWERS.get(None)  # (ended: maybe no run)
+        if followers is None:
+            self._wake()
+        elif self not in followers:
+            followers.append(self)  # done by the push_now under way, or woken after it
+
+    def push_now(self, items: Iterable[T]) -> None:
+        """Queue ``items`` and, when nothing was queued before them (the task is idle)
+        and the turn's data-plane share has room, do the first step now, in the
+        caller's own step: at most ``max_step`` seconds of items, then whatever they
+        pushed to other ``Steps`` meanwhile, each within its own ``max_step``. What is
+        left is done by the task, as pushed items are. Items already waiting keep their
+        one step a pass: this only spares an idle task a turn of its own. Call it from a
+        callback or a task on the loop, never from ``do``.
+
+        Error handling: as the task's, an item that raises is logged and the next goes
+        on."""
+        idle = not self._items
+        self._items.extend(items)
+        if self._ended:
+            self._do_all()
+            return
+        budget = turns.current()
+        if not (idle and self._items) or _FOLLOWERS.get(None) is not None:
+            self._wake()
+            return
+        if not budget.has_room():
+            self._wake()
+            return
+        followers: list[Steps[Any]] = [self]
+        token = _FOLLOWERS.set(followers)
+        try:
+            for steps in followers:  # grows while the items push to other Steps
+                steps._do_until(time.perf_counter() + steps.max_step, budget)
+        finally:
+            _FOLLOWERS.reset(token)
+        for steps in followers:
+            if steps._items:
+                steps._wake()
 
     def _wake(self) -> None:
         if self._ended:
@@ -74,7 +126,8 @@ class Steps(Generic[T]):
             except RuntimeError:  # the run is ending: its system nursery takes no task
                 self._ended = True
                 self._do_all()
-        else:
+        elif self._parked:
+            self._parked = False
             self._idle.unpark()
 
     async def _run(self) -> None:
@@ -84,18 +137,25 @@ class Steps(Generic[T]):
         try:
             while True:
                 while not items:
+                    self._parked = True
                     await self._idle.park()
                 await budget.wait()
-                until = time.perf_counter() + self.max_step
-                while items:
-                    self._do_one(items.popleft())
-                    # (>=: max_step 0 is an item a step)
-                    if time.perf_counter() >= until or not budget.has_room():
-                        break
-                await trio.lowlevel.checkpoint()
+                self._do_until(time.perf_counter() + self.max_step, budget)
+                if items:  # else parking yields: a checkpoint would cost a turn of its own
+                    await trio.lowlevel.checkpoint()
         finally:
             self._ended = True
             self._do_all()  # only the run's end stops the task: nothing is left undone
+
+    def _do_until(self, until: float, budget: turns.TurnBudget) -> None:
+        """At least one item (if any), then more while ``until`` is not reached and the
+        turn has room."""
+        items = self._items
+        while items:
+            self._do_one(items.popleft())
+            # (>=: max_step 0 is an item a step)
+            if time.perf_counter() >= until or not budget.has_room():
+                break
 
     def _do_all(self) -> None:
         while self._items:

@@ -70,7 +70,9 @@ class TierCommitter:
             raise ValueError(f"max_records must be >= 1, got {max_records}")
         self.store = store
         self.max_records = max_records
-        self._batches = ThreadBatcher(self._take, self._commit, self._settle)
+        self._batches = ThreadBatcher(
+            self._take, self._commit, self._settle, name=f"commit:{store.name}"
+        )
         self._commit_seconds = metrics.COMMIT_SECONDS.labels(store=store.name)
         # Settled a few at a time, as the buses' tickets are: a commit of 64 appends woke
         # 64 tasks in one turn of the loop, and every probe waited for each such turn.
@@ -160,7 +162,7 @@ class TierCommitter:
         for ticket in batch:
             if outcome is not None:
                 ticket.error = ticket.error or outcome
-            self._unsettled.push(ticket)
+        self._unsettled.push_now(batch)
 
     def _settle_one(self, ticket: AppendTicket) -> None:
         if ticket.on_settled is not None:
