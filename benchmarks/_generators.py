@@ -310,7 +310,7 @@ async def run(
         n = index * 10_000_000
         if kind == "produce":  # an open loop: COUNT records a second, staggered
             tick = start_at + index / (clients * count)
-            while tick < end_at:
+            while tick < end_at and time.monotonic() < end_at:  # behind: not past the end
                 await asyncio.sleep(max(0.0, tick - time.monotonic()))
                 await c.publish(n, 1, False, time.monotonic())
                 ops[index] += 1
