@@ -34,7 +34,6 @@ clock the loop's wait reads is not quite the one timed here."""
 class LoopCensus(trio.abc.Instrument):
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self._clock = clock
-        self._timeout = 0.0
         self._waited_from = 0.0
         self.started = clock()
         self.turns: Counter[str] = Counter()
@@ -46,13 +45,12 @@ class LoopCensus(trio.abc.Instrument):
         self._hops_before = thread_calls()
 
     def before_io_wait(self, timeout: float) -> None:
-        self._timeout = timeout
         self._waited_from = self._clock()
 
     def after_io_wait(self, timeout: float) -> None:
-        if self._timeout <= 0:
+        if timeout <= 0:
             self.turns["ready"] += 1
-        elif self._clock() - self._waited_from >= self._timeout - _TIMER_SLACK:
+        elif self._clock() - self._waited_from >= timeout - _TIMER_SLACK:
             self.turns["timer"] += 1
         else:
             self.turns["woken"] += 1

@@ -35,7 +35,7 @@ loop's other tasks run: the step of the buses' and the tier's committers."""
 
 
 _FOLLOWERS: trio.lowlevel.RunVar[list[Steps[Any]] | None] = trio.lowlevel.RunVar(
-    "cmdbus_steps_run_now", default=None
+    "cmdbus_steps_push_now", default=None
 )
 """While a :meth:`Steps.push_now` runs: the ``Steps`` pushed to, done after it."""
 
@@ -72,11 +72,10 @@ class Steps(Generic[T]):
         self._items: deque[T] = deque()
         self._idle: trio.lowlevel.ParkingLot | None = None  # None: no task yet
         self._ended = False
-        self._parked = False  # the task waits for an item (it must be woken for one)
 
     def push(self, item: T) -> None:
         self._items.append(item)
-        followers = None if self._ended else _FOLLOWERS.get(None)  # (ended: maybe no run)
+        followers = None if self._ended else _FOLLOWERS.get()  # (ended: maybe no run)
         if followers is None:
             self._wake()
         elif self not in followers:
@@ -99,10 +98,7 @@ class Steps(Generic[T]):
             self._do_all()
             return
         budget = turns.current()
-        if not (idle and self._items) or _FOLLOWERS.get(None) is not None:
-            self._wake()
-            return
-        if not budget.has_room():
+        if not (idle and self._items) or _FOLLOWERS.get() is not None or not budget.has_room():
             self._wake()
             return
         followers: list[Steps[Any]] = [self]
@@ -126,8 +122,7 @@ class Steps(Generic[T]):
             except RuntimeError:  # the run is ending: its system nursery takes no task
                 self._ended = True
                 self._do_all()
-        elif self._parked:
-            self._parked = False
+        else:
             self._idle.unpark()
 
     async def _run(self) -> None:
@@ -137,7 +132,6 @@ class Steps(Generic[T]):
         try:
             while True:
                 while not items:
-                    self._parked = True
                     await self._idle.park()
                 await budget.wait()
                 self._do_until(time.perf_counter() + self.max_step, budget)
