@@ -17,9 +17,11 @@ materializer that is down): retention can delete nothing. Target "capped" sets
 CMDBUS_EVT_MAX_BYTES to --cap MiB, so the oldest events are evicted; target "no cap" keeps
 them all (the default).
 
-Every --every seconds it prints the data dir's size (database and WAL), the records the
-log holds, the rows deleted (evicted, on the event bus), and publish latency (p50 / p99)
-over that interval. The load generator runs in its own process, so the writer's figures
+Every --every seconds it prints the data dir's size (every file: databases, WALs, shared
+memory), the records the log holds, the rows deleted (evicted, on the event bus), and
+publish latency (p50 / p99) over that interval; then, for --settle seconds after the load
+ends, the same without latency, and at the end each file of the data dir and its size
+against the peak. The load generator runs in its own process, so the writer's figures
 are its own.
 """
 
@@ -151,6 +153,27 @@ def run_target(
                 flush=True,
             )
         assert generator.wait() == 0
+        # The load is over: retention deletes what is left past its window, and the data
+        # dir should come back down (every file counted, WAL and shared memory too).
+        settle_until = time.monotonic() + args.settle
+        while time.monotonic() < settle_until:
+            time.sleep(args.every)
+            row = scrape(ports["control"], bus) | {"t": time.monotonic() - started}
+            row |= {"mib": dir_bytes(workdir / "data") / 2**20, "settling": True}
+            rows.append(row)
+            print(
+                f"{kind:<10}{row['t']:>6.0f} s{row['mib']:>9.1f} MiB{row.get('records', 0):>9.0f}"
+                f"{row.get('deleted', 0):>10.0f}   (no load)",
+                flush=True,
+            )
+        peak = max(r["mib"] for r in rows)
+        for path in sorted((workdir / "data").iterdir()):
+            if path.is_file():
+                print(f"{'':<10}  {path.name:<32}{path.stat().st_size / 2**20:>9.2f} MiB")
+        print(
+            f"{'':<10}  now {rows[-1]['mib']:.2f} MiB of a {peak:.2f} MiB peak "
+            f"({rows[-1]['mib'] / peak:.2f}x)"
+        )
     finally:
         process.terminate()
         process.wait(timeout=30)
@@ -168,10 +191,15 @@ def main() -> None:
     parser.add_argument("--bus", choices=sorted(TARGETS), default="commands")
     parser.add_argument("--cap", type=float, default=4.0, help="the event log's cap, MiB")
     parser.add_argument(
+        "--settle", type=float, help="seconds watched after the load (default: --keep + 15)"
+    )
+    parser.add_argument(
         "--reverse", action="store_true", help="run the baseline first (to see order effects)"
     )
     parser.add_argument("--workdir", type=Path)
     args = parser.parse_args()
+    if args.settle is None:
+        args.settle = args.keep + 15
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="cmdbus-retention-"))
     kept = (
         f"acked commands kept {args.keep:.0f} s"
@@ -194,14 +222,17 @@ def main() -> None:
     }
     print()
     for kind, rows in results.items():
-        steady = [r for r in rows if r["t"] > 2 * args.keep]  # once deletion runs
-        first, last = rows[0], rows[-1]
+        loaded = [r for r in rows if not r.get("settling")]
+        steady = [r for r in loaded if r["t"] > 2 * args.keep]  # once deletion runs
+        first, last = rows[0], loaded[-1]
         p99 = max(r["p99"] for r in steady) if steady else float("nan")
         print(
             f"{kind:<10} data dir {first['mib']:.1f} -> {last['mib']:.1f} MiB "
             f"(max {max(r['mib'] for r in rows):.1f}); publish p50 "
-            f"{sum(r['p50'] for r in rows) / len(rows):.2f} ms (mean of rows), "
-            f"worst p99 after {2 * args.keep:.0f} s {p99:.2f} ms"
+            f"{sum(r['p50'] for r in loaded) / len(loaded):.2f} ms (mean of rows), "
+            f"worst p99 after {2 * args.keep:.0f} s {p99:.2f} ms; "
+            f"{args.settle:.0f} s after the load {rows[-1]['mib']:.1f} MiB "
+            f"({rows[-1]['mib'] / max(r['mib'] for r in rows):.2f}x of the peak)"
         )
 
 

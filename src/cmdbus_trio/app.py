@@ -30,6 +30,7 @@ from .admission import ByteBudget, Gate, run_in_thread
 from .bus import Bus
 from .bus.retention import Eviction, retention_for, run_retention
 from .config import DATA_FACE_NAMES, LAG_PORT_NAMES, Bind, Config
+from .control import _debug
 from .control.health import FaceState, Health
 from .faces import (
     FaceContext,
@@ -306,7 +307,10 @@ class Writer:
         self, ctx: FaceContext, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
     ) -> None:
         """Run one face in its own nursery; a crash after start-up stays inside it."""
-        if await _supervised(partial(self._faces[ctx.name], ctx), task_status, "face", ctx.name):
+        run: Callable[..., Awaitable[None]] = partial(self._faces[ctx.name], ctx)
+        if self.config.debug_hooks:
+            run = partial(_debug.crashable, run, self.health, ctx.name)
+        if await _supervised(run, task_status, "face", ctx.name):
             self.health.faces[ctx.name] = FaceState.STOPPED
             return
         metrics.FACE_CRASHES.labels(face=ctx.name).inc()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
@@ -222,6 +223,63 @@ def test_a_checkpointed_wal_is_cut_back_to_its_limit(
     checkpoint(tmp_path / "commands.sqlite3", mode="PASSIVE")
     publish(log, 1)  # the next write starts the WAL over, cut back to the limit
     assert wal.stat().st_size <= limit
+    log.close()
+
+
+def test_a_wal_larger_than_its_database_is_trimmed_after_the_vacuum(
+    tmp_path: Path, clock: Clock
+) -> None:
+    """A drained backlog: the database shrinks back, and the WAL, kept at its high-water
+    mark by SQLite, is cut to nothing by the vacuum step that follows (the data dir
+    returns near its size before the backlog). A WAL smaller than its database (a steady
+    rate) is left alone."""
+    from cmdbus_trio.storage import _sqlite
+
+    path = tmp_path / "commands.sqlite3"
+    wal = tmp_path / "commands.sqlite3-wal"
+    log = open_log(path, clock)
+    for _ in range(2):  # the database holds them, the WAL is reused: a steady rate
+        publish(log, 2000, size=1000)
+        checkpoint(path, mode="PASSIVE")
+    log.commit(done=Settlements(positions=[("commands", 4001)]))
+    before = wal.stat().st_size
+    assert before > _sqlite.WAL_TRIM_FLOOR
+    log.vacuum_step(1)
+    assert wal.stat().st_size == before < path.stat().st_size  # left alone
+    while retain(log, keep_settled=0.0).more:
+        pass
+    while log.vacuum_step(2048):
+        pass
+    assert wal.stat().st_size == 0
+    assert log.disk_bytes() < 600_000, log.disk_bytes()
+    publish(log, 1)  # it goes on writing
+    log.close()
+
+
+def test_a_trim_waits_for_a_reader_no_longer_than_its_wait(
+    tmp_path: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader still on the WAL (an open read transaction, held far longer than the
+    trim's wait): the trim gives up after its wait, and the next, once the reader is
+    done, trims."""
+    from cmdbus_trio.storage import _sqlite
+
+    monkeypatch.setattr(_sqlite, "WAL_TRIM_FLOOR", 0)
+    monkeypatch.setattr(_sqlite, "WAL_TRIM_WAIT_MS", 20)
+    path = tmp_path / "commands.sqlite3"
+    log = open_log(path, clock)
+    publish(log, 10, size=1000)
+    reader = sqlite3.connect(path, isolation_level=None)
+    reader.execute("BEGIN")
+    reader.execute("SELECT count(*) FROM sqlite_schema").fetchone()  # holds a snapshot
+    publish(log, 300, size=1000)  # past the database's size, after the reader's snapshot
+    started = time.monotonic()
+    assert not log._trim_wal()
+    assert time.monotonic() - started < 5  # its wait, not the 30 s busy timeout
+    reader.execute("COMMIT")
+    reader.close()
+    assert log._trim_wal()
+    assert (tmp_path / "commands.sqlite3-wal").stat().st_size == 0
     log.close()
 
 

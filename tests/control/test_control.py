@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cmdbus_trio.config import Config
 
-from ..helpers import get, http_connection, metrics_text, running_writer, serving
+from ..helpers import frame_client, get, http_connection, metrics_text, running_writer, serving
 
 
 async def test_probes_answer_when_serving(make_config: Callable[..., Config]) -> None:
@@ -99,6 +99,25 @@ async def test_block_hook_refuses_bad_durations(
             )
             assert response.status == 400
             assert "seconds must be" in response.json()["error"]
+
+
+async def test_the_crash_hook_crashes_one_face_and_refuses_a_face_it_does_not_know(
+    make_config: Callable[..., Config],
+) -> None:
+    config = make_config(debug_hooks="true", tier_bind="127.0.0.1:0", cmd_ingest_bind="127.0.0.1:0")
+    with trio.fail_after(10):
+        async with running_writer(config) as (_, addresses):
+            control = addresses["control"]
+            for face in ("", "nope", "control"):
+                response = await get(control, f"/debug/crash-face?face={face}", "POST")
+                assert response.status == 400
+                assert "face must be one of ['cmd_ingest', 'tier']" in response.json()["error"]
+            assert (await get(control, "/debug/crash-face?face=tier", "POST")).status == 202
+            while (await get(control, "/readyz")).status != 503:
+                await trio.sleep(0.02)
+            assert "face tier crashed" in str((await get(control, "/readyz")).json())
+            async with frame_client(addresses["cmd_ingest"]):  # the other face goes on
+                pass
 
 
 async def test_block_hook_is_absent_unless_enabled(make_config: Callable[..., Config]) -> None:

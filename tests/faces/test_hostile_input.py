@@ -5,6 +5,7 @@ answered `invalid` naming the field and cost nobody else anything."""
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -216,3 +217,56 @@ async def test_numbers_past_any_range_and_lone_surrogates_are_invalid_without_an
             assert await client.receive() is None
     errors = [line for line in server_log(tmp_path).splitlines() if '"level": "error"' in line]
     assert not errors, errors[:3]
+
+
+def _send_all_then_read(address: str, frame: bytes) -> tuple[bytes, bool]:
+    """As a careless client does: send a whole request before reading anything; then
+    read to the end. The bytes read and whether the writer closed cleanly (no reset)."""
+    host, port = address.rsplit(":", 1)
+    hello = json.dumps({"hello": {"protocol": 2}}).encode()
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(len(hello).to_bytes(4, "big") + hello)
+        sock.sendall(frame)  # reset by the peer here, before the fix
+        received = b""
+        while True:
+            try:
+                chunk = sock.recv(65536)
+            except ConnectionResetError:
+                return received, False
+            if not chunk:
+                return received, True
+            received += chunk
+
+
+def _frames(data: bytes) -> list[dict[str, Any]]:
+    frames = []
+    while data:
+        length = int.from_bytes(data[:4], "big")
+        frames.append(json.loads(data[4 : 4 + length]))
+        data = data[4 + length :]
+    return frames
+
+
+@pytest.mark.parametrize("count", [1500, 6000])  # 1.5 MB, and more than the socket buffers
+async def test_a_request_over_the_cap_is_answered_too_large_before_the_close(
+    writer: tuple[Path, dict[str, str]], count: int
+) -> None:
+    """A 1.5 MB publish_batch against the default 1 MiB cap, sent whole before reading:
+    the client gets `too_large`, then a clean close. The writer closed with the request's
+    rest unread, which made the kernel answer the client's next bytes with a reset, and
+    the answer was lost; it now shuts its side, discards what still comes (bounded), and
+    then closes. The face serves the next client."""
+    _, ports = writer
+    records = [{"execution_id": n, "payload": json.dumps({"x": "y" * 1000})} for n in range(count)]
+    body = json.dumps({"id": 1, "op": "publish_batch", "records": records}).encode()
+    assert len(body) > 1_500_000
+    frame = len(body).to_bytes(4, "big") + body
+    with trio.fail_after(30):
+        received, clean = await trio.to_thread.run_sync(
+            _send_all_then_read, ports["cmd_ingest"], frame
+        )
+        replies = _frames(received)
+        assert [r.get("ok") for r in replies] == [True, False] and clean, (replies, clean)
+        assert replies[1]["id"] is None and replies[1]["error"]["code"] == "too_large"
+        async with await IngestClient.connect(ports["cmd_ingest"]) as ingest:
+            await ingest.publish({"execution_id": 1, "payload": "{}"})

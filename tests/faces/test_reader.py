@@ -9,9 +9,12 @@ import socket
 import struct
 from collections.abc import Callable
 
+import attrs
 import trio
+import trio.testing
 
 from cmdbus_trio.config import Config
+from cmdbus_trio.faces._reader import RECEIVE_CHUNK, linger
 from cmdbus_trio.protocol import encode_frame
 
 from ..helpers import frame_client, get, metric_sum, running_writer
@@ -68,3 +71,56 @@ async def test_a_reset_by_the_peer_ends_its_connection_and_its_lease_redelivers_
     # A reset is a peer gone, not a bug met by the connection.
     failed = 'cmdbus_connections_total{face="cmd_claim",outcome="internal_error"}'
     assert metric_sum(scrape, failed) == metric_sum(before, failed)
+
+
+@attrs.define
+class Lingering:
+    """:func:`linger` on our end of a stream pair, run in a task; its result once done."""
+
+    discarded: int | None = None
+    done: trio.Event = attrs.Factory(trio.Event)
+
+    async def run(self, stream: trio.abc.Stream, seconds: float, max_bytes: int) -> None:
+        self.discarded = await linger(stream, seconds, max_bytes)
+        self.done.set()
+
+
+async def test_linger_shuts_the_sending_side_and_discards_until_the_peer_closes() -> None:
+    ours, theirs = trio.testing.memory_stream_pair()
+    lingering = Lingering()
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lingering.run, ours, 5.0, 1 << 20)
+            await theirs.send_all(b"x" * 1000)
+            assert await theirs.receive_some(10) == b""  # our side was shut: EOF
+            await theirs.send_all(b"y" * 500)
+            await theirs.send_eof()
+    assert lingering.discarded == 1500
+
+
+async def test_linger_ends_after_its_timeout_with_a_peer_that_trickles_forever(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    ours, theirs = trio.testing.memory_stream_pair()
+    lingering = Lingering()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(lingering.run, ours, 2.0, 1 << 20)
+        started = trio.current_time()
+        with trio.move_on_after(60):  # far past the timeout: the peer never stops
+            while not lingering.done.is_set():
+                await theirs.send_all(b"z")
+                await trio.sleep(0.5)
+        assert 2.0 <= trio.current_time() - started < 3.0
+    assert lingering.discarded in (4, 5)
+
+
+async def test_linger_ends_after_its_bytes_with_a_peer_that_floods() -> None:
+    ours, theirs = trio.testing.memory_stream_pair()
+    lingering = Lingering()
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lingering.run, ours, 60.0, 100_000)
+            while not lingering.done.is_set():
+                await theirs.send_all(b"w" * 10_000)
+    assert lingering.discarded is not None
+    assert 100_000 <= lingering.discarded <= 100_000 + RECEIVE_CHUNK  # the read that passed it

@@ -16,6 +16,10 @@ and says which of these holds, worst first, each with the evidence lines that sh
   has more work than its Gate admits (which face, which op, shed rate, queue wait); or
   the loop turns but is busy over 75% of the time, client work waiting for turns: the
   writer's CPU is the limit;
+- **control face flooded**: the control face (or a NoETL lag port) used its share of the
+  loop and its requests waited, or went first for over 15% of the loop, or hit its
+  connection cap: a scraper in a loop, a probe period in milliseconds, a client that
+  holds connections open; the buses are not the matter;
 - **backlog growing**: a subject's lag rose between the scrapes (which subject, pool;
   and whether anything was delivered from it at all);
 - **backlog stuck**: a subject has a backlog and nothing was delivered from it between
@@ -33,37 +37,21 @@ import json
 import socket
 import time
 import urllib.error
-from collections import defaultdict
 from typing import Any
-
-import attrs
 
 from ._addresses import default_control_url
 from ._output import Output, fail
-from ._scrape import Scrape, control_url, delta, histogram_deltas, label, quantile, show
+from ._scrape import Scrape, control_url, histogram_deltas
+from ._verdicts import (
+    Finding,
+    backlog,
+    control_flooded,
+    disk_slow,
+    loop_busy,
+    loop_saturated,
+    saturated,
+)
 from .client import fetch
-
-QUEUE_WAIT_SATURATED = 0.1
-"""Seconds: a p99 queue wait above this, with requests waiting, counts as saturated."""
-COMMIT_SLOW = 0.25
-"""Seconds: a p99 group commit above this counts as a slow disk (a healthy fsync takes
-milliseconds; every publish and ack of the store waits for one)."""
-LOOP_BUSY_SATURATED = 0.75
-"""Share of the interval the event loop ran tasks (``cmdbus_loop_busy_seconds``) above
-which, with data-plane work waiting for turns, the loop itself is saturated."""
-CONTROL_FLOODED = 0.15
-"""Share of the interval in turns that favoured the control face
-(``cmdbus_loop_control_first_seconds``) above which something floods the control port:
-a kubelet's and a Prometheus's requests take ~0.1%; the favour is capped at 25% of the
-loop's busy time."""
-
-
-@attrs.frozen
-class Finding:
-    verdict: str
-    summary: str
-    evidence: tuple[str, ...] = ()
-
 
 SEVERITY = [
     "unreachable",
@@ -74,6 +62,7 @@ SEVERITY = [
     "not ready",
     "disk slow",
     "saturated",
+    "control face flooded",
     "contended",
     "backlog growing",
     "backlog stuck",
@@ -93,15 +82,15 @@ def assess(
         *_stores(health[1] or health[0] or {}),
         *_crashed(health[1] or health[0] or {}),
         *_not_ready(health[1] or health[0] or {}),
-        *_disk_slow(before, after, interval),
-        *_saturated(before, after, interval),
-        *_loop_saturated(before, after, interval),
-        *_control_flooded(before, after, interval),
-        *_backlog(before, after, interval),
+        *disk_slow(before, after, interval),
+        *saturated(before, after, interval),
+        *loop_saturated(before, after, interval),
+        *control_flooded(before, after, interval),
+        *backlog(before, after, interval),
     ]
     if not findings:
         loop = (health[1] or {}).get("loop", {})
-        busy = _loop_busy(before, after, interval)
+        busy = loop_busy(before, after, interval)
         findings.append(
             Finding(
                 "healthy",
@@ -208,158 +197,6 @@ def _not_ready(document: dict[str, Any]) -> list[Finding]:
             tuple(f"/healthz not_ready_reasons: {reason}" for reason in reasons),
         )
     ]
-
-
-def _loop_busy(before: Scrape, after: Scrape, interval: float) -> float:
-    busy = sum(delta(before, after, "cmdbus_loop_busy_seconds_total").values())
-    return min(1.0, busy / interval)  # the counter is synced each heartbeat, so it may lead
-
-
-def _loop_saturated(before: Scrape, after: Scrape, interval: float) -> list[Finding]:
-    """The loop turns, but runs tasks most of the time and client work waits for
-    turns: the writer's CPU is the limit, before any Gate is. (A blocked loop is busy
-    too, but defers nothing: that is a stall, found by its heartbeat.)"""
-    busy = _loop_busy(before, after, interval)
-    deferred = sum(delta(before, after, "cmdbus_loop_turns_deferred_total").values())
-    if busy < LOOP_BUSY_SATURATED or deferred <= 0:
-        return []
-    return [
-        Finding(
-            "saturated",
-            f"event loop: busy {busy:.0%} of the time, client work waiting for turns: the "
-            "writer's CPU is the limit (more shards, or less load per writer)",
-            (
-                f"cmdbus_loop_busy_seconds_total +{busy * interval:.2f} in {interval:.1f} s",
-                f"cmdbus_loop_turns_deferred_total +{deferred:.0f} in {interval:.1f} s",
-            ),
-        )
-    ]
-
-
-def _control_flooded(before: Scrape, after: Scrape, interval: float) -> list[Finding]:
-    """The control face goes first in the loop's turns, and takes a share of the loop
-    (both bounded): a flood of probes or scrapes takes those from the client work, and
-    once its share is spent its requests wait."""
-    favoured = sum(delta(before, after, "cmdbus_loop_control_first_seconds_total").values())
-    paced = sum(delta(before, after, "cmdbus_control_paced_seconds_total").values())
-    if favoured < CONTROL_FLOODED * interval and paced <= 0:
-        return []
-    flood = "something floods the control port (a scraper in a loop, a probe period in ms)"
-    said = (
-        f"control face: its requests waited {paced:.2f} s for their share of the event loop "
-        f"(a tenth of it): {flood}"
-        if paced > 0
-        else f"control face: its requests went first for {favoured / interval:.0%} of the "
-        f"event loop (at most 25%), ahead of client work: {flood}"
-    )
-    evidence = (
-        f"cmdbus_loop_control_first_seconds_total +{favoured:.2f} in {interval:.1f} s",
-        f"cmdbus_control_paced_seconds_total +{paced:.2f} in {interval:.1f} s",
-    )
-    return [Finding("saturated", said, evidence)]
-
-
-def _saturated(before: Scrape, after: Scrape, interval: float) -> list[Finding]:
-    sheds = {k: v for k, v in delta(before, after, "cmdbus_shed_total").items() if v > 0}
-    waits = histogram_deltas(before, after, "cmdbus_queue_wait_seconds", ("face", "op"))
-    faces: dict[str, list[str]] = defaultdict(list)
-    summaries: dict[str, list[str]] = defaultdict(list)
-    for labels, count in sorted(sheds.items(), key=lambda item: -item[1]):
-        face, op, reason = (label(labels, k) for k in ("face", "op", "reason"))
-        faces[face].append(f"{show('cmdbus_shed_total', labels)} +{count:.0f} in {interval:.1f} s")
-        summaries[face].append(f"{op} shed {count / interval:.1f}/s ({reason})")
-    for (face, op), buckets in sorted(waits.items()):
-        p99 = quantile(buckets, 0.99)
-        if p99 is None:
-            continue
-        line = f'cmdbus_queue_wait_seconds{{face="{face}",op="{op}"}} p99 {p99 * 1000:.1f} ms'
-        if face in faces:
-            faces[face].append(line)
-        elif p99 > QUEUE_WAIT_SATURATED:
-            faces[face].append(line)
-            summaries[face].append(f"{op} queue wait p99 {p99 * 1000:.0f} ms")
-    findings = []
-    for face in sorted(faces):
-        gauges = [
-            f'{metric}{{face="{face}"}} {value:.0f}'
-            for metric in ("cmdbus_inflight", "cmdbus_capacity", "cmdbus_waiters")
-            for labels, value in after.series(metric).items()
-            if label(labels, "face") == face
-        ]
-        findings.append(
-            Finding(
-                "saturated",
-                f"face {face}: " + "; ".join(summaries[face]) + " (the loop itself is fine)",
-                tuple(faces[face] + gauges),
-            )
-        )
-    return findings
-
-
-def _disk_slow(before: Scrape, after: Scrape, interval: float) -> list[Finding]:
-    findings = []
-    for (store,), buckets in sorted(
-        histogram_deltas(before, after, "cmdbus_commit_seconds", ("store",)).items()
-    ):
-        p99 = quantile(buckets, 0.99)
-        if p99 is None or p99 <= COMMIT_SLOW:
-            continue
-        commits = buckets.get(float("inf"), 0.0)
-        findings.append(
-            Finding(
-                "disk slow",
-                f"store {store}: group commits take {p99 * 1000:.0f} ms (p99): every publish "
-                "and ack waits for one; look at the volume's latency",
-                (
-                    f'cmdbus_commit_seconds{{store="{store}"}} p99 {p99 * 1000:.1f} ms over '
-                    f"{commits:.0f} commits in {interval:.1f} s",
-                ),
-            )
-        )
-    return findings
-
-
-def _backlog(before: Scrape, after: Scrape, interval: float) -> list[Finding]:
-    delivered = {
-        label(labels, "subject"): count
-        for labels, count in delta(before, after, "cmdbus_deliveries_total").items()
-    }
-    findings = []
-    for metric, key in (("ehdb_feed_subject_lag", "subject"), ("ehdb_events_group_lag", "group")):
-        old = before.series(metric)
-        for labels, value in sorted(after.series(metric).items(), key=lambda i: sorted(i[0])):
-            grew = value - old.get(labels, 0.0)
-            name = label(labels, key)
-            tokens = name.split(".")
-            where = (
-                f"subject {name} (pool {tokens[1]})"
-                if key == "subject" and len(tokens) > 1
-                else f"{key} {name}"
-            )
-            # Deliveries are counted by subject: whether a group's backlog is worked is not
-            # told apart from the other groups of the same subjects.
-            idle = key == "subject" and value > 0 and delivered.get(name, 0.0) == 0
-            shift = f"{show(metric, labels)} {old.get(labels, 0.0):.0f} -> {value:.0f}"
-            none = f'cmdbus_deliveries_total{{subject="{name}"}} +0'
-            if grew > 0:
-                why = "no consumer takes from it" if idle else "consumers do not keep up"
-                findings.append(
-                    Finding(
-                        "backlog growing",
-                        f"{where}: +{grew / interval:.1f}/s, now {value:.0f}: {why}",
-                        (f"{shift} in {interval:.1f} s", *([none] if idle else [])),
-                    )
-                )
-            elif idle:
-                findings.append(
-                    Finding(
-                        "backlog stuck",
-                        f"{where}: {value:.0f} waiting and none delivered in {interval:.1f} s: "
-                        "no consumer takes from it",
-                        (f"{shift} in {interval:.1f} s", none),
-                    )
-                )
-    return findings
 
 
 def _healthz(url: str, timeout: float) -> tuple[dict[str, Any] | None, str | None]:

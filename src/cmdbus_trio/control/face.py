@@ -13,15 +13,12 @@ the data plane is.
 from __future__ import annotations
 
 import hmac
-import json
 import logging
-import sqlite3
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, MutableMapping
 from functools import partial
 from typing import Any, ClassVar
-from urllib.parse import parse_qs
 
 import trio
 from hypercorn.config import Config as HypercornConfig
@@ -32,19 +29,16 @@ from hypercorn.utils import wrap_app
 
 from .. import descriptors, metrics
 from ..config import Bind
-from ..logs import event
-from ..loop import census, turns
+from ..loop import turns
+from . import _debug
+from ._debug import Scope, _json
 from .health import Health
 
 log = logging.getLogger(__name__)
 
-Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
-
-MAX_BLOCK_SECONDS = 600.0
-_JSON = b"application/json"
 
 
 PROBES = frozenset({"/livez", "/readyz", "/healthz"})
@@ -96,12 +90,12 @@ class ControlApp(_PlainApp):
 
     async def _route(self, scope: Scope) -> tuple[int, bytes, bytes]:
         path, method = scope["path"], scope["method"]
-        if path in self._DEBUG and self.debug_hooks:
+        if path in _debug.HOOKS and self.debug_hooks:
             if method != "POST":
                 return _json(405, {"error": "use POST"})
             if not self._debug_allowed(scope):
                 return _json(401, {"error": "debug hooks need Authorization: Bearer <token>"})
-            return self._DEBUG[path](self, scope)
+            return _debug.HOOKS[path](self.health, scope)
         handler = self._GET.get(path)
         if handler is None:
             return _json(404, {"error": f"no such path {path}"})
@@ -151,102 +145,6 @@ class ControlApp(_PlainApp):
         "/healthz": _healthz,
         "/metrics": _metrics,
     }
-
-    def _block_loop(self, scope: Scope) -> tuple[int, bytes, bytes]:
-        """Test and drill hook (``CMDBUS_DEBUG_HOOKS``): block the event loop on purpose."""
-        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
-        try:
-            seconds = float(query.get("seconds", ["1"])[0])
-        except ValueError:
-            seconds = -1.0
-        if not 0 < seconds <= MAX_BLOCK_SECONDS:
-            return _json(400, {"error": f"seconds must be in (0, {MAX_BLOCK_SECONDS}]"})
-        event(log, logging.WARNING, "debug_block_loop", seconds=seconds)
-        # Not a task of the control face's (its nursery's would be): the stall it makes
-        # is the loop's, not the control face's work to pace.
-        trio.lowlevel.spawn_system_task(_block, seconds)
-        return _json(202, {"blocking_s": seconds})
-
-    def _fail_writes(self, scope: Scope) -> tuple[int, bytes, bytes]:
-        """Test and drill hook (``CMDBUS_DEBUG_HOOKS``): every later write transaction
-        of a store fails as the disk would (``error``: ``eio`` or ``enospc``), which
-        poisons the store exactly as a real fault does."""
-        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
-        name = query.get("store", [""])[0]
-        error = query.get("error", ["eio"])[0]
-        store = self.health.stores.get(name)
-        if store is None or error not in _DISK_ERRORS:
-            return _json(
-                400,
-                {
-                    "error": f"store must be one of {sorted(self.health.stores)}, "
-                    f"error one of {sorted(_DISK_ERRORS)}"
-                },
-            )
-        message = _DISK_ERRORS[error]
-
-        def fail() -> None:
-            raise sqlite3.OperationalError(message)
-
-        store.before_commit = fail
-        event(log, logging.WARNING, "debug_fail_writes", store=name, error=error)
-        return _json(202, {"store": name, "error": error})
-
-    def _slow_commits(self, scope: Scope) -> tuple[int, bytes, bytes]:
-        """Test and drill hook (``CMDBUS_DEBUG_HOOKS``): every later write transaction of
-        a store takes ``seconds`` longer before it commits, in its worker thread, as a
-        slow disk's fsync would (the loop is not blocked). ``seconds=0`` ends it."""
-        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
-        name = query.get("store", [""])[0]
-        try:
-            seconds = float(query.get("seconds", ["0.5"])[0])
-        except ValueError:
-            seconds = -1.0
-        store = self.health.stores.get(name)
-        if store is None or not 0 <= seconds <= MAX_BLOCK_SECONDS:
-            return _json(
-                400,
-                {
-                    "error": f"store must be one of {sorted(self.health.stores)}, seconds "
-                    f"in [0, {MAX_BLOCK_SECONDS}]"
-                },
-            )
-        store.before_commit = (lambda: time.sleep(seconds)) if seconds else None
-        event(log, logging.WARNING, "debug_slow_commits", store=name, seconds=seconds)
-        return _json(202, {"store": name, "slow_commits_s": seconds})
-
-    def _loop_census(self, scope: Scope) -> tuple[int, bytes, bytes]:
-        """Measuring hook (``CMDBUS_DEBUG_HOOKS``): what the event loop did since the
-        last call (its turns by cause, each task's steps: :mod:`cmdbus_trio.loop.census`),
-        and counting starts again; ``stop=1`` stops counting. The first call returns
-        ``{"census": null}``. Counting costs every task step a hook while it lasts."""
-        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
-        stop = query.get("stop", ["0"])[0]
-        if stop not in ("0", "1"):
-            return _json(400, {"error": f"stop must be 0 or 1, not {stop!r}"})
-        return _json(200, {"census": census.swap(again=stop == "0")})
-
-    _DEBUG: ClassVar = {
-        "/debug/loop-census": _loop_census,
-        "/debug/block-loop": _block_loop,
-        "/debug/fail-writes": _fail_writes,
-        "/debug/slow-commits": _slow_commits,
-    }
-
-
-_DISK_ERRORS = {
-    "eio": "disk I/O error (injected: EIO)",
-    "enospc": "database or disk is full (injected: ENOSPC)",
-}
-
-
-async def _block(seconds: float) -> None:
-    await trio.lowlevel.checkpoint()  # let the 202 go out first
-    time.sleep(seconds)  # noqa: ASYNC251 - blocking the loop is the point of this hook
-
-
-def _json(status: int, document: dict[str, Any]) -> tuple[int, bytes, bytes]:
-    return status, _JSON, json.dumps(document).encode()
 
 
 class _Exposition:

@@ -7,6 +7,7 @@ from plain attributes, so a probe is answered however busy the data plane is.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -45,6 +46,7 @@ class Health:
         self.faces: dict[str, FaceState] = {}
         self.crashed_at: dict[str, float] = {}
         self.tasks_crashed_at: dict[str, float] = {}  # background tasks that crashed
+        self.crash_drills: dict[str, Callable[[], None]] = {}  # /debug/crash-face, per face
         self.addresses: dict[str, str] = {}
         self.gates: dict[str, Gate] = {}
         self.stores: dict[str, Store] = {}

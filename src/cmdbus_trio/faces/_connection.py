@@ -42,7 +42,14 @@ from cmdbus_trio.protocol.server import (
 from . import FaceContext
 from ._handler import CloseConnection, FaceError, FaceHandler, Sender, as_face_error
 from ._outbox import Outbox
-from ._reader import MAX_INFLIGHT_PER_CONNECTION, Batch, Reader
+from ._reader import (
+    LINGER_REQUESTS,
+    LINGER_SECONDS,
+    MAX_INFLIGHT_PER_CONNECTION,
+    Batch,
+    Reader,
+    linger,
+)
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +86,7 @@ class Connection:
         self._deferred = 0  # deferred replies not settled yet
         self._deferred_settled: trio.Event | None = None
         self.outcome = "closed"
+        self._answered_last = False  # a last answer went out before the writer's close
         self._shed_recently = False
         self.outbox = Outbox(
             stream,
@@ -121,6 +129,8 @@ class Connection:
         connection.handler = make_handler(connection.outbox.send)
         try:
             await connection._serve()
+            if connection._answered_last and not connection.outbox.peer_gone:
+                await connection._linger()  # still one of the face's open connections
         except Exception as exc:
             # A bug met by one connection closes that connection only; the face and
             # every other client keep going.
@@ -132,6 +142,11 @@ class Connection:
             await trio.aclose_forcefully(stream)
             connection.handler.closed(connection.outcome)
             metrics.CONNECTIONS.labels(face=connection.face, outcome=connection.outcome).inc()
+
+    async def _linger(self) -> None:
+        config = self.ctx.config
+        seconds = min(LINGER_SECONDS, config.read_timeout_ms / 1000)
+        await linger(self.stream, seconds, LINGER_REQUESTS * config.max_request_bytes)
 
     def _end(self, outcome: str) -> None:
         if self.outcome == "closed":  # the first reason wins
@@ -191,6 +206,7 @@ class Connection:
         self._end(closed.outcome)
         if closed.final is not None:
             await self.outbox.send(closed.final)
+            self._answered_last = True
         await self.outbox.wait_flushed()
 
     async def _take_request(
@@ -323,6 +339,7 @@ class Connection:
             except CloseConnection as close:
                 if close.final is not None:
                     await self.outbox.send(encode_frame(close.final))
+                    self._answered_last = True
                 await self.outbox.wait_flushed()  # no frame is cut in two by the close
                 self._end(close.outcome)
                 self._scope.cancel()

@@ -21,10 +21,42 @@ from ._outbox import Outbox
 
 MAX_INFLIGHT_PER_CONNECTION = 32
 RECEIVE_CHUNK = 65536
+LINGER_SECONDS = 2.0
+"""At most this long (and never longer than the read timeout) a connection the writer
+ends with a last answer discards what its client still sends (see :func:`linger`)."""
+LINGER_REQUESTS = 8
+"""At most this many requests' worth (of the cap) is discarded so."""
 
 Batch = list[tuple[Event, float]]
 """What the reader hands the dispatcher: every event one read completed, each with its
 arrival time (one hand-over per read, not per frame, for a pipelining client)."""
+
+
+async def linger(stream: trio.abc.Stream, seconds: float, max_bytes: int) -> int:
+    """End a connection the writer closes with a last answer (``too_large``, say) the
+    way HTTP servers do: shut down the sending side after the answer, then read and
+    discard what the client still sends, for at most ``seconds`` and
+    ``max_bytes`` bytes or until it closes; the caller closes the socket after. Closed
+    with its input unread, the kernel answers the client's next bytes with a reset,
+    and the answer, though sent, is lost to the client. The bytes discarded.
+
+    Cancellation: at any point; the caller closes the socket either way. Errors from a
+    peer that is gone end the wait."""
+    discarded = 0
+    budget = turns.current()
+    with trio.move_on_after(seconds):
+        try:
+            if isinstance(stream, trio.abc.HalfCloseableStream):
+                await stream.send_eof()
+            while discarded < max_bytes:
+                data = await stream.receive_some(RECEIVE_CHUNK)
+                if not data:
+                    break
+                discarded += len(data)
+                await budget.wait()  # a unit of the data plane, as every read
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
+    return discarded
 
 
 @attrs.define(eq=False)

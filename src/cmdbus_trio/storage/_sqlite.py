@@ -43,6 +43,13 @@ _POISONING_CODES: Final = {
 
 WAL_SIZE_LIMIT: Final = 64 << 20
 """Bytes a WAL file is truncated to after a checkpoint."""
+BUSY_TIMEOUT_MS: Final = 30_000
+"""How long a connection waits for a lock another connection holds."""
+WAL_TRIM_FLOOR: Final = 1 << 20
+"""A WAL is trimmed (see :meth:`SqliteStore.vacuum_step`) only when larger than this and
+than its database."""
+WAL_TRIM_WAIT_MS: Final = 100
+"""How long a trim waits for readers still on the WAL before it gives up, until the next."""
 
 
 class SqliteStore:
@@ -166,7 +173,7 @@ class SqliteStore:
 
     def _new_connection(self) -> sqlite3.Connection:
         connection = sqlite3.connect(
-            self.path, isolation_level=None, check_same_thread=False, timeout=30
+            self.path, isolation_level=None, check_same_thread=False, timeout=BUSY_TIMEOUT_MS / 1000
         )
         try:
             # Only a new file takes it (before its first table, and before WAL): freed
@@ -222,10 +229,12 @@ class SqliteStore:
         work: Callable[[sqlite3.Connection], T],
         *,
         committed: Callable[[T], None] | None = None,
+        transaction: bool = True,
     ) -> T:
         """Run ``work`` in one write transaction and commit it; then ``committed(result)``,
         still holding the write lock, so that what the store keeps in memory (counts)
-        changes before the next writer reads it."""
+        changes before the next writer reads it. ``transaction=False``: ``work`` runs
+        outside one (a checkpoint), still alone among the store's writers."""
         if self._poisoned is not None:
             raise StoreUnavailable(f"{self.name} store is poisoned: {self._poisoned}")
         if self._closed:
@@ -242,7 +251,7 @@ class SqliteStore:
                 self._contended_at = self._clock()
                 self._contended_waits += 1
             with self._connection() as connection:
-                result = self._transaction(connection, work)
+                result = self._transaction(connection, work, transaction)
             if committed is not None:
                 committed(result)
             return result
@@ -252,9 +261,8 @@ class SqliteStore:
     @refuses_loop_thread
     def vacuum_step(self, pages: int) -> int:
         """Return up to ``pages`` free pages to the file system (SQLite's incremental
-        vacuum, one short write transaction); the pages returned."""
-        if not self.returns_space:
-            return 0
+        vacuum, one short write transaction), then trim the WAL if it outgrew the
+        database (:meth:`_trim_wal`); the pages returned."""
 
         def step(connection: sqlite3.Connection) -> int:
             free = int(connection.execute("PRAGMA freelist_count").fetchone()[0])
@@ -264,7 +272,33 @@ class SqliteStore:
                 connection.execute("PRAGMA incremental_vacuum(1)")
             return free - int(connection.execute("PRAGMA freelist_count").fetchone()[0])
 
-        return self._write(step)
+        returned = self._write(step) if self.returns_space else 0
+        self._trim_wal()
+        return returned
+
+    def _trim_wal(self) -> bool:
+        """Cut the WAL back to nothing when it is larger than the database it journals,
+        as after retention drained a backlog: SQLite reuses a WAL from its start but keeps
+        the file at its high-water mark, and the data dir with it. At a steady rate the
+        WAL is smaller than its database and this does nothing. A TRUNCATE checkpoint,
+        holding the write lock; it waits at most :data:`WAL_TRIM_WAIT_MS` for readers still
+        on the WAL (then the next pass tries again). Whether it trimmed."""
+        wal = self.path.with_name(self.path.name + "-wal")
+        try:
+            if wal.stat().st_size <= max(WAL_TRIM_FLOOR, self.path.stat().st_size):
+                return False
+        except FileNotFoundError:
+            return False
+
+        def checkpoint(connection: sqlite3.Connection) -> bool:
+            connection.execute(f"PRAGMA busy_timeout={WAL_TRIM_WAIT_MS}")
+            try:
+                busy = connection.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
+            finally:
+                connection.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+            return not busy
+
+        return self._write(checkpoint, transaction=False)
 
     @refuses_loop_thread
     def disk_bytes(self) -> int:
@@ -276,10 +310,15 @@ class SqliteStore:
         return total
 
     def _transaction(
-        self, connection: sqlite3.Connection, work: Callable[[sqlite3.Connection], T]
+        self,
+        connection: sqlite3.Connection,
+        work: Callable[[sqlite3.Connection], T],
+        transaction: bool = True,
     ) -> T:
         committing = False
         try:
+            if not transaction:
+                return work(connection)
             connection.execute("BEGIN IMMEDIATE")
             result = work(connection)
             if self.before_commit is not None:
