@@ -7,9 +7,10 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from functools import partial
 from pathlib import Path
@@ -178,6 +179,21 @@ async def frame_client(address: str, *, v2: bool = True) -> AsyncIterator[FrameC
         yield client
     finally:
         await client.aclose()
+
+
+@contextmanager
+def background(work: Callable[[threading.Event], None], threads: int = 1) -> Iterator[None]:
+    """``work(stop)`` in ``threads`` threads for the block; ``stop`` is set at its end."""
+    stop = threading.Event()
+    workers = [threading.Thread(target=work, args=(stop,), daemon=True) for _ in range(threads)]
+    for worker in workers:
+        worker.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for worker in workers:
+            worker.join(timeout=30)
 
 
 # --- `cmdbus-trio serve` as a subprocess ----------------------------------------------

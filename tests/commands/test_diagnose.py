@@ -12,8 +12,6 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +23,7 @@ from cmdbus_trio.commands.bench import http_get
 from cmdbus_trio.commands.client import fetch
 from cmdbus_trio.commands.diagnose import assess
 
-from ..helpers import cli, serving
+from ..helpers import background, cli, serving
 
 
 def diagnose(ports: dict[str, str], *args: str) -> tuple[int, list[dict[str, Any]]]:
@@ -37,20 +35,6 @@ def diagnose(ports: dict[str, str], *args: str) -> tuple[int, list[dict[str, Any
     )
     assert result.stderr == ""
     return result.returncode, [json.loads(line) for line in result.stdout.splitlines()]
-
-
-@contextmanager
-def background(work: Callable[[threading.Event], None], threads: int = 1) -> Iterator[None]:
-    stop = threading.Event()
-    workers = [threading.Thread(target=work, args=(stop,)) for _ in range(threads)]
-    for worker in workers:
-        worker.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        for worker in workers:
-            worker.join(timeout=30)
 
 
 @pytest.mark.e2e

@@ -13,8 +13,8 @@ import subprocess
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager, suppress
+from collections.abc import Callable
+from contextlib import ExitStack, suppress
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ import pytest
 
 from cmdbus_trio.client import Busy, ClientError, Unavailable, blocking
 
-from ..helpers import cli, serving
+from ..helpers import background, cli, serving
 
 pytestmark = pytest.mark.e2e
 
@@ -55,20 +55,6 @@ def post(ports: Ports, path: str) -> None:
     request = urllib.request.Request(f"http://{ports['control']}{path}", method="POST")
     with urllib.request.urlopen(request, timeout=10) as response:
         assert response.status == 202
-
-
-@contextmanager
-def background(work: Callable[[threading.Event], None], threads: int = 1) -> Iterator[None]:
-    stop = threading.Event()
-    workers = [threading.Thread(target=work, args=(stop,), daemon=True) for _ in range(threads)]
-    for worker in workers:
-        worker.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        for worker in workers:
-            worker.join(timeout=30)
 
 
 def publishing(ports: Ports, pool: str, pause: float) -> Callable[[threading.Event], None]:
