@@ -1,6 +1,8 @@
 """Command bus throughput and cost: cmdbus-trio against local Redis and NATS, in the same run.
 
     python benchmarks/bus.py --floor --peer redis --peer nats --rate 1000   # about 9 minutes
+    (--peer redis needs redis-server and the `redis` package; --peer nats, nats-server
+    and `nats-py`: pip install redis nats-py)
     python benchmarks/bus.py --peer redis --quick          # about 1 minute
     python benchmarks/bus.py --only "publish x16"          # the workloads named so
     python benchmarks/bus.py --memory                      # writer RSS with a 1M backlog
