@@ -116,6 +116,8 @@ async def test_the_crash_hook_crashes_one_face_and_refuses_a_face_it_does_not_kn
             while (await get(control, "/readyz")).status != 503:
                 await trio.sleep(0.02)
             assert "face tier crashed" in str((await get(control, "/readyz")).json())
+            again = await get(control, "/debug/crash-face?face=tier", "POST")  # crashed: gone
+            assert again.status == 400 and "['cmd_ingest']" in again.json()["error"]
             async with frame_client(addresses["cmd_ingest"]):  # the other face goes on
                 pass
 

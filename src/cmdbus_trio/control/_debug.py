@@ -27,11 +27,10 @@ MAX_BLOCK_SECONDS = 600.0
 _JSON = b"application/json"
 
 
-def block_loop(health: Health, scope: Scope) -> tuple[int, bytes, bytes]:
+def block_loop(health: Health, scope: Scope) -> Answer:
     """Test and drill hook (``CMDBUS_DEBUG_HOOKS``): block the event loop on purpose."""
-    query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
     try:
-        seconds = float(query.get("seconds", ["1"])[0])
+        seconds = float(_param(scope, "seconds", "1"))
     except ValueError:
         seconds = -1.0
     if not 0 < seconds <= MAX_BLOCK_SECONDS:
@@ -43,13 +42,11 @@ def block_loop(health: Health, scope: Scope) -> tuple[int, bytes, bytes]:
     return _json(202, {"blocking_s": seconds})
 
 
-def fail_writes(health: Health, scope: Scope) -> tuple[int, bytes, bytes]:
+def fail_writes(health: Health, scope: Scope) -> Answer:
     """Test and drill hook (``CMDBUS_DEBUG_HOOKS``): every later write transaction
     of a store fails as the disk would (``error``: ``eio`` or ``enospc``), which
     poisons the store exactly as a real fault does."""
-    query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
-    name = query.get("store", [""])[0]
-    error = query.get("error", ["eio"])[0]
+    name, error = _param(scope, "store", ""), _param(scope, "error", "eio")
     store = health.stores.get(name)
     if store is None or error not in _DISK_ERRORS:
         return _json(
@@ -69,14 +66,13 @@ def fail_writes(health: Health, scope: Scope) -> tuple[int, bytes, bytes]:
     return _json(202, {"store": name, "error": error})
 
 
-def slow_commits(health: Health, scope: Scope) -> tuple[int, bytes, bytes]:
+def slow_commits(health: Health, scope: Scope) -> Answer:
     """Test and drill hook (``CMDBUS_DEBUG_HOOKS``): every later write transaction of
     a store takes ``seconds`` longer before it commits, in its worker thread, as a
     slow disk's fsync would (the loop is not blocked). ``seconds=0`` ends it."""
-    query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
-    name = query.get("store", [""])[0]
+    name = _param(scope, "store", "")
     try:
-        seconds = float(query.get("seconds", ["0.5"])[0])
+        seconds = float(_param(scope, "seconds", "0.5"))
     except ValueError:
         seconds = -1.0
     store = health.stores.get(name)
@@ -93,13 +89,12 @@ def slow_commits(health: Health, scope: Scope) -> tuple[int, bytes, bytes]:
     return _json(202, {"store": name, "slow_commits_s": seconds})
 
 
-def loop_census(health: Health, scope: Scope) -> tuple[int, bytes, bytes]:
+def loop_census(health: Health, scope: Scope) -> Answer:
     """Measuring hook (``CMDBUS_DEBUG_HOOKS``): what the event loop did since the
     last call (its turns by cause, each task's steps: :mod:`cmdbus_trio.loop.census`),
     and counting starts again; ``stop=1`` stops counting. The first call returns
     ``{"census": null}``. Counting costs every task step a hook while it lasts."""
-    query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
-    stop = query.get("stop", ["0"])[0]
+    stop = _param(scope, "stop", "0")
     if stop not in ("0", "1"):
         return _json(400, {"error": f"stop must be 0 or 1, not {stop!r}"})
     return _json(200, {"census": census.swap(again=stop == "0")})
@@ -109,8 +104,7 @@ def crash_face(health: Health, scope: Scope) -> Answer:
     """Drill hook: the face named ``face`` crashes as a bug in it would (a task of its
     nursery raises): it stops serving, ``/readyz`` names it, ``/livez`` fails after the
     liveness window, and every other face goes on."""
-    query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
-    name = query.get("face", [""])[0]
+    name = _param(scope, "face", "")
     crash = health.crash_drills.get(name)
     if crash is None:
         return _json(400, {"error": f"face must be one of {sorted(health.crash_drills)}"})
@@ -136,9 +130,12 @@ async def crashable(
     async def raise_in_face() -> None:
         raise InjectedCrash(f"face {name} crashed by /debug/crash-face")
 
-    async with trio.open_nursery() as nursery:
-        task_status.started(await nursery.start(run))
-        health.crash_drills[name] = lambda: nursery.start_soon(raise_in_face)
+    try:
+        async with trio.open_nursery() as nursery:
+            task_status.started(await nursery.start(run))
+            health.crash_drills[name] = lambda: nursery.start_soon(raise_in_face)
+    finally:  # a face that ended takes no more drills: its nursery is closed
+        health.crash_drills.pop(name, None)
 
 
 HOOKS: dict[str, Callable[[Health, Scope], Answer]] = {
@@ -158,6 +155,12 @@ _DISK_ERRORS = {
 async def _block(seconds: float) -> None:
     await trio.lowlevel.checkpoint()  # let the 202 go out first
     time.sleep(seconds)  # noqa: ASYNC251 - blocking the loop is the point of this hook
+
+
+def _param(scope: Scope, name: str, default: str) -> str:
+    """The first value of the query parameter ``name``, or ``default``."""
+    query: dict[str, list[str]] = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+    return query.get(name, [default])[0]
 
 
 def _json(status: int, document: dict[str, Any]) -> Answer:
