@@ -141,12 +141,16 @@ def run_target(
             text=True,
         )
         started = time.monotonic()
-        assert generator.stdout is not None
-        for line in generator.stdout:
-            row = json.loads(line)
+
+        def sample(row: dict[str, Any]) -> dict[str, Any]:
             row |= scrape(ports["control"], bus)
             row |= {"t": time.monotonic() - started, "mib": dir_bytes(workdir / "data") / 2**20}
             rows.append(row)
+            return row
+
+        assert generator.stdout is not None
+        for line in generator.stdout:
+            row = sample(json.loads(line))
             print(
                 f"{kind:<10}{row['t']:>6.0f} s{row['mib']:>9.1f} MiB{row.get('records', 0):>9.0f}"
                 f"{row.get('deleted', 0):>10.0f}{row['p50']:>9.2f}{row['p99']:>9.2f}",
@@ -158,9 +162,7 @@ def run_target(
         settle_until = time.monotonic() + args.settle
         while time.monotonic() < settle_until:
             time.sleep(args.every)
-            row = scrape(ports["control"], bus) | {"t": time.monotonic() - started}
-            row |= {"mib": dir_bytes(workdir / "data") / 2**20, "settling": True}
-            rows.append(row)
+            row = sample({"settling": True})
             print(
                 f"{kind:<10}{row['t']:>6.0f} s{row['mib']:>9.1f} MiB{row.get('records', 0):>9.0f}"
                 f"{row.get('deleted', 0):>10.0f}   (no load)",

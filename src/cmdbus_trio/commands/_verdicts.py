@@ -67,25 +67,24 @@ def control_flooded(before: Scrape, after: Scrape, interval: float) -> list[Find
     quietest connection for each new one: something holds many open."""
     favoured = sum(delta(before, after, "cmdbus_loop_control_first_seconds_total").values())
     paced = sum(delta(before, after, "cmdbus_control_paced_seconds_total").values())
-    crowded = {
-        label(key, "port"): value
-        for key, value in delta(before, after, CROWDED_OUT).items()
-        if value > 0
-    }
-    if favoured < CONTROL_FLOODED * interval and paced <= 0 and not crowded:
+    crowded = sorted(
+        (labels, count) for labels, count in delta(before, after, CROWDED_OUT).items() if count > 0
+    )
+    favoured_much = favoured >= CONTROL_FLOODED * interval
+    if not favoured_much and paced <= 0 and not crowded:
         return []
     said = []
     if paced > 0:
         said.append(
             f"its requests waited {paced:.2f} s for their share of the event loop (a tenth)"
         )
-    elif favoured >= CONTROL_FLOODED * interval:
+    elif favoured_much:
         said.append(
             f"its requests went first for {favoured / interval:.0%} of the event loop "
             "(at most 25%), ahead of client work"
         )
     if crowded:
-        ports = ", ".join(f"{port} ({count:.0f} closed)" for port, count in sorted(crowded.items()))
+        ports = ", ".join(f"{label(key, 'port')} ({count:.0f} closed)" for key, count in crowded)
         said.append(f"at its connection cap on port {ports}, the quietest closed for each new one")
     summary = (
         "control face: " + "; ".join(said) + ": something floods the control port (a scraper "
@@ -94,10 +93,7 @@ def control_flooded(before: Scrape, after: Scrape, interval: float) -> list[Find
     evidence = (
         f"cmdbus_loop_control_first_seconds_total +{favoured:.2f} in {interval:.1f} s",
         f"cmdbus_control_paced_seconds_total +{paced:.2f} in {interval:.1f} s",
-        *(
-            f'cmdbus_control_connections_crowded_out_total{{port="{port}"}} +{count:.0f}'
-            for port, count in sorted(crowded.items())
-        ),
+        *(f"{show(CROWDED_OUT, labels)} +{count:.0f}" for labels, count in crowded),
     )
     return [Finding("control face flooded", summary, evidence)]
 

@@ -283,9 +283,8 @@ class SqliteStore:
         WAL is smaller than its database and this does nothing. A TRUNCATE checkpoint,
         holding the write lock; it waits at most :data:`WAL_TRIM_WAIT_MS` for readers still
         on the WAL (then the next pass tries again). Whether it trimmed."""
-        wal = self.path.with_name(self.path.name + "-wal")
         try:
-            if wal.stat().st_size <= max(WAL_TRIM_FLOOR, self.path.stat().st_size):
+            if self._wal_path.stat().st_size <= max(WAL_TRIM_FLOOR, self.path.stat().st_size):
                 return False
         except FileNotFoundError:
             return False
@@ -300,11 +299,15 @@ class SqliteStore:
 
         return self._write(checkpoint, transaction=False)
 
+    @property
+    def _wal_path(self) -> Path:
+        return self.path.with_name(self.path.name + "-wal")
+
     @refuses_loop_thread
     def disk_bytes(self) -> int:
         """Bytes the store's files take (the database and its WAL)."""
         total = 0
-        for path in (self.path, self.path.with_name(self.path.name + "-wal")):
+        for path in (self.path, self._wal_path):
             with contextlib.suppress(FileNotFoundError):
                 total += path.stat().st_size
         return total
