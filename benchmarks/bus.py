@@ -7,6 +7,7 @@
     python benchmarks/bus.py --only "publish x16"          # the workloads named so
     python benchmarks/bus.py --memory                      # writer RSS with a 1M backlog
     python benchmarks/bus.py --baseline REV --rounds 3     # A/B against REV, medians of 3
+    python benchmarks/bus.py --traced                      # also the writer exporting spans
 
 Workloads (each --duration seconds): durable publish with 1 and 16 producers, one at a time
 (ack-each), 32 in flight (pipelined: 32 single-record requests) and 32 records per round
@@ -42,6 +43,10 @@ as the workload says, and no client library (each cost more CPU than the server 
 measured): our frames for cmdbus-trio and the floor, RESP for Redis, NATS's text protocol
 (nats-py only sets the stream up). All start at the same instant, after connecting.
 
+--traced adds the writer again with tracing on (docs/tracing.md): every span sampled
+(OTEL_TRACES_SAMPLER=always_on) and exported over OTLP/HTTP to a sink in this process that
+reads and discards each export; "cmdbus-trio" itself runs with tracing off, as it ships.
+
 Durability: cmdbus-trio with synchronous=FULL (an fsync per group commit); Redis with
 appendonly yes and appendfsync always; NATS JetStream (work-queue stream, file storage,
 durable pull consumer, explicit acks) as Debian 12's nats-server 2.9 has it, which has no
@@ -63,6 +68,7 @@ import sys
 import tempfile
 import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -115,10 +121,18 @@ def wait_for_port(port: int) -> None:
 # --- servers -------------------------------------------------------------------------------
 
 
-def start_cmdbus(workdir: Path, source: Path | None = None) -> tuple[subprocess.Popen[bytes], str]:
-    """The writer from this checkout, or from ``source`` (a tree with ``src/``)."""
+def start_cmdbus(
+    workdir: Path, source: Path | None = None, extra: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
+    """The writer from this checkout, or from ``source`` (a tree with ``src/``), with
+    ``extra`` in its environment."""
     ports_file = workdir / "ports.json"
-    env = {**os.environ, "CMDBUS_PORTS_FILE": str(ports_file), "CMDBUS_LOG_LEVEL": "warning"}
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("OTEL_")},
+        "CMDBUS_PORTS_FILE": str(ports_file),
+        "CMDBUS_LOG_LEVEL": "warning",
+        **(extra or {}),
+    }
     if source is not None:
         env["PYTHONPATH"] = str(source / "src")
     for face in ("TIER", "EVT_INGEST", "EVT_CLAIM", "EVT_SUBSCRIBE"):
@@ -390,8 +404,39 @@ def export_revision(revision: str, workdir: Path) -> Path:
     return tree
 
 
-def start(name: str, workdir: Path, baseline: Path | None) -> Server:
-    if name.startswith("cmdbus-trio@"):
+TRACED = "cmdbus-trio@traced"
+"""This checkout's writer exporting every span (``--traced``)."""
+
+
+class _Sink(BaseHTTPRequestHandler):
+    """An OTLP/HTTP endpoint that reads each export and answers 200, keeping nothing."""
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def span_sink() -> dict[str, str]:
+    """Start the sink (a daemon thread of this process); the writer's OTEL_* variables."""
+    sink = ThreadingHTTPServer(("127.0.0.1", 0), _Sink)
+    threading.Thread(target=sink.serve_forever, daemon=True).start()
+    return {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{sink.server_address[1]}",
+        "OTEL_TRACES_SAMPLER": "always_on",
+    }
+
+
+def start(
+    name: str, workdir: Path, baseline: Path | None, traced: dict[str, str] | None = None
+) -> Server:
+    if name == TRACED:
+        process, address = start_cmdbus(workdir, extra=traced)
+    elif name.startswith("cmdbus-trio@"):
         process, address = start_cmdbus(workdir, baseline)
     else:
         process, address = STARTERS[name](workdir)
@@ -536,6 +581,9 @@ def main() -> None:
         "--baseline", metavar="REV", help="also run the writer as git revision REV (A/B)"
     )
     parser.add_argument(
+        "--traced", action="store_true", help="also the writer with every span exported"
+    )
+    parser.add_argument(
         "--rounds",
         type=int,
         default=1,
@@ -554,9 +602,11 @@ def main() -> None:
         measure_memory(args.memory, workdir)
         return
     baseline = export_revision(args.baseline, workdir) if args.baseline else None
+    traced = span_sink() if args.traced else None
     names = [
         "cmdbus-trio",
         *([f"cmdbus-trio@{args.baseline}"] if args.baseline else []),
+        *([TRACED] if args.traced else []),
         *(["floor", "floor+disk"] if args.floor else []),
         *dict.fromkeys(args.peer),
     ]
@@ -569,7 +619,7 @@ def main() -> None:
         for name in names if round_number % 2 == 0 else names[::-1]:
             where = workdir / f"{name}-{round_number}"
             where.mkdir()
-            server = start(name, where, baseline)
+            server = start(name, where, baseline, traced)
             try:
                 for key, loads in runs:
                     if key == SCRAPE_FLOOD and server.scraped is None:

@@ -12,7 +12,7 @@ from typing import Protocol
 
 import trio
 
-from . import __version__, app, descriptors, logs, noetl
+from . import __version__, app, descriptors, logs, noetl, spans, tracing_setup
 from .client._shards import WRITERS_ENV
 from .commands import bench, client, diagnose, import_tier
 from .commands._output import leaves
@@ -143,6 +143,8 @@ def _run(config: Config, translated: noetl.Translation) -> int:
     except ConfigError as exc:
         print(f"cmdbus-trio: {translated.explain(exc)}", file=sys.stderr)
         return 2
+    provider = tracing_setup.from_environment(os.environ)
+    spans.use(provider)
     try:
         trio.run(app.serve_until_signalled, config)
     except BaseExceptionGroup as group:
@@ -155,4 +157,7 @@ def _run(config: Config, translated: noetl.Translation) -> int:
         for error in leaves(startup_errors) if startup_errors else ():
             print(f"cmdbus-trio: {error}", file=sys.stderr)
         return 2 if unusable else 1
+    finally:
+        spans.use(None)
+        tracing_setup.shut_down(provider)
     return 0

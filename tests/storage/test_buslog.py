@@ -5,8 +5,10 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import attrs
 import pytest
 
+from cmdbus_trio.protocol.trace import TraceContext
 from cmdbus_trio.storage import StoreState, StoreUnavailable
 from cmdbus_trio.storage.buslog import MAX_READ_MANY, BusEntry, BusLog, Published, Settlements
 
@@ -191,3 +193,56 @@ def test_the_logs_counts_change_under_the_write_lock(log: BusLog) -> None:
     log.evict(1)
     assert len(held) == 2 and all(held)
     assert log.records == 1
+
+
+def test_trace_context_is_stored_beside_the_record_and_survives_reopen(tmp_path: Path) -> None:
+    """Issue 49, item 1: every read a delivery is made from returns the context the record
+    was published with (None for one published without), also after a restart."""
+    parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    traced = TraceContext(parent, 'a=1,b="2"')
+    opened = BusLog.open(tmp_path / "commands.sqlite3")
+    plain, with_state, parent_only = (
+        entry(1),
+        attrs.evolve(entry(2), trace=traced),
+        attrs.evolve(entry(3), trace=TraceContext(parent)),
+    )
+    opened.publish([plain, with_state, parent_only])
+    opened.commit(done=Settlements(dead=[("commands", 2, 5)]))
+    opened.close()
+    log = BusLog.open(tmp_path / "commands.sqlite3")
+    try:
+        expected = {1: None, 2: traced, 3: TraceContext(parent)}
+        assert {r.sort_key: r.trace for r in log.read_after(0, 10)} == expected
+        assert {k: r.trace for k, r in log.read_many([1, 2, 3]).items()} == expected
+        assert [getattr(log.read(k), "trace", "gone") for k in (1, 2, 3)] == [*expected.values()]
+        assert [(d.sort_key, d.trace) for page in log.iter_dead("commands") for d in page] == [
+            (2, traced)
+        ]
+        texts = [e.record for e in (plain, with_state, parent_only)]
+        assert [r.record for r in log.read_after(0, 10)] == texts  # the text untouched
+    finally:
+        log.close()
+
+
+def test_a_store_made_before_trace_context_opens_and_takes_it(tmp_path: Path) -> None:
+    """An older store's records table has no trace columns: opening adds them; its
+    records read as published without context, and new ones keep theirs."""
+    path = tmp_path / "commands.sqlite3"
+    old = sqlite3.connect(path)
+    old.execute(
+        "CREATE TABLE records (sort_key INTEGER PRIMARY KEY AUTOINCREMENT, "
+        "subject TEXT NOT NULL, record TEXT NOT NULL)"
+    )
+    old.execute("INSERT INTO records (subject, record) VALUES ('commands.shared.shard.0', '{}')")
+    old.commit()
+    old.close()
+    log = BusLog.open(path)
+    try:
+        traced = TraceContext("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
+        log.publish([attrs.evolve(entry(2), trace=traced)])
+        assert [(r.sort_key, r.record, r.trace) for r in log.read_after(0, 10)] == [
+            (1, "{}", None),
+            (2, entry(2).record, traced),
+        ]
+    finally:
+        log.close()

@@ -21,6 +21,7 @@ import trio
 
 from cmdbus_trio import metrics
 from cmdbus_trio.loop.batcher import ThreadBatcher
+from cmdbus_trio.protocol.trace import TraceContext
 from cmdbus_trio.storage.buslog import MAX_READ_MANY, BusLog, StoredRecord
 
 MAX_BATCHES_PER_HOP = 16
@@ -31,6 +32,8 @@ RECENT_BODY_BYTES = 8 << 20
 
 _ENTRY_BYTES = 200
 """What a kept body costs besides its text (its object and its place in the dict)."""
+_TRACE_BYTES = 200
+"""What a kept body's trace context costs besides its tracestate's text."""
 
 
 @attrs.define(eq=False)
@@ -63,11 +66,12 @@ class BodyReader:
         self.log = log
         self.max_batch = max_batch
         self.recent_bytes = recent_bytes
-        # (subject, record) by sort key, oldest first. Plain tuples of strings, not the
-        # committer's objects: the garbage collector stops tracking those, where tens of
-        # thousands of kept objects moving through its oldest generation made full
-        # collections frequent (batched publishes ran 15-20% slower).
-        self._recent: OrderedDict[int, tuple[str, str]] = OrderedDict()
+        # (subject, record, trace) by sort key, oldest first. Plain tuples, not the
+        # committer's objects: the garbage collector stops tracking a tuple of strings
+        # (and None), where tens of thousands of kept objects moving through its oldest
+        # generation made full collections frequent (batched publishes ran 15-20% slower).
+        # A traced record's context is an object it tracks: traced records cost that.
+        self._recent: OrderedDict[int, tuple[str, str, TraceContext | None]] = OrderedDict()
         self._recent_size = 0
         self._from_memory = metrics.BODY_READS.labels(store=log.name, source="memory")
         self._from_store = metrics.BODY_READS.labels(store=log.name, source="store")
@@ -125,10 +129,10 @@ class BodyReader:
         """A committer listener: keep the newest bodies, up to :attr:`recent_bytes` (the
         oldest go first; a body larger than all of it is not kept)."""
         for record in committed:
-            size = len(record.record) + _ENTRY_BYTES
+            size = _kept_size(record.record, record.trace)
             if size > self.recent_bytes:
                 continue
-            self._recent[record.sort_key] = (record.subject, record.record)
+            self._recent[record.sort_key] = (record.subject, record.record, record.trace)
             self._recent_size += size
         while self._recent_size > self.recent_bytes:
             self._drop_oldest()
@@ -140,8 +144,8 @@ class BodyReader:
             self._drop_oldest()
 
     def _drop_oldest(self) -> None:
-        _, (_, record) = self._recent.popitem(last=False)
-        self._recent_size -= len(record) + _ENTRY_BYTES
+        _, (_, record, trace) = self._recent.popitem(last=False)
+        self._recent_size -= _kept_size(record, trace)
 
     def _ask(self, sort_key: int) -> _Ask:
         ask = _Ask(sort_key)
@@ -181,3 +185,9 @@ class BodyReader:
             else:
                 ask.record = outcome.get(ask.sort_key)
             ask.done.set()
+
+
+def _kept_size(record: str, trace: TraceContext | None) -> int:
+    if trace is None:
+        return len(record) + _ENTRY_BYTES
+    return len(record) + _ENTRY_BYTES + _TRACE_BYTES + len(trace.tracestate or "")

@@ -81,10 +81,11 @@ class Ticket:
     connection's deferred reply). It must not raise; if it does, that is logged and the
     other tickets are settled all the same."""
     published: list[Published] | None = None
-    stored: list[str] = attrs.field(factory=list)
-    """The records as stored (JSON text), set in the commit thread, for the listeners."""
+    commit_records: int = 0
+    """Records of the group commit that took this ticket (set in the commit thread)."""
     entries: list[BusEntry] = attrs.field(factory=list)
-    """What the commit thread appends for the records (set there)."""
+    """What the commit thread appends for the records (set there): the records as stored,
+    for the listeners too."""
     error: Exception | None = None
 
     async def wait(self) -> list[Published]:
@@ -181,10 +182,10 @@ class GroupCommitter:
     def _settle_step(self, step: list[Ticket]) -> None:
         """Tell the listeners of a step's committed records, then settle its tickets."""
         committed = [
-            Committed(published.sort_key, published.subject, record)
+            Committed(published.sort_key, published.subject, entry.record, entry.trace)
             for ticket in step
             if ticket.published
-            for published, record in zip(ticket.published, ticket.stored, strict=True)
+            for published, entry in zip(ticket.published, ticket.entries, strict=True)
             if not published.duplicate
         ]
         for listener in self.listeners if committed else ():
@@ -227,13 +228,12 @@ class GroupCommitter:
         ticket's error set) when it is refused."""
         try:
             ticket.entries = [
-                BusEntry(self.rule.subject(record, field), record.stored(), msg_id)
+                BusEntry(self.rule.subject(record, field), record.stored(), msg_id, record.trace)
                 for record, msg_id, field in ticket.records
             ]
         except Exception as exc:  # FieldError, or a bug met by this input alone
             ticket.error = exc
             return False
-        ticket.stored = [entry.record for entry in ticket.entries]
         return True
 
     def _commit(self, tickets: list[Ticket]) -> None:
@@ -259,6 +259,7 @@ class GroupCommitter:
         self._commit_seconds.observe(time.monotonic() - started)
         start = 0
         for ticket in tickets:
+            ticket.commit_records = len(entries)
             ticket.published = published[start : start + len(ticket.records)]
             start += len(ticket.records)
 

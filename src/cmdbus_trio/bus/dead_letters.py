@@ -12,7 +12,7 @@ import trio
 from cmdbus_trio.admission import Slot, checked_pages
 from cmdbus_trio.protocol import claim as claim_codec
 from cmdbus_trio.protocol import pages
-from cmdbus_trio.storage.buslog import BusLog, DeadRecord
+from cmdbus_trio.storage.buslog import BusLog
 
 from . import Bus
 from .claims import Claims
@@ -56,7 +56,7 @@ def _page(
                 (
                     dead.sort_key,
                     claim_codec.dead_letter(
-                        dead.sort_key, dead.subject, dead.deliveries, dead.record
+                        dead.sort_key, dead.subject, dead.deliveries, dead.record, dead.trace
                     ),
                 )
                 for dead in page
@@ -105,7 +105,3 @@ async def move_dead(
             break  # all of them were in the one query
         after = chosen[-1][0]
     return moved
-
-
-def _dead_letter(dead: DeadRecord) -> bytes:
-    return claim_codec.dead_letter(dead.sort_key, dead.subject, dead.deliveries, dead.record)

@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 import trio
 
-from cmdbus_trio import metrics
-from cmdbus_trio.admission import Gate, Shed
+from cmdbus_trio import metrics, spans
+from cmdbus_trio.admission import Gate, Shed, Slot
 from cmdbus_trio.logs import event
 from cmdbus_trio.loop.deferred import Deferred
+from cmdbus_trio.protocol.trace import TraceContext
 from cmdbus_trio.storage.buslog import StoredRecord
 
 from . import Bus
@@ -32,6 +33,10 @@ from .claims import Claims, Delivery
 from .committer import Ticket
 
 log = logging.getLogger(__name__)
+
+Encode: TypeAlias = Callable[[Delivery, str, TraceContext | None], bytes]
+"""How a claim face encodes a delivery: from the lease, the stored record's JSON text and
+the trace context it was published with."""
 
 
 class Consumer:
@@ -82,14 +87,15 @@ class Consumer:
         filter_tokens: tuple[str, ...],
         budget: float | None,
         *,
-        encode: Callable[[Delivery, str], bytes],
+        encode: Encode,
         most: int = 1,
         room: int | None = None,
         patient: bool = False,
     ) -> list[bytes]:
         """Wait for a matching record, lease it and up to ``most - 1`` more that match
         then, read their bodies under one Gate slot, and return each delivery as
-        ``encode`` makes it (from the lease and the stored JSON text), in lease order.
+        ``encode`` makes it (from the lease, the stored JSON text and the record's trace
+        context), in lease order.
         ``room``: bytes the encoded deliveries may take, with a comma between two; the
         first is taken whatever its size (its reply is then ``too_large``, as a single
         one's), and those that do not fit after it are given back.
@@ -135,7 +141,7 @@ class Consumer:
                 except BaseException:
                     self._give_back(claims, leased)  # never delivered
                     raise
-            handed = self._handed(claims, leased, bodies, encode, room)
+            handed = self._handed(claims, leased, bodies, encode, room, slot)
             if handed:
                 return handed
             # Every one evicted (CMDBUS_EVT_MAX_BYTES) while this waited for its slot:
@@ -146,11 +152,13 @@ class Consumer:
         claims: Claims,
         leased: list[Delivery],
         bodies: list[StoredRecord | Exception],
-        encode: Callable[[Delivery, str], bytes],
+        encode: Encode,
         room: int | None,
+        slot: Slot,
     ) -> list[bytes]:
         """The deliveries whose bodies were read, encoded, within ``room``; the others
-        given back. An error reading any but an evicted record gives them all back."""
+        given back. An error reading any but an evicted record gives them all back.
+        ``slot``: the one they were read under (its wait is each ``deliver`` span's)."""
         failed = next(
             (
                 body
@@ -169,13 +177,21 @@ class Consumer:
             if isinstance(body, Exception):
                 continue  # evicted while this waited for its slot
             if not full:
-                encoded = encode(delivery, body.record)
+                encoded = encode(delivery, body.record, body.trace)
                 full = bool(handed) and room is not None and used + 1 + len(encoded) > room
             if full:  # this one and the rest, oldest first, go to the next request
                 claims.give_back(delivery.sort_key, self)
                 continue
             used += 1 + len(encoded)
             handed.append(encoded)
+            spans.delivered(
+                self.face,
+                claims.group,
+                delivery,
+                body.trace,
+                slot.arrival,
+                slot.admitted_at - slot.arrival,
+            )
         return handed
 
     def _give_back(self, claims: Claims, leased: list[Delivery]) -> None:
@@ -192,8 +208,10 @@ class Consumer:
 
         Error handling: :class:`FieldError` naming the group field (raised)."""
         claims = self.groups.known(group)
+        span = spans.settling("ack", self.face, _group_name(claims, group), len(sort_keys))
         begun = [claims is not None and claims.begin_ack(key, self) for key in sort_keys]
         if claims is None or not any(begun):
+            spans.settled(span, begun)
             return Deferred.of(begun)
         started = [key for key, ok in zip(sort_keys, begun, strict=True) if ok]
         acked: Deferred[list[bool]] = Deferred()
@@ -204,7 +222,9 @@ class Consumer:
                     claims.finish_ack(key)
                 else:
                     claims.abort_ack(key)
-            acked.settle(begun if ticket.error is None else ticket.error)
+            outcome = begun if ticket.error is None else ticket.error
+            spans.settled(span, outcome)
+            acked.settle(outcome)
 
         acks = [(claims.group, key) for key in started]
         self.bus.committer.enqueue(Ticket(acks=acks, on_settled=settled))
@@ -217,10 +237,14 @@ class Consumer:
 
         Error handling: :class:`FieldError` naming the group field."""
         claims = self.groups.known(group)
+        span = spans.settling("nack", self.face, _group_name(claims, group), len(sort_keys))
         if claims is None:
-            return [False] * len(sort_keys)
-        wait = claims.ack_wait if delay is None else delay
-        return [claims.nack(key, self, wait) for key in sort_keys]
+            nacked = [False] * len(sort_keys)
+        else:
+            wait = claims.ack_wait if delay is None else delay
+            nacked = [claims.nack(key, self, wait) for key in sort_keys]
+        spans.settled(span, nacked)
+        return nacked
 
     def nack_held(self, sort_key: int) -> bool:
         """v1's ``Nack`` naming no group: in whichever group this connection holds it."""
@@ -238,6 +262,11 @@ class Consumer:
     def lease_seconds(self) -> float:
         """How long a lease lasts (``CMDBUS_ACK_WAIT_MS``), from its delivery or renewal."""
         return self.groups.ack_wait
+
+
+def _group_name(claims: Claims | None, group: Any) -> str:
+    """The group a request named, for a span (one it did not resolve as sent)."""
+    return claims.group if claims is not None else str(group)
 
 
 def _evicted(claims: Claims, delivery: Delivery, body: Exception) -> bool:

@@ -19,16 +19,18 @@ import trio
 from cmdbus_trio import metrics
 from cmdbus_trio.protocol import dumps_str
 from cmdbus_trio.protocol.subjects import matches
+from cmdbus_trio.protocol.trace import TraceContext
 
 from .committer import Committed
 
 
-def fragment(sort_key: int, subject: str, record: str) -> bytes:
+def fragment(sort_key: int, subject: str, record: str, trace: TraceContext | None = None) -> bytes:
     """One pushed record, encoded: ``{"sort_key", "subject", "record"}`` (``record`` is the
-    stored JSON text, inserted as it is)."""
-    return (
-        f'{{"sort_key":{int(sort_key)},"subject":{dumps_str(subject)},"record":{record}}}'.encode()
-    )
+    stored JSON text, inserted as it is), with ``trace``'s members before ``record`` when
+    given (v2 only: v1 frames stay as NoETL's clients read them)."""
+    head = f'{{"sort_key":{int(sort_key)},"subject":{dumps_str(subject)}'.encode()
+    members = b"" if trace is None else trace.json_members()
+    return b"".join((head, members, b',"record":', record.encode(), b"}"))
 
 
 @attrs.frozen
@@ -36,17 +38,30 @@ class Pushed:
     sort_key: int
     subject: str
     fragment: bytes
+    """As v1 pushes it."""
+    traced: bytes
+    """As v2 pushes it, with the record's trace context (``fragment`` itself when the
+    record has none)."""
+
+    def piece(self, traced: bool) -> bytes:
+        return self.traced if traced else self.fragment
 
 
 class Subscription:
     """One subscriber's buffer of records to push: at most ``capacity`` records and
     ``max_bytes`` of them (a record alone may be larger: it is never refused for its
-    size alone). A subscriber that would pass either is cut off."""
+    size alone). A subscriber that would pass either is cut off. ``traced``: it is sent
+    the records' trace context (v2)."""
 
     def __init__(
-        self, filter_tokens: tuple[str, ...] | None, capacity: int, max_bytes: int
+        self,
+        filter_tokens: tuple[str, ...] | None,
+        capacity: int,
+        max_bytes: int,
+        traced: bool = False,
     ) -> None:
         self.filter = filter_tokens
+        self.traced = traced
         self.capacity = capacity
         self.max_bytes = max_bytes
         self._buffer: deque[Pushed] = deque()
@@ -62,7 +77,7 @@ class Subscription:
     def offer(self, pushed: Pushed) -> None:
         if self._ended:
             return
-        size = len(pushed.fragment)
+        size = len(pushed.piece(self.traced))
         if len(self._buffer) >= self.capacity or (
             self._buffer and self._bytes + size > self.max_bytes
         ):
@@ -90,7 +105,7 @@ class Subscription:
                     return
                 await self._more.park()
             batch = [self._buffer.popleft() for _ in range(min(most, len(self._buffer)))]
-            self._bytes -= sum(len(pushed.fragment) for pushed in batch)
+            self._bytes -= sum(len(pushed.piece(self.traced)) for pushed in batch)
             yield batch
 
 
@@ -109,8 +124,10 @@ class Hub:
         metrics.SUBSCRIBERS.set_function(lambda: self._count)
 
     @contextmanager
-    def subscribe(self, filter_tokens: tuple[str, ...] | None) -> Iterator[Subscription]:
-        subscription = Subscription(filter_tokens, self.capacity, self.max_bytes)
+    def subscribe(
+        self, filter_tokens: tuple[str, ...] | None, traced: bool = False
+    ) -> Iterator[Subscription]:
+        subscription = Subscription(filter_tokens, self.capacity, self.max_bytes, traced)
         if self._closed:
             subscription.end()
         same = self._by_filter.get(filter_tokens)
@@ -149,11 +166,13 @@ class Hub:
             wanted = [same for same in self._subscribers_of(record.subject) if same]
             if not wanted:
                 continue
-            pushed = Pushed(
-                record.sort_key,
-                record.subject,
-                fragment(record.sort_key, record.subject, record.record),
+            plain = fragment(record.sort_key, record.subject, record.record)
+            traced = (
+                plain
+                if record.trace is None
+                else fragment(record.sort_key, record.subject, record.record, record.trace)
             )
+            pushed = Pushed(record.sort_key, record.subject, plain, traced)
             for same in wanted:
                 for subscription in list(same):
                     subscription.offer(pushed)

@@ -12,6 +12,8 @@ from cmdbus_trio.protocol import claim
 from cmdbus_trio.protocol.bus import Published
 from cmdbus_trio.protocol.tier import TierRecord
 
+from .tracing import current_fields
+
 T = TypeVar("T")
 Record = dict[str, Any]
 """A published record: ``{"execution_id": str | int, "payload": "<JSON text>",
@@ -34,9 +36,13 @@ class Call(Generic[T]):
 
 @attrs.frozen
 class Delivery(claim.Delivery):
-    """A record handed out by ``next``, and what the reply says of it."""
+    """A record handed out by ``next``, and what the reply says of it: with the trace
+    context it was published with, if any (:func:`cmdbus_trio.client.tracing.context_of`
+    continues that trace)."""
 
     record: Record
+    traceparent: str | None = None
+    tracestate: str | None = None
 
 
 @attrs.frozen
@@ -87,6 +93,8 @@ class Subscribed:
     sort_key: int
     subject: str
     record: Record
+    traceparent: str | None = None
+    tracestate: str | None = None
 
 
 # --- readers --------------------------------------------------------------------------------
@@ -105,6 +113,8 @@ def delivery(value: dict[str, Any]) -> Delivery:
         value["redelivered"],
         value["deliveries"],
         value["record"],
+        value.get("traceparent"),
+        value.get("tracestate"),
     )
 
 
@@ -130,7 +140,12 @@ class Batch(list[Subscribed]):
 
 
 def subscribed(reply: dict[str, Any]) -> Batch:
-    batch = Batch(Subscribed(r["sort_key"], r["subject"], r["record"]) for r in reply["records"])
+    batch = Batch(
+        Subscribed(
+            r["sort_key"], r["subject"], r["record"], r.get("traceparent"), r.get("tracestate")
+        )
+        for r in reply["records"]
+    )
     batch.deleted_through = reply.get("deleted_through")
     return batch
 
@@ -143,15 +158,18 @@ def _options(**fields: Any) -> dict[str, Any]:
 
 
 def publish(record: Record, msg_id: str | None = None) -> Call[Published]:
-    return Call(
-        "publish", _options(record=record, msg_id=msg_id), _published, idempotent=msg_id is not None
-    )
+    """A publish, with the current span's trace context when there is one."""
+    fields = _options(record=record, msg_id=msg_id) | current_fields()
+    return Call("publish", fields, _published, idempotent=msg_id is not None)
 
 
 def publish_batch(records: Iterable[Record]) -> Call[list[int]]:
+    """A batch; with the current span's trace context each record carries it."""
+    trace = current_fields()
+    items = [{"record": r, **trace} for r in records] if trace else list(records)
     return Call(
         "publish_batch",
-        {"records": list(records)},
+        {"records": items},
         lambda reply: list(reply["sort_keys"]),
         idempotent=False,
     )

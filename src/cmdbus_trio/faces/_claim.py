@@ -166,7 +166,8 @@ class ClaimHandler:
         return codec.next_reply(request_id, body, handed[0] if handed else None)
 
 
-def _v1_delivery(delivery: Delivery, record: str) -> bytes:
+def _v1_delivery(delivery: Delivery, record: str, trace: object) -> bytes:
+    """v1's delivery frame, as NoETL's clients read it: no trace context."""
     head = {"sort_key": delivery.sort_key, "redelivered": delivery.redelivered}
     return codec.with_record(head, record)
 

@@ -12,13 +12,16 @@ from __future__ import annotations
 from functools import partial
 
 import trio
+from opentelemetry.trace import Span
 
+from cmdbus_trio import spans
 from cmdbus_trio.admission import GateClosed, Shed, Slot
 from cmdbus_trio.bus import Bus
 from cmdbus_trio.bus.committer import Ticket
 from cmdbus_trio.loop.deferred import Deferred
 from cmdbus_trio.protocol import RemoteProtocolError, Request
 from cmdbus_trio.protocol import bus as codec
+from cmdbus_trio.protocol.bus import Published
 from cmdbus_trio.storage import StoreUnavailable
 
 from . import FaceContext
@@ -33,14 +36,20 @@ class IngestHandler:
     def __init__(self, ctx: FaceContext, bus: Bus) -> None:
         self.gate = ctx.gate
         self.committer = bus.committer
+        self.bus_name = bus.log.name
 
     async def v1(self, frame: bytes, arrival: float) -> V1Reply:
         try:
             record = codec.decode_v1_record(frame)
         except RemoteProtocolError:
             raise CloseConnection("protocol_error") from None
-        slot = await self._admit_v1(arrival)
-        publishing = self.committer.publish(Ticket([(record, None, "record")]), slot)
+        span = spans.publishing(self.bus_name, [record], arrival)
+        try:
+            slot = await self._admit_v1(arrival)
+        except BaseException as exc:
+            spans.end(span, exc)
+            raise
+        publishing = self._publish(Ticket([(record, None, "record")]), slot, span)
         try:
             with trio.CancelScope(shield=True):  # accepted: answered once it is durable
                 published = await publishing.outcome()
@@ -69,14 +78,29 @@ class IngestHandler:
 
     def v2(self, request: Request, arrival: float) -> Deferred[bytes]:
         op = codec.decode_op(request.op, request.fields)
-        slot = self.gate.acquire_nowait(op.op, budget=request.budget, arrival=arrival)
+        records = (op.record,) if isinstance(op, codec.Publish) else op.records
+        span = spans.publishing(self.bus_name, records, arrival)
+        try:
+            slot = self.gate.acquire_nowait(op.op, budget=request.budget, arrival=arrival)
+        except Exception as exc:  # shed
+            spans.end(span, exc)
+            raise
         if isinstance(op, codec.Publish):
             ticket = Ticket([(op.record, op.msg_id, "record")])
         else:
             ticket = Ticket([(r, None, f"records[{i}]") for i, r in enumerate(op.records)])
-        return self.committer.publish(ticket, slot).map(
-            partial(codec.publish_reply, request.id, op)
-        )
+        return self._publish(ticket, slot, span).map(partial(codec.publish_reply, request.id, op))
+
+    def _publish(self, ticket: Ticket, slot: Slot, span: Span | None) -> Deferred[list[Published]]:
+        publishing = self.committer.publish(ticket, slot)
+        if span is None:
+            return publishing
+
+        def observe(outcome: list[Published] | Exception) -> None:
+            waited = slot.admitted_at - slot.arrival
+            spans.published(span, ticket.commit_records, waited, outcome)
+
+        return publishing.observed(observe)
 
 
 async def serve(

@@ -79,7 +79,11 @@ class SubscribeHandler:
         if request.shard != self.ctx.config.shard:
             raise CloseConnection("protocol_error")  # docs/protocol.md: another shard closes
         await self._stream(
-            request.cursor, None, lambda fragments: b"[" + b",".join(fragments) + b"]", gaps=None
+            request.cursor,
+            None,
+            lambda fragments: b"[" + b",".join(fragments) + b"]",
+            gaps=None,
+            traced=False,
         )
         raise CloseConnection("closed")  # slow consumer or drain: v1 can only close
 
@@ -90,7 +94,11 @@ class SubscribeHandler:
     async def _v2(self, request_id: int, after: int, tokens: tuple[str, ...] | None) -> bytes:
         head = f'{{"id":{request_id},"ok":true,"records":['.encode()
         completed = await self._stream(
-            after, tokens, lambda f: head + b",".join(f) + b"]}", gaps=_Gaps(self.bus, head)
+            after,
+            tokens,
+            lambda f: head + b",".join(f) + b"]}",
+            gaps=_Gaps(self.bus, head),
+            traced=True,
         )
         if completed:  # the writer is draining
             raise CloseConnection(
@@ -107,22 +115,29 @@ class SubscribeHandler:
         )
 
     async def _stream(
-        self, after: int, tokens: tuple[str, ...] | None, frame_of: FrameOf, *, gaps: _Gaps | None
+        self,
+        after: int,
+        tokens: tuple[str, ...] | None,
+        frame_of: FrameOf,
+        *,
+        gaps: _Gaps | None,
+        traced: bool,
     ) -> bool:
         """Push records after ``after``; returns True when the stream ended by a drain,
         False when the subscriber was cut off (or went away). ``gaps``: how to tell a
-        v2 subscriber of deleted records (v1 cannot be told)."""
+        v2 subscriber of deleted records (v1 cannot be told); ``traced``: records carry
+        their trace context (v2)."""
         # Catch up without buffering live records (a long history would overflow the
         # buffer), then register and catch up what was committed meanwhile: a record
         # committed before the registration is in the store, one after it in the buffer,
         # and one in both is skipped by its sort key.
         room = self.ctx.config.max_reply_bytes - len(frame_of([]))  # for records, a frame
-        last = await self._catch_up(after, tokens, frame_of, room, gaps)
-        with self.hub.subscribe(tokens) as live:
-            last = await self._catch_up(last, tokens, frame_of, room, gaps)
+        last = await self._catch_up(after, tokens, frame_of, room, gaps, traced)
+        with self.hub.subscribe(tokens, traced) as live:
+            last = await self._catch_up(last, tokens, frame_of, room, gaps, traced)
             async for batch in live.batches(MOST_PER_FRAME):
                 fresh = [pushed for pushed in batch if pushed.sort_key > last]
-                for run in _runs([pushed.fragment for pushed in fresh], room):
+                for run in _runs([pushed.piece(traced) for pushed in fresh], room):
                     if not await self.send(encode_frame(frame_of(run))):
                         return False
                 if fresh:
@@ -136,6 +151,7 @@ class SubscribeHandler:
         frame_of: FrameOf,
         room: int,
         gaps: _Gaps | None,
+        traced: bool,
     ) -> int:
         """Push stored records after ``after`` until the end of the store, in frames
         carrying at most ``room`` bytes of records; returns the last sort key read.
@@ -149,7 +165,10 @@ class SubscribeHandler:
             with await self.gate.acquire("subscribe") as slot:
                 page = await slot.run_cancellable(self.bus.log.read_after, after, CATCH_UP_PAGE)
             chosen = [r for r in page if tokens is None or matches(tokens, r.subject)]
-            fragments = [fragment(r.sort_key, r.subject, r.record) for r in chosen]
+            fragments = [
+                fragment(r.sort_key, r.subject, r.record, r.trace if traced else None)
+                for r in chosen
+            ]
             for run in _runs(fragments, room):
                 if not await self.send(encode_frame(frame_of(run))):
                     raise CloseConnection("write_error")

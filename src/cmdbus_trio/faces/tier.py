@@ -21,7 +21,7 @@ from typing import Any
 
 import trio
 
-from cmdbus_trio import metrics
+from cmdbus_trio import metrics, spans
 from cmdbus_trio.admission import checked_pages, each_checked
 from cmdbus_trio.loop.deferred import Deferred
 from cmdbus_trio.protocol import (
@@ -49,6 +49,8 @@ from ._listen import serve as serve_connections
 
 Pages = Iterator[paging.Fragments]
 Appends = codec.Append | codec.AppendBatch
+Reads = codec.ReadExecution | codec.Scan | codec.DeleteExecution
+"""The requests run whole in one thread call (a delete too)."""
 
 __all__ = ["TierHandler", "serve"]
 
@@ -112,13 +114,23 @@ class TierHandler:
         return self._run(tier_request, arrival, request.budget, request.id)
 
     async def _run(
-        self, request: codec.TierRequest, arrival: float, budget: float | None, request_id: int
+        self, request: Reads, arrival: float, budget: float | None, request_id: int
     ) -> bytes:
         gate = self.ctx.gate_of(request.op)  # deletes: the write lane (CMDBUS_TIER_WRITES)
-        with await gate.acquire(request.op, budget=budget, arrival=arrival) as slot:
-            if isinstance(request, codec.DeleteExecution):
-                return await slot.run_to_completion(self._delete, request, request_id)
-            return await slot.run_cancellable(self._read, request, request_id)
+        span = spans.tier_op(request, arrival)
+        waited = None
+        try:
+            with await gate.acquire(request.op, budget=budget, arrival=arrival) as slot:
+                waited = slot.admitted_at - slot.arrival
+                if isinstance(request, codec.DeleteExecution):
+                    reply = await slot.run_to_completion(self._delete, request, request_id)
+                else:
+                    reply = await slot.run_cancellable(self._read, request, request_id)
+        except BaseException as exc:
+            spans.end(span, exc, waited=waited)
+            raise
+        spans.end(span, waited=waited)
+        return reply
 
     def _append(
         self, request: Appends, request_id: int, budget: float | None, arrival: float
@@ -130,7 +142,11 @@ class TierHandler:
             records=len(request.payloads) if isinstance(request, codec.AppendBatch) else 1,
         )
         lane = self.ctx.gate_of(request.op)
-        return self.committer.append(ticket, lane, request.op, budget=budget, arrival=arrival)
+        span = spans.tier_op(request, arrival)
+        replied = self.committer.append(ticket, lane, request.op, budget=budget, arrival=arrival)
+        if span is None:
+            return replied
+        return replied.observed(lambda outcome: spans.end(span, outcome, waited=ticket.waited))
 
     # --- in the worker thread ------------------------------------------------------------
 

@@ -72,6 +72,18 @@ class Deferred(Generic[T]):
         self.when_settled(settled)
         return mapped
 
+    def observed(self, observe: Callable[[T | Exception], None]) -> Deferred[T]:
+        """The same outcome, once ``observe`` has seen it (a span's end). ``observe`` must
+        not raise."""
+        seen: Deferred[T] = Deferred()
+
+        def settled(outcome: T | Exception) -> None:
+            observe(outcome)
+            seen.settle(outcome)
+
+        self.when_settled(settled)
+        return seen
+
     async def outcome(self) -> T:
         """Wait in a task for the outcome: the value, or the exception raised. Takes the
         one callback :meth:`when_settled` holds.

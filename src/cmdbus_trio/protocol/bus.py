@@ -22,6 +22,9 @@ from ._fields import (
 )
 from ._json import dumps, loads
 from .subjects import SubjectError, command_subject, event_subject, pool_of, shard_of
+from .trace import FIELDS as TRACE_FIELDS
+from .trace import TraceContext
+from .trace import decode as decode_trace
 
 MAX_BATCH: Final = 10_000
 MAX_MSG_ID: Final = 256
@@ -29,6 +32,10 @@ GROUP_NAME: Final = re.compile(r"[A-Za-z0-9_-]{1,128}")
 """An event consumer group's name (the wire's ``group``, ``CMDBUS_EVT_GROUPS``)."""
 GROUP_NAME_RULE: Final = "1-128 letters, digits, '_' or '-'"
 _RECORD_FIELDS: Final = frozenset({"execution_id", "payload", "transaction_id", "global_sequence"})
+_PUBLISH_FIELDS: Final = frozenset({"record", "msg_id"}) | TRACE_FIELDS
+_TRACED_ITEM_FIELDS: Final = frozenset({"record"}) | TRACE_FIELDS
+"""A ``publish_batch`` item that carries trace context: ``{"record": {...}, "traceparent":
+..., "tracestate": ...}``, shaped as ``publish`` is (a record itself has no ``record``)."""
 
 
 class BusKind(enum.Enum):
@@ -54,6 +61,8 @@ class PublishRecord:
     execution_id: str | int
     payload: str
     transaction_id: str | None = None
+    trace: TraceContext | None = None
+    """Stored beside the record, not in its JSON text (v1 deliveries stay as they were)."""
 
     def stored(self) -> str:
         """The record as JSON text, as it is stored and later delivered."""
@@ -76,7 +85,9 @@ class PublishBatch:
     op = "publish_batch"
 
 
-def decode_record(value: Any, field: str = "record") -> PublishRecord:
+def decode_record(
+    value: Any, field: str = "record", trace: TraceContext | None = None
+) -> PublishRecord:
     """A record's fields, checked (the payload is only checked to be text here; it is
     parsed in the commit thread). ``global_sequence`` is ignored; unknown members are
     ``invalid``."""
@@ -89,7 +100,18 @@ def decode_record(value: Any, field: str = "record") -> PublishRecord:
         execution_id(value.get("execution_id"), f"{field}.execution_id"),
         payload_text(value.get("payload"), f"{field}.payload"),
         None if tx is None else transaction_id(tx, f"{field}.transaction_id"),
+        trace,
     )
+
+
+def decode_batch_item(value: Any, field: str) -> PublishRecord:
+    """One of ``publish_batch``'s ``records``: a record, or a record with its trace context
+    (see :data:`_TRACED_ITEM_FIELDS`)."""
+    if not (isinstance(value, dict) and "record" in value):
+        return decode_record(value, field)
+    if unknown := sorted(set(value) - _TRACED_ITEM_FIELDS):
+        raise FieldError(f"{field}.{unknown[0]}", "unknown field")
+    return decode_record(value["record"], f"{field}.record", decode_trace(value, f"{field}."))
 
 
 def publish_reply(
@@ -112,8 +134,9 @@ def decode_v1_record(frame: bytes) -> PublishRecord:
 
 def decode_op(op: str, fields: dict[str, Any]) -> Publish | PublishBatch:
     if op == "publish":
-        if unknown := sorted(set(fields) - {"record", "msg_id"}):
+        if unknown := sorted(set(fields) - _PUBLISH_FIELDS):
             raise FieldError(unknown[0], "unknown field")
+        trace = decode_trace(fields)
         msg_id = fields.get("msg_id")
         if msg_id is not None and (
             not isinstance(msg_id, str) or not 1 <= len(msg_id) <= MAX_MSG_ID
@@ -121,14 +144,16 @@ def decode_op(op: str, fields: dict[str, Any]) -> Publish | PublishBatch:
             raise FieldError("msg_id", f"expected a string of 1 to {MAX_MSG_ID} characters")
         if msg_id is not None:
             storable_text(msg_id, "msg_id")
-        return Publish(decode_record(fields.get("record")), msg_id)
+        return Publish(decode_record(fields.get("record"), trace=trace), msg_id)
     if op == "publish_batch":
         if unknown := sorted(set(fields) - {"records"}):
             raise FieldError(unknown[0], "unknown field")
         records = fields.get("records")
         if not isinstance(records, list) or not 1 <= len(records) <= MAX_BATCH:
             raise FieldError("records", f"expected a list of 1 to {MAX_BATCH} records")
-        return PublishBatch(tuple(decode_record(r, f"records[{i}]") for i, r in enumerate(records)))
+        return PublishBatch(
+            tuple(decode_batch_item(r, f"records[{i}]") for i, r in enumerate(records))
+        )
     raise UnsupportedOp(op, ("publish", "publish_batch"))
 
 

@@ -8,7 +8,9 @@ SCHEMA = """
 CREATE TABLE IF NOT EXISTS records (
     sort_key INTEGER PRIMARY KEY AUTOINCREMENT,
     subject TEXT NOT NULL,
-    record TEXT NOT NULL
+    record TEXT NOT NULL,
+    traceparent TEXT,
+    tracestate TEXT
 );
 CREATE TABLE IF NOT EXISTS msg_ids (
     msg_id TEXT PRIMARY KEY,
@@ -71,6 +73,10 @@ def create(connection: sqlite3.Connection, now: float) -> tuple[int, int, int]:
     without reading the store: its records, the newest sort key retention deleted, and
     the newest sort key handed out."""
     connection.executescript(SCHEMA)
+    columns = {row[1] for row in connection.execute("PRAGMA table_info(records)")}
+    if "traceparent" not in columns:  # a store made before trace context: no record has any
+        connection.execute("ALTER TABLE records ADD COLUMN traceparent TEXT")
+        connection.execute("ALTER TABLE records ADD COLUMN tracestate TEXT")
     columns = {row[1] for row in connection.execute("PRAGMA table_info(dead)")}
     if "died_at" not in columns:  # a store made before retention
         connection.execute("ALTER TABLE dead ADD COLUMN died_at REAL")

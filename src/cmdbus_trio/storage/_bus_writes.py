@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import attrs
 
 from cmdbus_trio.protocol.bus import Published
+from cmdbus_trio.protocol.trace import TraceContext
 
 MSG_ID_PRUNE_BATCH = 1000
 """msg_ids past the window deleted per publish at most, so pruning never makes one
@@ -18,11 +19,13 @@ transaction long."""
 @attrs.frozen
 class BusEntry:
     """A record to publish: its subject, the record as JSON text (as it will be
-    delivered), and an optional ``msg_id`` for deduplication."""
+    delivered), an optional ``msg_id`` for deduplication, and the trace context it was
+    published with, if any (stored beside it)."""
 
     subject: str
     record: str
     msg_id: str | None = None
+    trace: TraceContext | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -161,8 +164,15 @@ def append(
                 evicted = floor is not None and seen[0] <= floor[0]
                 results.append(Published(seen[0], seen[1], duplicate=True, evicted=evicted))
                 continue
+        trace = entry.trace
         cursor = connection.execute(
-            "INSERT INTO records (subject, record) VALUES (?, ?)", (entry.subject, entry.record)
+            "INSERT INTO records (subject, record, traceparent, tracestate) VALUES (?, ?, ?, ?)",
+            (
+                entry.subject,
+                entry.record,
+                None if trace is None else trace.traceparent,
+                None if trace is None else trace.tracestate,
+            ),
         )
         assert cursor.lastrowid is not None
         if entry.msg_id is not None:

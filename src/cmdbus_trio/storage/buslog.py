@@ -21,6 +21,7 @@ import attrs
 from cmdbus_trio.protocol.bus import Published
 from cmdbus_trio.protocol.claim import MAX_SORT_KEYS
 from cmdbus_trio.protocol.subjects import matches
+from cmdbus_trio.protocol.trace import TraceContext
 
 from . import _bus_retention, _bus_schema, _bus_writes
 from ._bus_retention import RETENTION_BATCH, Evicted, Retained, Windows
@@ -58,6 +59,8 @@ class StoredRecord:
     sort_key: int
     subject: str
     record: str
+    trace: TraceContext | None = None
+    """The trace context it was published with (None: none)."""
 
 
 @attrs.frozen
@@ -66,6 +69,19 @@ class DeadRecord:
     subject: str
     record: str
     deliveries: int
+    trace: TraceContext | None = None
+
+
+_STORED = "sort_key, subject, record, traceparent, tracestate"
+"""The columns :func:`_stored` takes, in its order."""
+
+
+def _trace(traceparent: str | None, tracestate: str | None) -> TraceContext | None:
+    return None if traceparent is None else TraceContext(traceparent, tracestate)
+
+
+def _stored(row: tuple[int, str, str, str | None, str | None]) -> StoredRecord:
+    return StoredRecord(row[0], row[1], row[2], _trace(row[3], row[4]))
 
 
 class BusLog(SqliteStore):
@@ -233,9 +249,9 @@ class BusLog(SqliteStore):
     def read(self, sort_key: int) -> StoredRecord | None:
         with self._connection() as connection:
             row = connection.execute(
-                "SELECT sort_key, subject, record FROM records WHERE sort_key = ?", (sort_key,)
+                f"SELECT {_STORED} FROM records WHERE sort_key = ?", (sort_key,)
             ).fetchone()
-        return None if row is None else StoredRecord(*row)
+        return None if row is None else _stored(row)
 
     @refuses_loop_thread
     def read_many(self, sort_keys: Sequence[int]) -> dict[int, StoredRecord]:
@@ -248,10 +264,10 @@ class BusLog(SqliteStore):
         marks = ", ".join("?" * len(sort_keys))
         with self._connection() as connection:
             rows = connection.execute(
-                f"SELECT sort_key, subject, record FROM records WHERE sort_key IN ({marks})",
+                f"SELECT {_STORED} FROM records WHERE sort_key IN ({marks})",
                 tuple(sort_keys),
             ).fetchall()
-        return {int(row[0]): StoredRecord(*row) for row in rows}
+        return {int(row[0]): _stored(row) for row in rows}
 
     @refuses_loop_thread
     def settled_below(self, consumer: str) -> int:
@@ -328,9 +344,10 @@ class BusLog(SqliteStore):
             with self._connection() as connection:
                 _with_subject_matches(connection)
                 page = [
-                    DeadRecord(*row)
+                    DeadRecord(row[0], row[1], row[2], row[3], _trace(row[4], row[5]))
                     for row in connection.execute(
-                        "SELECT r.sort_key, r.subject, r.record, d.deliveries FROM dead d "
+                        "SELECT r.sort_key, r.subject, r.record, d.deliveries, r.traceparent, "
+                        "r.tracestate FROM dead d "
                         "JOIN records r ON r.sort_key = d.sort_key WHERE d.consumer = ? "
                         "AND d.sort_key > ? AND subject_matches(?, r.subject) "
                         "ORDER BY d.sort_key LIMIT ?",
@@ -392,11 +409,10 @@ class BusLog(SqliteStore):
         """Up to ``limit`` records with ``sort_key > after``, ascending."""
         with self._connection() as connection:
             rows = connection.execute(
-                "SELECT sort_key, subject, record FROM records WHERE sort_key > ? "
-                "ORDER BY sort_key LIMIT ?",
+                f"SELECT {_STORED} FROM records WHERE sort_key > ? ORDER BY sort_key LIMIT ?",
                 (after, limit),
             ).fetchall()
-        return [StoredRecord(*row) for row in rows]
+        return [_stored(row) for row in rows]
 
 
 @functools.lru_cache(maxsize=256)

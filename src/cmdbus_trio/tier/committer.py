@@ -62,6 +62,8 @@ class AppendTicket:
     if it does, that is logged and the other tickets are settled all the same."""
     replied: bytes | None = None
     error: Exception | None = None
+    waited: float = 0.0
+    """Seconds it waited for its place in the write lane (set once admitted)."""
 
 
 class TierCommitter:
@@ -106,6 +108,7 @@ class TierCommitter:
             if isinstance(slot, Exception):  # shed, or the Gate closed
                 reply.settle(slot)
                 return
+            ticket.waited = slot.admitted_at - slot.arrival
 
             def settled(ticket: AppendTicket) -> None:
                 slot.release()  # which may admit the next append in line
