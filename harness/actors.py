@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import faulthandler
+import hashlib
 import json
 import random
 import signal
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import trio
+from opentelemetry import trace
 
 from cmdbus_trio.client import (
     Busy,
@@ -92,6 +94,18 @@ def command_record(execution_id: str, pool: str) -> dict[str, Any]:
     return {"execution_id": execution_id, "payload": json.dumps({"execution_pool": pool})}
 
 
+def publisher_span(execution_id: str) -> tuple[str, trace.Span]:
+    """A NoETL server's span for publishing one execution's command, as an application's
+    tracing would make it (the API alone: a span context derived from the execution id,
+    so the checker knows it): its ``traceparent``, and the span, to make current with
+    ``trace.use_span`` around each attempt to publish."""
+    digest = hashlib.blake2b(execution_id.encode(), digest_size=24).digest()
+    trace_id, span_id = int.from_bytes(digest[:16]) or 1, int.from_bytes(digest[16:]) or 1
+    context = trace.SpanContext(trace_id, span_id, False, trace.TraceFlags(1))
+    traceparent = f"00-{trace_id:032x}-{span_id:016x}-01"
+    return traceparent, trace.NonRecordingSpan(context)
+
+
 def event_payload(execution_id: str, kind: str, sort_key: int) -> str:
     return json.dumps(
         {"event_id": f"{execution_id}-{kind}", "event_type": f"step.{kind}", "command": sort_key}
@@ -126,15 +140,17 @@ async def _server_trio(
 ) -> None:
     ingest = trio_client.IngestClient(args.ports["cmd_ingest"], retry=retry_policy())
     for n, (execution_id, pool, msg_id, again) in enumerate(plan):
+        traceparent, span = publisher_span(execution_id)
         for attempt in range(2 if again else 1):
-            published = await persist(
-                lambda e=execution_id, p=pool, m=msg_id: ingest.publish(
-                    command_record(e, p), msg_id=m, timeout=30
-                ),
-                record,
-                "publish",
-            )
-            _published(record, execution_id, pool, msg_id, published, attempt)
+            with trace.use_span(span):
+                published = await persist(
+                    lambda e=execution_id, p=pool, m=msg_id: ingest.publish(
+                        command_record(e, p), msg_id=m, timeout=30
+                    ),
+                    record,
+                    "publish",
+                )
+            _published(record, execution_id, pool, msg_id, published, attempt, traceparent)
         if (n + 1) % args.burst == 0:
             await trio.sleep(args.gap)
 
@@ -144,21 +160,29 @@ def _server_blocking(
 ) -> None:
     ingest = blocking.IngestClient(args.ports["cmd_ingest"], retry=retry_policy())
     for n, (execution_id, pool, msg_id, again) in enumerate(plan):
+        traceparent, span = publisher_span(execution_id)
         for attempt in range(2 if again else 1):
-            published = persist_blocking(
-                lambda e=execution_id, p=pool, m=msg_id: ingest.publish(
-                    command_record(e, p), msg_id=m, timeout=30
-                ),
-                record,
-                "publish",
-            )
-            _published(record, execution_id, pool, msg_id, published, attempt)
+            with trace.use_span(span):
+                published = persist_blocking(
+                    lambda e=execution_id, p=pool, m=msg_id: ingest.publish(
+                        command_record(e, p), msg_id=m, timeout=30
+                    ),
+                    record,
+                    "publish",
+                )
+            _published(record, execution_id, pool, msg_id, published, attempt, traceparent)
         if (n + 1) % args.burst == 0:
             time.sleep(args.gap)
 
 
 def _published(
-    record: Recorder, execution_id: str, pool: str, msg_id: str, published: Any, attempt: int
+    record: Recorder,
+    execution_id: str,
+    pool: str,
+    msg_id: str,
+    published: Any,
+    attempt: int,
+    traceparent: str,
 ) -> None:
     record(
         "published" if attempt == 0 else "republished",
@@ -167,6 +191,7 @@ def _published(
         msg_id=msg_id,
         sort_key=published.sort_key,
         duplicate=published.duplicate,
+        traceparent=traceparent,
     )
 
 
@@ -250,6 +275,7 @@ async def _worker_trio(args: argparse.Namespace, record: Recorder) -> None:
                 delivery.redelivered,
                 delivery.deliveries,
                 batch=len(deliveries) if batched else None,
+                traceparent=delivery.traceparent,
             )
         held = [delivery.sort_key for delivery in deliveries]
         try:
@@ -281,7 +307,14 @@ def _worker_blocking(args: argparse.Namespace, record: Recorder) -> None:
         if delivery is None:
             continue
         sort_key, execution_id = delivery.sort_key, str(delivery.record["execution_id"])
-        _claimed(record, delivery.sort_key, execution_id, delivery.redelivered, delivery.deliveries)
+        _claimed(
+            record,
+            delivery.sort_key,
+            execution_id,
+            delivery.redelivered,
+            delivery.deliveries,
+            traceparent=delivery.traceparent,
+        )
         plan = Plan(rng, delivery.redelivered, args.ack_wait, v2=True)
         try:
             if plan.nack:
@@ -323,7 +356,11 @@ def _claimed(
     redelivered: bool,
     deliveries: int | None,
     batch: int | None = None,
+    *,
+    traceparent: str | None = None,
 ) -> None:
+    """A delivery as its worker saw it; a v2 worker's with the trace context it carried
+    (None: none), which v1 frames cannot carry (no ``traceparent`` key)."""
     record(
         "claimed",
         sort_key=sort_key,
@@ -331,6 +368,7 @@ def _claimed(
         redelivered=redelivered,
         deliveries=deliveries,
         **({} if batch is None else {"batch": batch}),
+        **({} if deliveries is None else {"traceparent": traceparent}),
     )
 
 

@@ -517,6 +517,16 @@ def violations(outcome: Outcome) -> list[str]:
         if not (x["duplicate"] and x["sort_key"] == first_key[x["msg_id"]]):
             out.append(f"a retried msg_id {x['msg_id']} was not a duplicate: {x}")
 
+    # Every v2 delivery of a command carries the trace context it was published with, also
+    # after the writer was killed and restarted (it is stored with the record).
+    traced_as = {x["sort_key"]: x.get("traceparent") for x in published}
+    for x in outcome.kind("claimed"):
+        if "traceparent" in x and x["traceparent"] != traced_as.get(x["sort_key"]):
+            out.append(
+                f"command {x['sort_key']} was delivered to {x['actor']} with trace context "
+                f"{x['traceparent']}, published with {traced_as.get(x['sort_key'])}"
+            )
+
     # Every command claimed, acked once, redelivered only for a reason, never dead.
     claims: dict[int, list[dict[str, Any]]] = defaultdict(list)
     events_of: dict[str, dict[int, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))

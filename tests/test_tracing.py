@@ -8,7 +8,8 @@ import json
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,12 @@ import pytest
 import trio
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    SimpleSpanProcessor,
+    SpanExporter,
+    SpanExportResult,
+)
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
@@ -102,7 +108,9 @@ async def test_one_trace_from_the_publisher_through_the_writer_to_the_workers_ac
     assert (
         worker.parent is not None and worker.parent.span_id == publisher.get_span_context().span_id
     )
-    (ack,) = named(finished, "ack commands")
+    (ack,) = named(finished, "ack commands")  # the worker's ack, in the worker's span
+    assert ack.parent is not None and ack.parent.span_id == worker.get_span_context().span_id
+    assert ack.context.trace_id == trace_id
     assert ack.attributes is not None and ack.attributes["cmdbus.settled"] == 1
     assert ack.status.status_code is StatusCode.UNSET
 
@@ -217,6 +225,52 @@ def test_an_exporter_it_cannot_make_leaves_tracing_off_and_says_why(
 ) -> None:
     assert tracing_setup.from_environment(environ) is None
     assert "tracing_off" in caplog.text
+
+
+class _Stuck(SpanExporter):
+    """A collector that never answers: each export waits until the test ends."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.exports = 0
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        self.exports += 1
+        self.release.wait(60)
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        pass
+
+
+def test_the_exit_waits_for_a_stuck_collector_no_longer_than_its_bound(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The exit's flush is bounded (here 0.2 s): an export that never returns costs the
+    exit that and no more, and the spans it held are said to be lost."""
+    stuck = _Stuck()
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(stuck, schedule_delay_millis=10))
+    try:
+        provider.get_tracer("tests").start_span("queued").end()
+        started = time.monotonic()
+        tracing_setup.shut_down(provider, wait_ms=200)
+        took = time.monotonic() - started
+        assert 0.2 <= took < 2.0, took
+        assert "tracing_flush_incomplete" in caplog.text
+        assert stuck.exports == 1  # the exporter was still in its export
+    finally:
+        stuck.release.set()
+
+
+def test_the_exit_flushes_what_is_queued(caplog: pytest.LogCaptureFixture) -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=60_000))
+    provider.get_tracer("tests").start_span("queued").end()
+    tracing_setup.shut_down(provider, wait_ms=5000)
+    assert [span.name for span in exporter.get_finished_spans()] == ["queued"]
+    assert "tracing_flush_incomplete" not in caplog.text
 
 
 def test_without_tracing_nothing_beyond_the_api_is_imported() -> None:

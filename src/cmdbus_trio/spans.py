@@ -194,9 +194,12 @@ def delivered(
     end(span, waited=waited)
 
 
-def settling(operation: str, face: str, group: str, sort_keys: int) -> Span | None:
-    """An ``ack`` or ``nack`` span (messaging: ``settle``), from now; the claim face
-    answers at once for a nack, once the acks are durable for an ack."""
+def settling(
+    operation: str, face: str, group: str, sort_keys: int, parent: TraceContext | None = None
+) -> Span | None:
+    """An ``ack`` or ``nack`` span (messaging: ``settle``), from now, a child of the
+    settling worker's span when the request carried its context; the claim face answers
+    at once for a nack, once the acks are durable for an ack."""
     if _tracer is None:
         return None
     attributes: dict[str, str | int | bool] = {
@@ -207,7 +210,7 @@ def settling(operation: str, face: str, group: str, sort_keys: int) -> Span | No
     }
     if sort_keys > 1:
         attributes["messaging.batch.message_count"] = sort_keys
-    return begin(f"{operation} {group}", trio.current_time(), attributes)
+    return begin(f"{operation} {group}", trio.current_time(), attributes, parent=parent)
 
 
 def settled(span: Span | None, outcome: Sequence[bool] | Exception) -> None:

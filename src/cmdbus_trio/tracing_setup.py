@@ -13,6 +13,7 @@ its log and serves without them. Nothing here is imported by the buses.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -82,10 +83,21 @@ def from_environment(environ: Mapping[str, str]) -> TracerProvider | None:
     return provider
 
 
-def shut_down(provider: TracerProvider | None) -> None:
-    """Export what is queued (for at most :data:`FLUSH_ON_EXIT_MS`), then stop."""
+def shut_down(provider: TracerProvider | None, wait_ms: int = FLUSH_ON_EXIT_MS) -> None:
+    """Export what is queued, then stop, taking at most ``wait_ms`` in all: a collector
+    that accepts connections and never answers must not hold up the exit (the SDK's own
+    waits are the exporter's timeout and retries, 10 s and more, and differ by version).
+    The spans not exported by then are lost, and the log says so."""
     if provider is None:
         return
-    if not provider.force_flush(FLUSH_ON_EXIT_MS):
-        event(log, logging.WARNING, "tracing_flush_incomplete", waited_ms=FLUSH_ON_EXIT_MS)
-    provider.shutdown()
+
+    def flush_and_stop() -> None:
+        provider.force_flush(wait_ms)
+        provider.shutdown()
+
+    # A daemon thread: if it is still waiting on the collector, the process exits anyway.
+    stopping = threading.Thread(target=flush_and_stop, name="tracing:exit", daemon=True)
+    stopping.start()
+    stopping.join(wait_ms / 1000)
+    if stopping.is_alive():
+        event(log, logging.WARNING, "tracing_flush_incomplete", waited_ms=wait_ms)

@@ -18,8 +18,10 @@ from cmdbus_trio.bus import Bus
 from cmdbus_trio.bus.retention import RetentionPolicy
 from cmdbus_trio.client.trio import SubscribeClient
 from cmdbus_trio.config import Config
+from cmdbus_trio.protocol.trace import TraceContext
 from cmdbus_trio.storage.buslog import (
     RETENTION_BATCH,
+    BusEntry,
     BusLog,
     Retained,
     Settlements,
@@ -528,3 +530,28 @@ async def test_retention_skips_a_poisoned_store_and_the_writer_stays_live(
             readyz = (await get(addresses["control"], "/readyz")).json()
             assert not [r for r in readyz["reasons"] if "crashed" in r]
             assert any("poisoned" in r for r in readyz["reasons"])
+
+
+def test_trace_context_stays_with_the_records_retention_keeps(tmp_path: Path, clock: Clock) -> None:
+    """Issue 49, item 1: a record's trace context lives and goes with it: the settled
+    ones are deleted, the space returned (the vacuum step), and the kept ones still carry
+    theirs."""
+    log = open_log(tmp_path / "commands.sqlite3", clock)
+    contexts = [TraceContext(f"00-{n:032x}-{n:016x}-01", f"k={n}") for n in range(1, 11)]
+    log.publish(
+        [
+            BusEntry("commands.shared.x", json.dumps({"n": n}), trace=c)
+            for n, c in enumerate(contexts)
+        ]
+    )
+    log.commit(done=Settlements(acks=[("commands", k) for k in range(1, 6)]))
+    log.commit(done=Settlements(positions=[("commands", 6)]))
+    retain(log)
+    clock.now += 11
+    assert retain(log).records == 5
+    while log.vacuum_step(1000):
+        pass
+    assert {r.sort_key: r.trace for r in log.read_after(0, 100)} == dict(
+        zip(range(6, 11), contexts[5:], strict=True)
+    )
+    log.close()

@@ -63,7 +63,7 @@ field_names = st.sampled_from(
     ["execution_id", "payload", "payloads", "tier", "after", "limit", "transaction_id",
      "expected_version", "record", "records", "msg_id", "filter", "group", "from",
      "sort_key", "timeout_ms", "delay_ms", "member", "id", "op", "other", "sort_keys",
-     "Next", "Ack", "Nack", "shard", "cursor", "max"]
+     "Next", "Ack", "Nack", "shard", "cursor", "max", "traceparent", "tracestate"]
 )  # fmt: skip
 fields = st.dictionaries(field_names, json_values, max_size=5)
 

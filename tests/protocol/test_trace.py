@@ -125,3 +125,40 @@ def test_a_record_without_context_is_delivered_without_its_keys() -> None:
     assert claim.delivery(handed, "{}", None) == claim.delivery(handed, "{}")
     letter = json.loads(claim.dead_letter(3, "s", 2, "{}", TraceContext(PARENT)))
     assert letter["traceparent"] == PARENT and "tracestate" not in letter
+
+
+def test_ack_and_nack_take_the_workers_context_and_extend_does_not() -> None:
+    fields = {"sort_keys": [1, 2], "traceparent": PARENT}
+    ack = claim.decode_op("ack", fields, named_groups=False)
+    nack = claim.decode_op("nack", {**fields, "tracestate": "a=1"}, named_groups=False)
+    assert isinstance(ack, claim.Ack) and ack.trace == TraceContext(PARENT)
+    assert isinstance(nack, claim.Nack) and nack.trace == TraceContext(PARENT, "a=1")
+    plain = claim.decode_op("ack", {"sort_key": 1}, named_groups=False)
+    assert isinstance(plain, claim.Ack) and plain.trace is None
+    with pytest.raises(FieldError, match=r"^traceparent: unknown field"):
+        claim.decode_op("extend", fields, named_groups=False)
+    with pytest.raises(FieldError, match=r"^traceparent: the trace id is all zeros"):
+        claim.decode_op(
+            "ack",
+            {"sort_key": 1, "traceparent": f"00-{'0' * 32}-{'1' * 16}-01"},
+            named_groups=False,
+        )
+
+
+@given(
+    parent=st.from_regex(r"00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-fA-F]{2}", fullmatch=True),
+    state=st.none() | st.text(max_size=600),
+)
+def test_whatever_is_accepted_is_storable_and_comes_back_as_json(
+    parent: str, state: str | None
+) -> None:
+    """Any traceparent and tracestate: refused naming the field, or accepted as text that
+    encodes (SQLite stores it) and makes valid JSON members."""
+    try:
+        context = trace.decode({"traceparent": parent, "tracestate": state})
+    except FieldError as exc:
+        assert str(exc).split(":")[0] in ("traceparent", "tracestate")
+        return
+    assert context is not None
+    context.traceparent.encode()
+    assert json.loads(b"{" + context.json_members()[1:] + b"}") == context.as_fields()

@@ -198,17 +198,21 @@ class Consumer:
         for delivery in leased:
             claims.give_back(delivery.sort_key, self)
 
-    def ack(self, group: Any, sort_keys: Sequence[int]) -> Deferred[list[bool]]:
+    def ack(
+        self, group: Any, sort_keys: Sequence[int], trace: TraceContext | None = None
+    ) -> Deferred[list[bool]]:
         """Make the acks of records this connection holds durable, in one group commit
         (with the publishes and acks queued meanwhile). For each key in order: True once
         the commit is settled, False when the connection holds no record by that key
         (answered at once when it holds none). Once the commit settles, the claim index
         forgets the records, or, if the commit failed, redelivers them and the outcome
-        is the error.
+        is the error. ``trace``: the acking worker's context, the parent of the ``ack``
+        span.
 
         Error handling: :class:`FieldError` naming the group field (raised)."""
         claims = self.groups.known(group)
-        span = spans.settling("ack", self.face, _group_name(claims, group), len(sort_keys))
+        group_name = _group_name(claims, group)
+        span = spans.settling("ack", self.face, group_name, len(sort_keys), trace)
         begun = [claims is not None and claims.begin_ack(key, self) for key in sort_keys]
         if claims is None or not any(begun):
             spans.settled(span, begun)
@@ -230,14 +234,21 @@ class Consumer:
         self.bus.committer.enqueue(Ticket(acks=acks, on_settled=settled))
         return acked
 
-    def nack(self, group: Any, sort_keys: Sequence[int], delay: float | None = None) -> list[bool]:
+    def nack(
+        self,
+        group: Any,
+        sort_keys: Sequence[int],
+        delay: float | None = None,
+        trace: TraceContext | None = None,
+    ) -> list[bool]:
         """End this connection's leases of the records: each redelivers after ``delay``
         seconds (None: the group's ``ack_wait``). For each key: False when the
         connection holds no record by it.
 
         Error handling: :class:`FieldError` naming the group field."""
         claims = self.groups.known(group)
-        span = spans.settling("nack", self.face, _group_name(claims, group), len(sort_keys))
+        group_name = _group_name(claims, group)
+        span = spans.settling("nack", self.face, group_name, len(sort_keys), trace)
         if claims is None:
             nacked = [False] * len(sort_keys)
         else:

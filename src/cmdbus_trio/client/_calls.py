@@ -230,10 +230,15 @@ def _settling(
     name = {"ack": "acked", "nack": "nacked", "extend": "extended"}[op]
     return Call(
         op,
-        _options(sort_keys=list(sort_keys), group=group, **fields),
+        _options(sort_keys=list(sort_keys), group=group, **fields) | _worker_trace(op),
         lambda reply: [bool(outcome) for outcome in reply[name]],
         idempotent=True,
     )
+
+
+def _worker_trace(op: str) -> dict[str, str]:
+    """An ack's or nack's trace context: the worker's current span (an extend has none)."""
+    return {} if op == "extend" else current_fields()
 
 
 def ack_many(sort_keys: Sequence[int], group: str | None = None) -> Call[list[bool]]:
@@ -254,19 +259,14 @@ def extend_many(sort_keys: Sequence[int], group: str | None = None) -> Call[list
 
 
 def ack(sort_key: int, group: str | None = None) -> Call[bool]:
-    return Call(
-        "ack", _options(sort_key=sort_key, group=group), lambda r: bool(r["acked"]), idempotent=True
-    )
+    fields = _options(sort_key=sort_key, group=group) | current_fields()
+    return Call("ack", fields, lambda r: bool(r["acked"]), idempotent=True)
 
 
 def nack(sort_key: int, group: str | None = None, delay: float | None = None) -> Call[bool]:
     delay_ms = None if delay is None else max(0, round(delay * 1000))
-    return Call(
-        "nack",
-        _options(sort_key=sort_key, group=group, delay_ms=delay_ms),
-        lambda r: bool(r["nacked"]),
-        idempotent=True,
-    )
+    fields = _options(sort_key=sort_key, group=group, delay_ms=delay_ms) | current_fields()
+    return Call("nack", fields, lambda r: bool(r["nacked"]), idempotent=True)
 
 
 def extend(sort_key: int, group: str | None = None) -> Call[bool]:

@@ -19,6 +19,7 @@ from ._fields import I64_MAX, FieldError, UnsupportedOp, is_int, whole_number
 from ._json import dumps, dumps_str, loads
 from .subjects import parse_filter
 from .trace import TraceContext
+from .trace import decode as decode_trace
 
 OPS: Final = ("next", "ack", "nack", "extend", "lag", "dead", "requeue", "purge")
 """The command claim face's v2 ops."""
@@ -34,8 +35,9 @@ MAX_CLAIM_BATCH: Final = 1000
 
 _FIELDS: Final[Mapping[str, frozenset[str]]] = {
     "next": frozenset({"filter", "group", "from", "member", "timeout_ms", "max"}),
-    "ack": frozenset({"sort_key", "sort_keys", "group"}),
-    "nack": frozenset({"sort_key", "sort_keys", "group", "delay_ms"}),
+    # The settling worker's trace context: the writer's ack or nack span is its child.
+    "ack": frozenset({"sort_key", "sort_keys", "group", "traceparent", "tracestate"}),
+    "nack": frozenset({"sort_key", "sort_keys", "group", "delay_ms", "traceparent", "tracestate"}),
     "extend": frozenset({"sort_key", "sort_keys", "group"}),
     "lag": frozenset({"filter", "group"}),
     "dead": frozenset({"filter", "group", "after", "limit"}),
@@ -75,6 +77,8 @@ class Ack:
     sort_keys: tuple[int, ...]
     many: bool = False
     """Named by ``sort_keys`` (the reply is a list, in their order), not ``sort_key``."""
+    trace: TraceContext | None = None
+    """The acking worker's context (its span is the parent of the writer's)."""
     op = "ack"
 
 
@@ -84,6 +88,7 @@ class Nack:
     sort_keys: tuple[int, ...]
     delay_ms: int
     many: bool = False
+    trace: TraceContext | None = None
     op = "nack"
 
 
@@ -152,12 +157,16 @@ def decode_op(op: str, fields: Mapping[str, Any], *, named_groups: bool) -> Clai
     if op == "next":
         tokens = parse_filter(fields.get("filter"))
         return Next(group, fields.get("from"), tokens, _timeout(fields), _max(fields))
-    if op in ("ack", "extend"):
+    if op == "ack":
         keys, many = _settling(fields)
-        return (Ack if op == "ack" else Extend)(group, keys, many)
+        return Ack(group, keys, many, decode_trace(fields))
+    if op == "extend":
+        keys, many = _settling(fields)
+        return Extend(group, keys, many)
     if op == "nack":
         keys, many = _settling(fields)
-        return Nack(group, keys, whole_number(fields.get("delay_ms", 0), "delay_ms"), many)
+        delay_ms = whole_number(fields.get("delay_ms", 0), "delay_ms")
+        return Nack(group, keys, delay_ms, many, decode_trace(fields))
     if op == "lag":
         return Lag(group, None if fields.get("filter") is None else parse_filter(fields["filter"]))
     if op == "dead":
