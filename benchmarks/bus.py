@@ -5,6 +5,7 @@
     and `nats-py`: pip install redis nats-py)
     python benchmarks/bus.py --peer redis --quick          # about 1 minute
     python benchmarks/bus.py --only "publish x16"          # the workloads named so
+    python benchmarks/bus.py --only 'claim+ack x16$'       # that one alone
     python benchmarks/bus.py --memory                      # writer RSS with a 1M backlog
     python benchmarks/bus.py --baseline REV --rounds 3     # A/B against REV, medians of 3
     python benchmarks/bus.py --traced                      # also the writer exporting spans
@@ -447,6 +448,14 @@ def start(
     return Server(name, process, address, ports["control"], ",".join(scraped))
 
 
+def chosen(name: str, only: str | None) -> bool:
+    """``--only``: workloads whose name starts with it, or exactly that one when it ends
+    with ``$`` (``"claim+ack x16$"`` leaves out its batched forms)."""
+    if only is None:
+        return True
+    return name == only[:-1] if only.endswith("$") else name.startswith(only)
+
+
 def workloads(rate: float | None) -> list[tuple[str, list[tuple[str, int, float]]]]:
     """(name, loads) in the order they run: the steady one first, on an empty bus."""
     runs = []
@@ -571,7 +580,9 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--backlog", type=int, default=40_000, help="records preloaded for claims")
     parser.add_argument("--rate", type=float, help="add the steady end-to-end workload (records/s)")
-    parser.add_argument("--only", help="run only the workloads whose name starts with this")
+    parser.add_argument(
+        "--only", help="run only the workloads whose name starts with this ('NAME$': that one)"
+    )
     parser.add_argument("--quick", action="store_true", help="3 s workloads, 10k backlog")
     parser.add_argument(
         "--probe-every", type=float, default=0.05, help="seconds between /healthz probes"
@@ -610,7 +621,7 @@ def main() -> None:
         *(["floor", "floor+disk"] if args.floor else []),
         *dict.fromkeys(args.peer),
     ]
-    runs = [(k, loads) for k, loads in workloads(args.rate) if k.startswith(args.only or "")]
+    runs = [(k, loads) for k, loads in workloads(args.rate) if chosen(k, args.only)]
     rounds: list[dict[str, dict[str, Any]]] = []
     for round_number in range(args.rounds):
         results: dict[str, dict[str, Any]] = {name: {} for name in names}

@@ -246,3 +246,37 @@ def test_a_store_made_before_trace_context_opens_and_takes_it(tmp_path: Path) ->
         ]
     finally:
         log.close()
+
+
+def test_only_reads_that_reach_traced_records_read_the_trace_columns(tmp_path: Path) -> None:
+    """Two more columns on every body read cost a claim+ack 5%: a log reads them only for
+    keys in the range where it stored trace context, which an append widens before it
+    returns and a reopen finds again (the partial index). Reads on either side of the
+    range, and across it, are as correct as before."""
+    traced = TraceContext("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
+    path = tmp_path / "commands.sqlite3"
+    log = BusLog.open(path)
+    try:
+        log.publish([entry(n) for n in range(1, 4)])
+        assert log._traced is None and log._columns(1, 3) == "sort_key, subject, record"
+        log.publish(
+            [attrs.evolve(entry(4, msg_id="m"), trace=traced), entry(5), entry(6, msg_id="m")]
+        )  # the third is a duplicate of the first: no record, nothing traced
+        log.publish([attrs.evolve(entry(7), trace=traced), entry(8)])
+        assert log._traced == (4, 6)
+        assert log._columns(1, 3) == "sort_key, subject, record"
+        assert log._columns(7, 9) == "sort_key, subject, record"
+        assert "traceparent" in log._columns(1, 4) and "traceparent" in log._columns(6, 100)
+        expected = {1: None, 2: None, 3: None, 4: traced, 5: None, 6: traced, 7: None}
+        assert {k: r.trace for k, r in log.read_many([1, 2, 3, 4, 5, 6, 7]).items()} == expected
+        assert [log.read(k).trace for k in (3, 4)] == [None, traced]  # type: ignore[union-attr]
+        assert [r.trace for r in log.read_after(6, 10)] == [None]
+        assert [r.trace for r in log.read_after(0, 10)] == list(expected.values())
+    finally:
+        log.close()
+    reopened = BusLog.open(path)
+    try:
+        assert reopened._traced == (4, 6)
+        assert reopened.read_many([4])[4].trace == traced
+    finally:
+        reopened.close()

@@ -77,6 +77,11 @@ def create(connection: sqlite3.Connection, now: float) -> tuple[int, int, int]:
     if "traceparent" not in columns:  # a store made before trace context: no record has any
         connection.execute("ALTER TABLE records ADD COLUMN traceparent TEXT")
         connection.execute("ALTER TABLE records ADD COLUMN tracestate TEXT")
+    # Only traced records are in it: an untraced append does not touch it.
+    connection.execute(
+        "CREATE INDEX IF NOT EXISTS records_traced ON records (sort_key) "
+        "WHERE traceparent IS NOT NULL"
+    )
     columns = {row[1] for row in connection.execute("PRAGMA table_info(dead)")}
     if "died_at" not in columns:  # a store made before retention
         connection.execute("ALTER TABLE dead ADD COLUMN died_at REAL")
@@ -89,3 +94,12 @@ def create(connection: sqlite3.Connection, now: float) -> tuple[int, int, int]:
     deleted_through = int(row[0]) if row else 0
     row = connection.execute("SELECT seq FROM sqlite_sequence WHERE name = 'records'").fetchone()
     return records, deleted_through, int(row[0]) if row else 0
+
+
+def traced_range(connection: sqlite3.Connection) -> tuple[int, int] | None:
+    """The lowest and highest sort keys of records stored with trace context (from the
+    partial index), or None when there are none."""
+    low, high = connection.execute(
+        "SELECT min(sort_key), max(sort_key) FROM records WHERE traceparent IS NOT NULL"
+    ).fetchone()
+    return None if low is None else (int(low), int(high))

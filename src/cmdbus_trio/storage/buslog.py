@@ -16,15 +16,13 @@ from collections.abc import Callable, Generator, Sequence
 from functools import partial
 from pathlib import Path
 
-import attrs
-
 from cmdbus_trio.protocol.bus import Published
 from cmdbus_trio.protocol.claim import MAX_SORT_KEYS
 from cmdbus_trio.protocol.subjects import matches
-from cmdbus_trio.protocol.trace import TraceContext
 
 from . import _bus_retention, _bus_schema, _bus_writes
 from ._bus_retention import RETENTION_BATCH, Evicted, Retained, Windows
+from ._bus_rows import HIGHEST, PLAIN, TRACED, DeadRecord, StoredRecord, stored_records, trace_of
 from ._bus_writes import NOTHING_SETTLED, BusEntry, Settlements
 from ._guard import refuses_loop_thread
 from ._sqlite import SqliteStore
@@ -54,36 +52,6 @@ DEAD_KEYS_PAGE = MAX_SORT_KEYS
 sort keys or a filter: as many as one request may name, so named ones take one query."""
 
 
-@attrs.frozen
-class StoredRecord:
-    sort_key: int
-    subject: str
-    record: str
-    trace: TraceContext | None = None
-    """The trace context it was published with (None: none)."""
-
-
-@attrs.frozen
-class DeadRecord:
-    sort_key: int
-    subject: str
-    record: str
-    deliveries: int
-    trace: TraceContext | None = None
-
-
-_STORED = "sort_key, subject, record, traceparent, tracestate"
-"""The columns :func:`_stored` takes, in its order."""
-
-
-def _trace(traceparent: str | None, tracestate: str | None) -> TraceContext | None:
-    return None if traceparent is None else TraceContext(traceparent, tracestate)
-
-
-def _stored(row: tuple[int, str, str, str | None, str | None]) -> StoredRecord:
-    return StoredRecord(row[0], row[1], row[2], _trace(row[3], row[4]))
-
-
 class BusLog(SqliteStore):
     def __init__(
         self,
@@ -101,10 +69,24 @@ class BusLog(SqliteStore):
         self._last_sort_key = 0
         self._records = 0
         self._deleted_through = 0
+        self._traced: tuple[int, int] | None = None
+        """The lowest and highest sort keys of records stored with trace context (None:
+        none). Only reads of keys in that range read the trace columns: two more
+        columns on every body read cost a claim+ack 5% (docs/benchmarks.md, "Tracing").
+        Widened under the write lock once an append commits, so before any reader can
+        ask for the record; never narrowed by retention (a stale range only reads more)."""
 
     def _setup(self, connection: sqlite3.Connection) -> None:
         counted = _bus_schema.create(connection, self._wall_clock())
         self._records, self._deleted_through, self._last_sort_key = counted
+        self._traced = _bus_schema.traced_range(connection)
+
+    def _columns(self, lowest: int, highest: int) -> str:
+        """The columns to read records with sort keys from ``lowest`` to ``highest`` by."""
+        traced = self._traced
+        if traced is None or highest < traced[0] or lowest > traced[1]:
+            return PLAIN
+        return TRACED
 
     @property
     def last_sort_key(self) -> int:
@@ -134,15 +116,23 @@ class BusLog(SqliteStore):
                 return []
             return _bus_writes.append(connection, entries, now, self.dedup_window)
 
-        return self._write(write, committed=self._appended)
+        return self._write(write, committed=partial(self._appended, entries=entries))
 
-    def _appended(self, results: list[Published]) -> None:
+    def _appended(self, results: list[Published], entries: Sequence[BusEntry]) -> None:
         """After an appending transaction committed, under the write lock: a retention
         step in another thread reads and changes the same counts."""
         fresh = [r.sort_key for r in results if not r.duplicate]
         if fresh:
             self._last_sort_key = max(self._last_sort_key, *fresh)
             self._records += len(fresh)
+        traced = [
+            r.sort_key
+            for r, entry in zip(results, entries, strict=True)
+            if entry.trace is not None and not r.duplicate
+        ]
+        if traced:
+            low, high = self._traced or (traced[0], traced[0])
+            self._traced = (min(low, *traced), max(high, *traced))
 
     @property
     def records(self) -> int:
@@ -247,11 +237,12 @@ class BusLog(SqliteStore):
 
     @refuses_loop_thread
     def read(self, sort_key: int) -> StoredRecord | None:
+        columns = self._columns(sort_key, sort_key)
         with self._connection() as connection:
-            row = connection.execute(
-                f"SELECT {_STORED} FROM records WHERE sort_key = ?", (sort_key,)
-            ).fetchone()
-        return None if row is None else _stored(row)
+            rows = connection.execute(
+                f"SELECT {columns} FROM records WHERE sort_key = ?", (sort_key,)
+            ).fetchall()
+        return next(iter(stored_records(rows, columns)), None)
 
     @refuses_loop_thread
     def read_many(self, sort_keys: Sequence[int]) -> dict[int, StoredRecord]:
@@ -262,12 +253,13 @@ class BusLog(SqliteStore):
         if not sort_keys:
             return {}
         marks = ", ".join("?" * len(sort_keys))
+        columns = self._columns(min(sort_keys), max(sort_keys))
         with self._connection() as connection:
             rows = connection.execute(
-                f"SELECT {_STORED} FROM records WHERE sort_key IN ({marks})",
+                f"SELECT {columns} FROM records WHERE sort_key IN ({marks})",
                 tuple(sort_keys),
             ).fetchall()
-        return {int(row[0]): _stored(row) for row in rows}
+        return {record.sort_key: record for record in stored_records(rows, columns)}
 
     @refuses_loop_thread
     def settled_below(self, consumer: str) -> int:
@@ -289,7 +281,7 @@ class BusLog(SqliteStore):
         coordinator loads. Starts at the consumer's settled position when that is further
         on."""
         after = max(after, self.settled_below(consumer) - 1)
-        through = (1 << 63) - 1 if through is None else through
+        through = HIGHEST if through is None else through
         with self._connection() as connection:
             rows = connection.execute(
                 "SELECT r.sort_key, r.subject, COALESCE(c.deliveries, 0) FROM records r "
@@ -344,7 +336,7 @@ class BusLog(SqliteStore):
             with self._connection() as connection:
                 _with_subject_matches(connection)
                 page = [
-                    DeadRecord(row[0], row[1], row[2], row[3], _trace(row[4], row[5]))
+                    DeadRecord(row[0], row[1], row[2], row[3], trace_of(row[4], row[5]))
                     for row in connection.execute(
                         "SELECT r.sort_key, r.subject, r.record, d.deliveries, r.traceparent, "
                         "r.tracestate FROM dead d "
@@ -407,12 +399,13 @@ class BusLog(SqliteStore):
     @refuses_loop_thread
     def read_after(self, after: int, limit: int) -> list[StoredRecord]:
         """Up to ``limit`` records with ``sort_key > after``, ascending."""
+        columns = self._columns(after + 1, HIGHEST)
         with self._connection() as connection:
             rows = connection.execute(
-                f"SELECT {_STORED} FROM records WHERE sort_key > ? ORDER BY sort_key LIMIT ?",
+                f"SELECT {columns} FROM records WHERE sort_key > ? ORDER BY sort_key LIMIT ?",
                 (after, limit),
             ).fetchall()
-        return [_stored(row) for row in rows]
+        return stored_records(rows, columns)
 
 
 @functools.lru_cache(maxsize=256)
