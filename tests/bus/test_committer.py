@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -15,7 +16,7 @@ import trio
 
 from cmdbus_trio.bus import committer as committer_module
 from cmdbus_trio.bus.committer import Committed, GroupCommitter, Ticket
-from cmdbus_trio.loop.batcher import ThreadBatcher
+from cmdbus_trio.loop.batcher import ThreadBatcher, take_up_to
 from cmdbus_trio.protocol import FieldError
 from cmdbus_trio.protocol.bus import BusKind, PublishRecord, SubjectRule
 from cmdbus_trio.storage import StoreUnavailable
@@ -239,6 +240,73 @@ async def test_a_lingering_thread_takes_what_comes_after_its_queue_emptied() -> 
             await done.wait()
             nursery.cancel_scope.cancel()
     assert settled == [[1], [2]] and calls == 1  # max_batches (2) ended the call
+
+
+async def test_a_lingering_thread_takes_a_turns_items_together() -> None:
+    """Items put in one turn of the loop go to a lingering thread in one batch, even
+    when the loop lets go of the GIL between them (as a socket read does): told at
+    once, the thread took the first alone and the rest waited for another commit."""
+    batches: list[list[int]] = []
+    settled = trio.Event()
+
+    def take(queue: deque[int]) -> list[int]:
+        return take_up_to(queue, 100, lambda _: 1)
+
+    def settle(batch: list[int], _outcome: object) -> None:
+        if batch != [0]:
+            settled.set()
+
+    batcher = ThreadBatcher(take, batches.append, settle, name="test", linger=1)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(batcher.run)
+            batcher.put(0)
+            while not batches:  # the thread ran it and lingers
+                await trio.sleep(0.01)
+            for item in (1, 2, 3):  # one turn: no checkpoint between them
+                batcher.put(item)
+                time.sleep(0.05)  # noqa: ASYNC251 (the GIL let go within one turn, as a read does)
+            await settled.wait()
+            nursery.cancel_scope.cancel()
+    assert batches == [[0], [1, 2, 3]]
+
+
+async def test_a_lingering_thread_told_of_an_item_it_took_already_waits_again() -> None:
+    """The thread finishes a batch and takes the item queued meanwhile before the
+    turn that queued it ends; the word of it then comes to a thread with nothing
+    queued, which waits again instead of taking an empty batch."""
+    batches: list[list[int]] = []
+    first_running = threading.Event()
+    release_first = threading.Event()
+    done = trio.Event()
+
+    def work(batch: list[int]) -> None:
+        batches.append(batch)
+        if batch == [0]:
+            first_running.set()
+            release_first.wait(10)
+
+    def settle(batch: list[int], _outcome: object) -> None:
+        if batch == [2]:
+            done.set()
+
+    batcher = ThreadBatcher(
+        lambda q: take_up_to(q, 100, lambda _: 1), work, settle, name="test", linger=1
+    )
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(batcher.run)
+            batcher.put(0)
+            while not first_running.is_set():
+                await trio.sleep(0.01)
+            batcher.put(1)  # told as this turn ends...
+            release_first.set()
+            time.sleep(0.3)  # noqa: ASYNC251 (...by when the thread took it and waits, empty)
+            await trio.sleep(0.3)  # the word comes; the thread must not take nothing
+            batcher.put(2)
+            await done.wait()
+            nursery.cancel_scope.cancel()
+    assert batches == [[0], [1], [2]]
 
 
 @pytest.mark.parametrize(

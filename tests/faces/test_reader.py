@@ -124,3 +124,65 @@ async def test_linger_ends_after_its_bytes_with_a_peer_that_floods() -> None:
                 await theirs.send_all(b"w" * 10_000)
     assert lingering.discarded is not None
     assert 100_000 <= lingering.discarded <= 100_000 + RECEIVE_CHUNK  # the read that passed it
+
+
+class StepCounter(trio.abc.Instrument):
+    """Counts the steps of tasks whose name ends with ``suffix``."""
+
+    def __init__(self, suffix: str) -> None:
+        self.suffix = suffix
+        self.steps = 0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        if task.name.endswith(self.suffix):
+            self.steps += 1
+
+
+async def test_a_request_with_nothing_ahead_of_it_is_taken_by_the_reader(
+    make_config: Callable[..., Config],
+) -> None:
+    """A lone request (nothing handed to the connection's dispatcher before it, nothing
+    making it wait) is taken in the reader's own task: no hand-over, so the dispatcher
+    (the connection's main task) takes no step for it. 20 requests one after another
+    cost it fewer steps than one each."""
+    config = make_config(cmd_ingest_bind="127.0.0.1:0")
+    counter = StepCounter("_run_handler")  # the connection's task: its dispatcher
+    with trio.fail_after(20):
+        async with running_writer(config) as (_, addresses):  # noqa: SIM117 (needs its address)
+            async with frame_client(addresses["cmd_ingest"]) as client:
+                await client.request("publish", record=RECORD)  # the hello's hand-over done
+                trio.lowlevel.add_instrument(counter)
+                try:
+                    replies = [await client.request("publish", record=RECORD) for _ in range(20)]
+                finally:
+                    trio.lowlevel.remove_instrument(counter)
+    assert all(reply["ok"] for reply in replies)
+    assert counter.steps < 5, counter.steps
+
+
+async def test_a_hello_and_requests_in_one_write_are_answered_hello_first(
+    make_config: Callable[..., Config],
+) -> None:
+    """The hello is the dispatcher's; the requests read with it wait behind it (none is
+    taken by the reader ahead of the hello's answer), and a bad one among them gets its
+    error in its place."""
+    config = make_config(cmd_ingest_bind="127.0.0.1:0")
+    hello = encode_frame(b'{"hello": {"protocol": 2, "client": "tests"}}')
+    frames = [
+        encode_frame(json.dumps({"id": 1, "op": "publish", "record": RECORD}).encode()),
+        encode_frame(b'{"id": 2, "op": "publish", "record": 7}'),
+        encode_frame(json.dumps({"id": 3, "op": "publish", "record": RECORD}).encode()),
+    ]
+    with trio.fail_after(20):
+        async with running_writer(config) as (_, addresses):  # noqa: SIM117 (needs its address)
+            async with frame_client(addresses["cmd_ingest"], v2=False) as client:
+                await client.stream.send_all(hello + b"".join(frames))
+                answers = [await client.receive_json() for _ in range(4)]
+                # Then lone requests, taken by the reader, on the same connection.
+                again = await client.request("publish", record=RECORD)
+    assert "hello" in answers[0] or answers[0].get("ok"), answers[0]
+    assert "id" not in answers[0]
+    by_id = {answer["id"]: answer for answer in answers[1:]}
+    assert by_id[1]["ok"] and by_id[3]["ok"]
+    assert by_id[2]["ok"] is False and by_id[2]["error"]["code"] == "invalid"
+    assert again["ok"]

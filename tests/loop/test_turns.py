@@ -193,6 +193,18 @@ async def test_the_control_face_is_favoured_for_at_most_its_share_of_the_loop() 
     assert room.count(True) >= 0.7 * len(room)
 
 
+async def test_a_turn_end_callback_runs_once_as_its_turn_ends() -> None:
+    """Not before the turn's other ready tasks have run, and once only."""
+    budget = turns.current()
+    calls: list[str] = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(trio.lowlevel.checkpoint)  # ready in the next turn
+        budget.at_turn_end(lambda: calls.append("end"))
+        calls.append("this turn")
+        await trio.sleep(0.01)  # a few turns later
+    assert calls == ["this turn", "end"]
+
+
 async def test_current_is_one_budget_per_run_and_counts_turns() -> None:
     budget = turns.current()
     assert turns.current() is budget

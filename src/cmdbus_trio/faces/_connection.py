@@ -3,10 +3,12 @@
 
 The wire decisions (dialect, hello, auth, envelopes, error frames, the reply cap) are the
 sans-io :class:`~cmdbus_trio.protocol.server.ServerConnection`'s; this module does the
-I/O around it. Per connection, a reader task feeds it bytes and hands its events over an
-unbuffered channel, the events of one read at a time (no more than the Gate has room
-for), so a client that sends faster than we serve is held back by TCP, never by our
-memory; the reader also notices when the client goes away, which cancels that
+I/O around it. Per connection, a reader task feeds it bytes and hands its events to the
+dispatcher over an unbuffered channel, the events of one read at a time (no more than
+the Gate has room for), so a client that sends faster than we serve is held back by TCP,
+never by our memory; a v2 request that nothing is ahead of and nothing would hold back,
+the reader takes itself (:meth:`Connection._take_now`: no hand-over, a turn of the loop
+less). The reader also notices when the client goes away, which cancels that
 connection's read work.
 
 A v2 request is answered by a task of its own, or, when the handler returns a
@@ -35,6 +37,8 @@ from cmdbus_trio.protocol.server import (
     Answer,
     Closed,
     Dialect,
+    Event,
+    FrameReceived,
     Opened,
     ServerConnection,
 )
@@ -46,16 +50,14 @@ from ._reader import (
     LINGER_REQUESTS,
     LINGER_SECONDS,
     MAX_INFLIGHT_PER_CONNECTION,
+    MAX_STEP,
+    RECEIVE_CHUNK,
     Batch,
     Reader,
     linger,
 )
 
 log = logging.getLogger(__name__)
-
-MAX_STEP = 0.0005
-"""Seconds of requests the dispatcher takes in before the loop's other tasks run: every
-task runs once per pass of the loop, so a long step makes every other task late."""
 
 
 @attrs.define
@@ -98,6 +100,7 @@ class Connection:
         self._large = trio.CapacityLimiter(
             max(1, config.connection_unsent_bytes // config.max_reply_bytes)
         )
+        self._slots = trio.CapacityLimiter(MAX_INFLIGHT_PER_CONNECTION)  # requests in flight
         self.reader = Reader(
             ctx,
             stream,
@@ -105,8 +108,7 @@ class Connection:
             self.outbox,
             holding=lambda: self.handler.holding(),
             end=self._end,
-            lend=self._lend_from_budget,
-            give_back=lambda lent: self._give_back(lent, None),
+            take_now=self._take_now,
         )
 
     @classmethod
@@ -181,9 +183,14 @@ class Connection:
     async def _take_events(
         self, batches: trio.MemoryReceiveChannel[Batch], inflight: trio.Nursery
     ) -> None:
-        slots = trio.CapacityLimiter(MAX_INFLIGHT_PER_CONNECTION)
         budget = turns.current()
-        async for batch in batches:
+        while True:
+            self.reader.dispatcher_idle = True
+            try:
+                batch = await batches.receive()
+            except trio.EndOfChannel:
+                return
+            self.reader.dispatcher_idle = False
             await budget.wait()
             until = time.perf_counter() + MAX_STEP
             for taken, arrival in batch:
@@ -199,7 +206,7 @@ class Connection:
                 elif self.protocol.dialect is Dialect.V1:
                     if not await self._v1(taken.data, arrival):
                         return
-                elif not await self._take_request(taken.data, arrival, slots, inflight):
+                elif not await self._take_request(taken.data, arrival, inflight):
                     return
 
     async def _close(self, closed: Closed) -> None:
@@ -209,18 +216,12 @@ class Connection:
             self._answered_last = True
         await self.outbox.wait_flushed()
 
-    async def _take_request(
-        self,
-        frame: bytes,
-        arrival: float,
-        slots: trio.CapacityLimiter,
-        inflight: trio.Nursery,
-    ) -> bool:
+    async def _take_request(self, frame: bytes, arrival: float, inflight: trio.Nursery) -> bool:
         """Start answering one frame; False when the connection takes no more."""
         # A client that does not read its replies: take nothing more from it until they
         # drain (its requests wait in its socket, costing the writer nothing).
         await self.outbox.wait_drained()
-        lent = await self._lend(len(frame))  # before parsing: it weighs more parsed
+        lent = await self.reader.lend(len(frame))  # before parsing: it weighs more parsed
         request = self.protocol.read_request(frame)
         if not isinstance(request, Request):
             self._give_back(lent, None)
@@ -232,7 +233,7 @@ class Connection:
         gate = self.ctx.gate_of(request.op)
         gated = request.op in self.handler.gated_ops
         if gated and gate.intake_full:
-            if slots.borrowed_tokens or self._shed_recently:
+            if self._slots.borrowed_tokens or self._shed_recently:
                 # A client with requests in flight, or just told `busy`, while every slot
                 # and queue place is taken: its next request waits for room (at most
                 # shed_after, the retry_after it was given; then it goes on and, likely
@@ -244,69 +245,101 @@ class Connection:
         elif gated:
             self._shed_recently = False
         slot = object()  # a hashable borrower token per request
-        try:  # without a wait when free (see _lend)
-            slots.acquire_on_behalf_of_nowait(slot)
+        try:  # without a wait when free (see Reader.lend)
+            self._slots.acquire_on_behalf_of_nowait(slot)
         except trio.WouldBlock:
-            await slots.acquire_on_behalf_of(slot)
+            await self._slots.acquire_on_behalf_of(slot)
         large = request.op in self.handler.large_reply_ops
         if large:
             await self._large.acquire_on_behalf_of(slot)
+        self._start(request, arrival, lent, slot, large, inflight)
+        return True
+
+    def _take_now(self, frame: FrameReceived, arrival: float) -> Event | None:
+        """:meth:`_take_request` in the reader's task, for a frame nothing waits ahead of
+        (:attr:`Reader.dispatcher_idle`) that nothing would hold back (replies, slots,
+        Gates, the face's bytes, the turn's share). None when taken; else the event for
+        the dispatcher: the frame as it came, or the close its parse answered."""
+        inflight = self._replies
+        if (
+            inflight is None
+            or self.protocol.dialect is not Dialect.V2
+            or len(frame.data) > RECEIVE_CHUNK  # a large frame's bytes were lent ahead
+            or self.outbox.over_cap
+            or not self._slots.available_tokens
+            or not self._large.available_tokens
+            or not self.ctx.room
+            or not turns.current().has_room()
+        ):
+            return frame
+        lent = self.reader.lend_nowait(len(frame.data))
+        if lent is None:
+            return frame
+        request = self.protocol.read_request(frame.data)
+        if not isinstance(request, Request):
+            self._give_back(lent, None)
+            if isinstance(request, Closed):
+                return request
+            self._answer_nowait(request, arrival, inflight)
+            return None
+        if request.op in self.handler.gated_ops:
+            self._shed_recently = False  # (every Gate has room)
+        slot = object()
+        self._slots.acquire_on_behalf_of_nowait(slot)  # free: asked above
+        large = request.op in self.handler.large_reply_ops
+        if large:
+            self._large.acquire_on_behalf_of_nowait(slot)
+        self._start(request, arrival, lent, slot, large, inflight)
+        return None
+
+    def _start(
+        self,
+        request: Request,
+        arrival: float,
+        lent: int,
+        slot: object,
+        large: bool,
+        inflight: trio.Nursery,
+    ) -> None:
+        """Hand an admitted request to the handler: its reply comes from a task in
+        ``inflight`` or from the callback that settles it."""
+        gated = request.op in self.handler.gated_ops
         produced = partial(self._give_back, lent, slot if large else None)
         try:
             pending = self.handler.v2(request, arrival)
         except Exception as exc:
             produced()
-            slots.release_on_behalf_of(slot)
-            await self._write(self._error_answer(request.id, request.op, exc), arrival)
-            return True
-        if gated:
+            self._slots.release_on_behalf_of(slot)
+            self._answer_nowait(self._error_answer(request.id, request.op, exc), arrival, inflight)
+            return
+        gate = self.ctx.gate_of(request.op) if gated else None
+        if gate is not None:
             gate.take_in()
         self.reader.asking(+1)
-        done = partial(self._request_done, slots, slot, gate if gated else None)
+        done = partial(self._request_done, slot, gate)
         if isinstance(pending, Deferred):
             self._deferred += 1
             pending.when_settled(partial(self._deferred_reply, request, arrival, produced, done))
         else:
             inflight.start_soon(self._v2, request, pending, arrival, produced, done)
-        return True
-
-    async def _lend(self, size: int) -> int:
-        """Lend ``size`` bytes of the face's budget for a frame, unless the reader lent
-        them before reading it (a large frame)."""
-        loan = self.reader.take_loan(size)
-        if loan is not None:
-            return loan
-        return await self._lend_from_budget(size)
-
-    async def _lend_from_budget(self, size: int) -> int:
-        """Lend ``size`` bytes of the face's budget; at once when free, as a wait is a
-        pass of the loop and the dispatcher yields once per batch anyway."""
-        budget = self.ctx.pending_bytes
-        if budget is None:
-            return 0
-        try:
-            return budget.acquire_nowait(size)
-        except trio.WouldBlock:
-            return await budget.acquire(size)
 
     def _give_back(self, lent: int, large: object | None) -> None:
         """A request's reply exists (or it has none): its bytes go back to the face's
         budget and its large-reply place to the connection. Before the reply is sent, so
         that a client slow to read holds up only itself."""
-        if lent and self.ctx.pending_bytes is not None:
-            self.ctx.pending_bytes.release(lent)
+        self.reader.give_back(lent)
         if large is not None:
             self._large.release_on_behalf_of(large)
 
-    def _request_done(self, slots: trio.CapacityLimiter, slot: object, gate: Gate | None) -> None:
-        slots.release_on_behalf_of(slot)
+    def _request_done(self, slot: object, gate: Gate | None) -> None:
+        self._slots.release_on_behalf_of(slot)
         self.reader.asking(-1)
         if gate is not None:
             gate.taken_out()
 
     async def _v1(self, frame: bytes, arrival: float) -> bool:
         self.reader.asking(+1)
-        lent = await self._lend(len(frame))
+        lent = await self.reader.lend(len(frame))
         try:
             try:
                 try:
@@ -367,8 +400,9 @@ class Connection:
         try:
             answer = self._answer(request, outcome)
             if self._replies is not None:  # else the connection is over
-                self.outbox.send_nowait(answer.frame, self._replies)
-            self._observe(answer.op, answer.outcome, arrival)
+                self._answer_nowait(answer, arrival, self._replies)
+            else:
+                self._observe(answer.op, answer.outcome, arrival)
         except Exception as exc:  # a bug: it closes this connection only
             self._end("internal_error")
             event(log, logging.ERROR, "connection_failed", face=self.face, exc_info=exc)
@@ -394,6 +428,12 @@ class Connection:
             event(log, logging.ERROR, "request_failed", face=self.face, op=op, exc_info=exc)
             error = FaceError(ErrorCode.INTERNAL, f"internal error ({type(exc).__name__})")
         return self.protocol.error(request_id, op, error.code, error.message, error.retry_after_ms)
+
+    def _answer_nowait(self, answer: Answer, arrival: float, flusher: trio.Nursery) -> None:
+        """Queue an answer behind the connection's other replies, for a caller that does
+        not wait (see :meth:`Outbox.send_nowait`)."""
+        self.outbox.send_nowait(answer.frame, flusher)
+        self._observe(answer.op, answer.outcome, arrival)
 
     async def _write(self, answer: Answer, arrival: float, *, last: bool = False) -> None:
         await self.outbox.send(answer.frame, last=last)

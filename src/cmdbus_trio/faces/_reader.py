@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 import attrs
 import trio
@@ -20,6 +21,9 @@ from . import FaceContext
 from ._outbox import Outbox
 
 MAX_INFLIGHT_PER_CONNECTION = 32
+MAX_STEP = 0.0005
+"""Seconds of requests a connection takes in before the loop's other tasks run: every
+task runs once per pass of the loop, so a long step makes every other task late."""
 RECEIVE_CHUNK = 65536
 LINGER_SECONDS = 2.0
 """At most this long (and never longer than the read timeout) a connection the writer
@@ -30,6 +34,10 @@ LINGER_REQUESTS = 8
 Batch = list[tuple[Event, float]]
 """What the reader hands the dispatcher: every event one read completed, each with its
 arrival time (one hand-over per read, not per frame, for a pipelining client)."""
+
+TakeNow = Callable[[FrameReceived, float], Event | None]
+"""Take a frame in the reader's own task, without a wait (the connection's
+``_take_now``): None when taken, else the event the dispatcher is handed instead."""
 
 
 async def linger(stream: trio.abc.Stream, seconds: float, max_bytes: int) -> int:
@@ -72,9 +80,11 @@ class Reader:
     outbox: Outbox
     _holding: Callable[[], bool] = attrs.field(kw_only=True)
     _end: Callable[[str], None] = attrs.field(kw_only=True)
-    _lend: Callable[[int], Awaitable[int]] = attrs.field(kw_only=True)
-    """Lend bytes of the face's budget (see :meth:`take_loan`)."""
-    _give_back: Callable[[int], None] = attrs.field(kw_only=True)
+    _take_now: TakeNow = attrs.field(kw_only=True)
+    dispatcher_idle: bool = attrs.field(default=False, init=False)
+    """The dispatcher has taken in every event handed to it and waits for more: the
+    reader may take a frame itself (:attr:`_take_now`) without passing one before it.
+    The dispatcher sets it; a hand-over clears it."""
     _reading_loan: int = attrs.field(default=0, init=False)
     """Bytes lent for the large frame being read."""
     _loans: deque[int] = attrs.field(factory=deque, init=False)
@@ -84,19 +94,41 @@ class Reader:
     _quiet_since: float = attrs.field(factory=trio.current_time, init=False)
     """The last read or answer (see :meth:`asking`)."""
 
-    def take_loan(self, size: int) -> int | None:
-        """The bytes already lent for a frame of ``size`` bytes, if it is a large one
-        (larger than a read): the dispatcher takes them instead of lending again. Large
-        frames are taken in the order they were read, so the oldest loan is its."""
+    # --- the face's byte budget, lent to each frame read until its reply exists -----------
+
+    async def lend(self, size: int) -> int:
+        """The bytes of the face's budget for a frame of ``size`` bytes: those lent before
+        it was read whole, if it is a large one (larger than a read; large frames are
+        taken in the order they were read, so the oldest loan is its), else lent now; at
+        once when free, as a wait is a pass of the loop."""
         if size > RECEIVE_CHUNK and self._loans:
             return self._loans.popleft()
-        return None
+        lent = self.lend_nowait(size)
+        if lent is not None:
+            return lent
+        assert self.ctx.pending_bytes is not None  # else lent at once
+        return await self.ctx.pending_bytes.acquire(size)
+
+    def lend_nowait(self, size: int) -> int | None:
+        """Lend ``size`` bytes of the face's budget if they are free (0 without a
+        budget), else None. Not for a large frame (see :meth:`lend`)."""
+        budget = self.ctx.pending_bytes
+        if budget is None:
+            return 0
+        try:
+            return budget.acquire_nowait(size)
+        except trio.WouldBlock:
+            return None
+
+    def give_back(self, lent: int) -> None:
+        """Bytes lent by :meth:`lend` go back to the face's budget."""
+        if lent and self.ctx.pending_bytes is not None:
+            self.ctx.pending_bytes.release(lent)
 
     def _return_loans(self) -> None:
         """The connection reads no more: what was lent for frames not taken goes back."""
         for lent in (self._reading_loan, *self._loans):
-            if lent:
-                self._give_back(lent)
+            self.give_back(lent)
         self._reading_loan = 0
         self._loans.clear()
 
@@ -174,6 +206,7 @@ class Reader:
         idle_timeout = self.ctx.config.idle_timeout_ms / 1000
         horizon = min(read_timeout, idle_timeout)
         batch: Batch = []
+        taking_until = 0.0  # the reader takes frames itself until then (see MAX_STEP)
         handing_over = reading = False
         closed: Closed | None = None
         waiting_since = now = trio.current_time()
@@ -190,6 +223,7 @@ class Reader:
                             out.send_nowait(batch)
                         except trio.WouldBlock:
                             await out.send(batch)
+                        self.dispatcher_idle = False
                         if closed is not None:
                             if closed.by_peer:
                                 self.outbox.peer_gone = True
@@ -202,9 +236,22 @@ class Reader:
                             if isinstance(next_event, FrameReceived):
                                 self._loans.append(self._reading_loan)
                             else:
-                                self._give_back(self._reading_loan)
+                                self.give_back(self._reading_loan)
                             self._reading_loan = 0
-                        batch.append((next_event, trio.current_time()))
+                        arrival = trio.current_time()
+                        if (
+                            not batch
+                            and self.dispatcher_idle
+                            and isinstance(next_event, FrameReceived)
+                            and time.perf_counter() < taking_until
+                        ):
+                            # Nothing waits ahead of it: taken here, the request costs no
+                            # hand-over (a turn of the loop and a step of the dispatcher).
+                            handed = self._take_now(next_event, arrival)
+                            if handed is None:
+                                continue
+                            next_event = handed
+                        batch.append((next_event, arrival))
                         if isinstance(next_event, Closed):
                             handing_over, closed = True, next_event
                         elif len(batch) >= min(MAX_INFLIGHT_PER_CONNECTION, self.ctx.room):
@@ -222,7 +269,7 @@ class Reader:
                     if length is not None and length > RECEIVE_CHUNK and not self._reading_loan:
                         # A large frame is lent its bytes before it is read whole (a flood
                         # of them waits in the clients' sockets), not once it is in memory.
-                        self._reading_loan = await self._lend(length)
+                        self._reading_loan = await self.lend(length)
                     reading = True
                     data = await self._receive()
                     reading = False
@@ -231,6 +278,7 @@ class Reader:
                     # After the bytes are the protocol's: a timer firing in the wait
                     # loses nothing. Waiting here also leaves the next read in the kernel.
                     await budget.wait()
+                    taking_until = time.perf_counter() + MAX_STEP
             # The timer's deadline passed (the only way out of the scope but a return).
             now = trio.current_time()
             undecided = protocol.dialect is Dialect.UNDECIDED

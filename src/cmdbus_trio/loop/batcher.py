@@ -12,6 +12,7 @@ from typing import Generic, TypeVar
 import trio
 
 from ..admission import run_in_thread
+from . import turns
 
 T = TypeVar("T")
 B = TypeVar("B")
@@ -45,8 +46,9 @@ class ThreadBatcher(Generic[T, B, R]):
     a busy loop while the disk sat idle. When the queue is empty the thread waits up to
     ``linger`` seconds (without the GIL) for more before it returns: a client that sends
     its next request as soon as it has its reply then finds the thread there, not a new
-    hop into it (docs/benchmarks.md has what that bought). The group committer and the
-    body reader are built on it.
+    hop into it (docs/benchmarks.md has what that bought); it is told of new items as the
+    loop's turn ends, so that one turn's items go in one batch. The group committer and
+    the body reader are built on it.
 
     The loop only appends to the queue; ``take``, in the thread, alone removes from it.
     ``settle`` runs as a plain callback, not in a task: it must not raise.
@@ -80,12 +82,22 @@ class ThreadBatcher(Generic[T, B, R]):
         self.name = name
         self._wake = trio.Event()
         self._arrived = threading.Event()  # for the thread lingering in _batches
+        self._arrival_told = False  # _arrived is set as this turn ends (see put)
         self._limiter = trio.CapacityLimiter(1)  # one thread: batches go one after another
 
     def put(self, item: T) -> None:
         """Queue an item; never blocks (callers bound the queue, e.g. with a Gate)."""
         self.queue.append(item)
         self._wake.set()
+        if not self._arrival_told:
+            # A lingering thread is told as the turn ends, not now: woken at once, it
+            # took the first item alone as soon as the loop let go of the GIL (a socket
+            # read, say), and the rest of the turn's waited for another commit.
+            self._arrival_told = True
+            turns.current().at_turn_end(self._tell_arrival)
+
+    def _tell_arrival(self) -> None:
+        self._arrival_told = False
         self._arrived.set()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -100,7 +112,7 @@ class ThreadBatcher(Generic[T, B, R]):
 
     def _batches(self, token: trio.lowlevel.TrioToken) -> None:
         for _ in range(self.max_batches):
-            if not self.queue:
+            while not self.queue:  # (told of an item it took already: wait again)
                 self._arrived.clear()
                 if not self.queue and not self._arrived.wait(self.linger):
                     return

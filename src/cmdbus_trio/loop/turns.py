@@ -124,9 +124,19 @@ class TurnBudget(trio.abc.Instrument):
         self._control_time = 0.0  # seconds in the control tasks' steps
         self._stepping: trio.lowlevel.Task | None = None  # the control task in its step
         self._step_began = 0.0
+        self._at_end: list[Callable[[], None]] = []  # see at_turn_end
         self.control = ControlShare(self)
 
+    def at_turn_end(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once, as this turn of the loop ends (before the loop looks
+        for I/O). It must not raise."""
+        self._at_end.append(callback)
+
     def before_io_wait(self, timeout: float) -> None:
+        if self._at_end:
+            callbacks, self._at_end = self._at_end, []
+            for callback in callbacks:
+                callback()
         now = self._clock()
         turn = now - self._began
         self._busy += turn
