@@ -8,13 +8,15 @@ import json
 import socket
 import struct
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import attrs
 import trio
 import trio.testing
 
+from cmdbus_trio.admission import ByteBudget
 from cmdbus_trio.config import Config
-from cmdbus_trio.faces._reader import RECEIVE_CHUNK, linger
+from cmdbus_trio.faces._reader import RECEIVE_CHUNK, Reader, linger
 from cmdbus_trio.protocol import encode_frame
 
 from ..helpers import frame_client, get, metric_sum, running_writer
@@ -186,3 +188,28 @@ async def test_a_hello_and_requests_in_one_write_are_answered_hello_first(
     assert by_id[1]["ok"] and by_id[3]["ok"]
     assert by_id[2]["ok"] is False and by_id[2]["error"]["code"] == "invalid"
     assert again["ok"]
+
+
+async def test_a_large_frame_is_lent_its_own_bytes_while_an_earlier_ones_loan_waits() -> None:
+    """Two large frames read whole before the dispatcher takes the first: the second is
+    lent new bytes of the face's budget before it is read (not the first one's loan),
+    and each frame then takes its own loan, oldest first."""
+    budget = ByteBudget("test_reader_loans", 10 * RECEIVE_CHUNK)
+    ctx = SimpleNamespace(pending_bytes=budget)
+    reader = Reader(
+        ctx,  # type: ignore[arg-type]  # only its budget is used here
+        None,  # type: ignore[arg-type]
+        None,  # type: ignore[arg-type]
+        None,  # type: ignore[arg-type]
+        holding=lambda: False,
+        end=lambda _outcome: None,
+        take_now=lambda frame, _arrival: frame,
+    )
+    first = await reader.lend_ahead(2 * RECEIVE_CHUNK)
+    reader._loans.append(first)  # read whole, as the reader keeps it for the dispatcher
+    second = await reader.lend_ahead(3 * RECEIVE_CHUNK)
+    assert budget.lent == 5 * RECEIVE_CHUNK
+    reader._loans.append(second)
+    assert await reader.lend(2 * RECEIVE_CHUNK + 1) == first
+    assert await reader.lend(3 * RECEIVE_CHUNK + 1) == second
+    assert budget.lent == 5 * RECEIVE_CHUNK  # taken, not lent again

@@ -99,10 +99,15 @@ class Reader:
     async def lend(self, size: int) -> int:
         """The bytes of the face's budget for a frame of ``size`` bytes: those lent before
         it was read whole, if it is a large one (larger than a read; large frames are
-        taken in the order they were read, so the oldest loan is its), else lent now; at
-        once when free, as a wait is a pass of the loop."""
+        taken in the order they were read, so the oldest loan is its), else lent now."""
         if size > RECEIVE_CHUNK and self._loans:
             return self._loans.popleft()
+        return await self.lend_ahead(size)
+
+    async def lend_ahead(self, size: int) -> int:
+        """Lend ``size`` bytes of the face's budget, never an earlier frame's loan (the
+        reader lends a large frame its bytes before reading it); at once when free, as a
+        wait is a pass of the loop."""
         lent = self.lend_nowait(size)
         if lent is not None:
             return lent
@@ -269,7 +274,7 @@ class Reader:
                     if length is not None and length > RECEIVE_CHUNK and not self._reading_loan:
                         # A large frame is lent its bytes before it is read whole (a flood
                         # of them waits in the clients' sockets), not once it is in memory.
-                        self._reading_loan = await self.lend(length)
+                        self._reading_loan = await self.lend_ahead(length)
                     reading = True
                     data = await self._receive()
                     reading = False
