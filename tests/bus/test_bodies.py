@@ -146,3 +146,33 @@ async def test_forget_through_drops_the_evicted_bodies(log: BusLog) -> None:
 def test_recent_bytes_is_checked(log: BusLog) -> None:
     with pytest.raises(ValueError, match="recent_bytes must be >= 0, got -1"):
         BodyReader(log, recent_bytes=-1)
+
+
+async def test_a_read_of_many_bodies_wakes_its_task_once(reader: BodyReader) -> None:
+    """Kept and stored bodies, and a missing one, in order; the task that asked is woken
+    once, when the last of its three batches is read. A wake-up per body cost a batched
+    ``next`` a task step per record."""
+    reader.remember([kept(20, '{"n":20}')])
+    memory, store = body_reads("memory"), body_reads("store")
+    me = trio.lowlevel.current_task()
+    woken: list[trio.lowlevel.Task] = []
+
+    class Wakes(trio.abc.Instrument):
+        def task_scheduled(self, task: trio.lowlevel.Task) -> None:
+            if task is me:
+                woken.append(task)
+
+    wakes = Wakes()
+    trio.lowlevel.add_instrument(wakes)
+    try:
+        with trio.fail_after(10):
+            got = await reader.read_many([1, 2, 20, 3, 4, 5, 99, 6, 7, 8, 9])
+    finally:
+        trio.lowlevel.remove_instrument(wakes)
+    assert len(woken) == 1
+    assert reader.batches == 3  # ten asks, batches of at most four
+    records = [g.record if isinstance(g, StoredRecord) else type(g) for g in got]
+    expected = [f'{{"n":{n}}}' for n in (1, 2, 20, 3, 4, 5)]
+    assert records == [*expected, LookupError, *(f'{{"n":{n}}}' for n in (6, 7, 8, 9))]
+    assert body_reads("memory") == memory + 1
+    assert body_reads("store") == store + 10

@@ -488,3 +488,44 @@ async def test_a_waiter_that_leaves_is_skipped_and_the_next_oldest_served(
         assert first == [] and [d.sort_key for d in second] == [1]
         assert claims.leased == 1  # the one that left leased nothing
         nursery.cancel_scope.cancel()
+
+
+def _delivered(subject: str, family: str = "cmdbus_deliveries_total") -> float:
+    from cmdbus_trio.metrics import REGISTRY
+
+    return REGISTRY.get_sample_value(family, {"subject": subject}) or 0.0
+
+
+async def test_next_many_leases_what_next_one_at_a_time_would(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A batch leases the same records, in the same order, with the same delivery counts
+    and metrics, as as many single ``next_nowait`` calls: redeliveries first, then fresh
+    ones, only what the filter matches, and no more than ``most``."""
+    one_by_one = Claims("commands", ack_wait=30.0)
+    batched = Claims("commands", ack_wait=30.0)
+    system = parse_filter("commands.system.>")
+    owner, worker = object(), object()
+    for claims in (one_by_one, batched):
+        claims.add_many([(n, SYSTEM if n % 3 == 0 else SHARED) for n in range(1, 13)])
+        for _ in range(4):  # 1, 2, 3 and 4 are delivered, 2 and 3 given back by a nack
+            claims.next_nowait(ALL, worker)
+        assert claims.nack(3, worker) and claims.nack(2, worker)
+    delivered = _delivered(SHARED), _delivered(SYSTEM)
+    again = _delivered(SHARED, "cmdbus_redeliveries_total")
+    singles = [one_by_one.next_nowait(ALL, owner) for _ in range(5)]
+    singles += [one_by_one.next_nowait(system, owner) for _ in range(3)]
+    singles_counted = _delivered(SHARED) - delivered[0], _delivered(SYSTEM) - delivered[1]
+    assert _delivered(SHARED, "cmdbus_redeliveries_total") - again == 1  # 2
+    many = batched.next_many_nowait(ALL, owner, 5) + batched.next_many_nowait(system, owner, 3)
+    assert many == singles[:7]  # the filter matches two more of the system pool's: 9, 12
+    assert singles[7] is None
+    assert [d.sort_key for d in many] == [2, 3, 5, 6, 7, 9, 12]
+    assert [d.redelivered for d in many[:2]] == [True, True]
+    assert batched.next_many_nowait(system, owner, 3) == []
+    assert (
+        _delivered(SHARED) - delivered[0] - singles_counted[0],
+        _delivered(SYSTEM) - delivered[1] - singles_counted[1],
+    ) == singles_counted
+    assert _delivered(SHARED, "cmdbus_redeliveries_total") - again == 2  # 2, twice
+    assert batched.leased == one_by_one.leased == 9

@@ -37,9 +37,24 @@ _TRACE_BYTES = 200
 
 
 @attrs.define(eq=False)
+class _Asked:
+    """The asks of one :meth:`BodyReader.read_many`, woken together once the last of
+    them is answered: an event (and a wake-up) per body cost a batched ``next`` a task
+    step per record."""
+
+    left: int = 0
+    done: trio.Event = attrs.field(factory=trio.Event)
+
+    def answered(self) -> None:
+        self.left -= 1
+        if not self.left:
+            self.done.set()
+
+
+@attrs.define(eq=False)
 class _Ask:
     sort_key: int
-    done: trio.Event = attrs.field(factory=trio.Event)
+    asked: _Asked
     record: StoredRecord | None = None
     error: Exception | None = None
 
@@ -110,20 +125,21 @@ class BodyReader:
 
         Cancellation: only the wait stops; the reads go on for the others."""
         pending: list[StoredRecord | _Ask] = []
+        asked: _Asked | None = None  # made only when a body is not kept
         for sort_key in sort_keys:
-            kept = self._kept(sort_key)
-            pending.append(self._ask(sort_key) if kept is None else kept)
-        for item in pending:
-            if isinstance(item, _Ask):
-                await item.done.wait()
+            kept = self._recent.get(sort_key)
+            if kept is not None:
+                pending.append(StoredRecord(sort_key, *kept))
+                continue
+            if asked is None:
+                asked = _Asked()
+            asked.left += 1
+            pending.append(self._ask(sort_key, asked))
+        if from_memory := len(pending) - (0 if asked is None else asked.left):
+            self._from_memory.inc(from_memory)
+        if asked is not None:
+            await asked.done.wait()
         return [item.outcome() if isinstance(item, _Ask) else item for item in pending]
-
-    def _kept(self, sort_key: int) -> StoredRecord | None:
-        kept = self._recent.get(sort_key)
-        if kept is None:
-            return None
-        self._from_memory.inc()
-        return StoredRecord(sort_key, *kept)
 
     def remember(self, committed: list[StoredRecord]) -> None:
         """A committer listener: keep the newest bodies, up to :attr:`recent_bytes` (the
@@ -147,8 +163,8 @@ class BodyReader:
         _, (_, record, trace) = self._recent.popitem(last=False)
         self._recent_size -= _kept_size(record, trace)
 
-    def _ask(self, sort_key: int) -> _Ask:
-        ask = _Ask(sort_key)
+    def _ask(self, sort_key: int, asked: _Asked) -> _Ask:
+        ask = _Ask(sort_key, asked)
         self._batches.put(ask)
         self._asked += 1
         return ask
@@ -184,7 +200,7 @@ class BodyReader:
                 ask.error = outcome
             else:
                 ask.record = outcome.get(ask.sort_key)
-            ask.done.set()
+            ask.asked.answered()
 
 
 def _kept_size(record: str, trace: TraceContext | None) -> int:

@@ -227,25 +227,48 @@ class Claims(Owing):
         """Lease the next matching record to ``owner``: records to redeliver first (oldest
         first), then fresh ones (oldest first), found on a tail within ``scan`` records
         (all: None). ``None`` when none matches (or none within them)."""
+        leased = self.next_many_nowait(filter_tokens, owner, 1, scan)
+        return leased[0] if leased else None
+
+    def next_many_nowait(
+        self,
+        filter_tokens: tuple[str, ...],
+        owner: object,
+        most: int,
+        scan: int | None = SCAN_STEP,
+    ) -> list[Delivery]:
+        """Lease up to ``most`` matching records to ``owner``, each as :meth:`next_nowait`
+        would, in that order (each on a tail within ``scan`` records of its own). What a
+        batch shares (the filter's index, the clock, the metric series) is looked up
+        once for the batch, not once a record."""
         index = self._index(filter_tokens)
-        oldest = self._oldest(index, scan)
-        if oldest is None:
-            return None
-        sort_key, subject, again = oldest
-        if not again and self._cursor is not None:
-            self._cursor.take(index, sort_key)
-        else:
-            self._queues.take(subject, again)
-        deliveries = self._deliveries.get(sort_key, 0) + 1
-        self._deliveries[sort_key] = deliveries
         deadline = trio.current_time() + self.ack_wait
-        self._leases.grant(sort_key, owner, subject, deadline)
-        label = metrics.SUBJECTS.label(subject)  # bounded: child() may remember it
-        metrics.child(metrics.DELIVERIES, label).inc()
-        redelivered = deliveries > 1  # not a record given back undelivered
-        if redelivered:
-            metrics.child(metrics.REDELIVERIES, label).inc()
-        return Delivery(sort_key, subject, redelivered, deliveries)
+        leased: list[Delivery] = []
+        delivered: dict[str, int] = {}  # per subject, for the metrics
+        again_by: dict[str, int] = {}
+        while len(leased) < most:
+            oldest = self._oldest(index, scan)
+            if oldest is None:
+                break
+            sort_key, subject, again = oldest
+            if not again and self._cursor is not None:
+                self._cursor.take(index, sort_key)
+            else:
+                self._queues.take(subject, again)
+            deliveries = self._deliveries.get(sort_key, 0) + 1
+            self._deliveries[sort_key] = deliveries
+            self._leases.grant(sort_key, owner, subject, deadline)
+            redelivered = deliveries > 1  # not a record given back undelivered
+            delivered[subject] = delivered.get(subject, 0) + 1
+            if redelivered:
+                again_by[subject] = again_by.get(subject, 0) + 1
+            leased.append(Delivery(sort_key, subject, redelivered, deliveries))
+        for subject, count in delivered.items():
+            label = metrics.SUBJECTS.label(subject)  # bounded: child() may remember it
+            metrics.child(metrics.DELIVERIES, label).inc(count)
+            if subject in again_by:
+                metrics.child(metrics.REDELIVERIES, label).inc(again_by[subject])
+        return leased
 
     async def next(self, filter_tokens: tuple[str, ...], owner: object) -> Delivery:
         """Wait for a matching record, leased to ``owner`` when it is handed over. Waiting

@@ -119,8 +119,8 @@ class Consumer:
         """
         while True:
             leased = [await claims.next(filter_tokens, self)]
-            while len(leased) < most and (more := claims.next_nowait(filter_tokens, self)):
-                leased.append(more)
+            if most > 1:
+                leased += claims.next_many_nowait(filter_tokens, self, most - 1)
             try:
                 slot = await self.gate.acquire("next", budget=budget)
             except Shed as shed:
