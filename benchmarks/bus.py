@@ -17,7 +17,7 @@ for them this is their pipelined workload again); claim+ack cycles with 1 and 16
 over a preloaded backlog, one record a request, and with 16 consumers in batches of 16 and
 64 (cmdbus-trio: `next` with `max`, one `ack` of every sort key; Redis: `XREADGROUP COUNT
 n`, one `XACK` of every id; NATS: a pull of n, `no_wait` first as nats-py's `fetch(n)`,
-each ack confirmed; not on the floor servers); and, on cmdbus-trio only, publish x16
+each ack confirmed; the floor servers as cmdbus-trio); and, on cmdbus-trio only, publish x16
 again beside a scrape flood (32 keep-alive HTTP clients asking for /metrics, and the lag
 port's, as fast as they are answered), against publish x16 alone. --rate R adds, first,
 on an empty bus, the steady end-to-end workload: 16 producers publishing R records a
@@ -352,19 +352,17 @@ def run_workload(
 def preload(server: Server, records: int) -> None:
     """Publish about ``records`` records (4 producers, 32 records a round trip: batched
     where the server has batches, else pipelined) for the claim workloads."""
-    kind = "publish" if server.name.startswith("floor") else "batched"
-    per_second = run_workload(server, [(kind, 4, PIPELINE)], 2.0)["rate"]
+    per_second = run_workload(server, [("batched", 4, PIPELINE)], 2.0)["rate"]
     remaining = max(0.0, (records - per_second * 2.0) / max(per_second, 1.0))
     if remaining:
-        run_workload(server, [(kind, 4, PIPELINE)], remaining)
+        run_workload(server, [("batched", 4, PIPELINE)], remaining)
 
 
 def drain(server: Server) -> None:
-    """Claim and ack what an earlier workload left (in batches, where the server takes
-    them), so that a steady workload starts on an empty bus."""
-    batch = 1 if server.name.startswith("floor") else 64
+    """Claim and ack what an earlier workload left (in batches of 64, or one a request
+    where the server has no batches), so that a steady workload starts on an empty bus."""
     for _ in range(30):  # 2 s each; a round that finds nothing ends it
-        if not run_workload(server, [("claim+ack", 16, batch)], 2.0)["rate"]:
+        if not run_workload(server, [("claim+ack", 16, 64)], 2.0)["rate"]:
             return
 
 
@@ -554,7 +552,7 @@ def report(names: list[str], rounds: list[dict[str, dict[str, Any]]], duration: 
     )
     for key in results[names[0]]:
         if not any(key in results[other] for other in others):
-            continue  # ours alone (the floors take no batches)
+            continue  # ours alone (the scrape flood)
         cells = []
         for other, width in zip(others, widths, strict=True):
             if key not in results[other]:
@@ -635,8 +633,6 @@ def main() -> None:
                 for key, loads in runs:
                     if key == SCRAPE_FLOOD and server.scraped is None:
                         continue  # no control face
-                    if " batch " in key and name.startswith("floor"):
-                        continue  # the floor servers take one record a request
                     if key.startswith("claim+ack x1"):  # batches take more in a workload
                         preload(server, args.backlog * (8 if " batch " in key else 1))
                     if key.startswith("steady") and results[name]:

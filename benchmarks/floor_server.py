@@ -3,9 +3,10 @@
     python benchmarks/floor_server.py PORTS_FILE [--durable DB]
 
 It speaks just enough v2 for `bus.py`'s workloads (hello, publish, publish_batch, next
-waiting up to its timeout_ms, ack) on one port, one task per connection, with our frame
-codec and the standard json module, and keeps records in memory: no disk, no fsync, no
-admission, no metrics, no pipelining concurrency beyond answering frames in order. No
+waiting up to its timeout_ms, with or without max, ack of one sort key or of many) on
+one port, one task per connection, with our frame codec and the standard json module,
+and keeps records in memory: no disk, no fsync, no admission, no metrics, no pipelining
+concurrency beyond answering frames in order. No
 real server can be cheaper per request on the same loop, so whatever it reaches bounds
 what cmdbus-trio can reach with one trio loop on this machine. `bus.py --floor` runs it
 beside the others. Never a product: it loses everything on exit and checks nothing.
@@ -67,13 +68,14 @@ class Memory:
             reply.update(sort_keys=keys)
             self._arrived()
         elif op == "next":
-            if not self.records:
-                reply.update(delivery=None)  # timeout_ms passed (see serve_connection)
-            else:
+            # With ``max``, up to that many deliveries (none after timeout_ms: see
+            # serve_connection); without, one or None.
+            deliveries = []
+            for _ in range(min(request.get("max", 1), len(self.records))):
                 key, record = self.records.popleft()
                 self.leased[key] = record
-                reply.update(
-                    delivery={
+                deliveries.append(
+                    {
                         "sort_key": key,
                         "subject": SUBJECT,
                         "redelivered": False,
@@ -81,8 +83,14 @@ class Memory:
                         "record": record,
                     }
                 )
+            if "max" in request:
+                reply.update(deliveries=deliveries)
+            else:
+                reply.update(delivery=deliveries[0] if deliveries else None)
         elif op == "ack":
-            reply.update(acked=self.leased.pop(request["sort_key"], None) is not None)
+            keys = request["sort_keys"] if "sort_keys" in request else [request["sort_key"]]
+            acked = [self.leased.pop(key, None) is not None for key in keys]
+            reply.update(acked=all(acked))
         else:
             reply = {"id": request["id"], "ok": False, "error": {"code": "unsupported"}}
         return reply
@@ -172,7 +180,8 @@ def _note_writes(
     elif request["op"] == "publish_batch":
         records += zip(reply["sort_keys"], map(json.dumps, request["records"]), strict=True)
     elif request["op"] == "ack":
-        acks.append((request["sort_key"],))
+        keys = request["sort_keys"] if "sort_keys" in request else [request["sort_key"]]
+        acks += [(key,) for key in keys]
 
 
 def _frames(replies: list[dict[str, Any]]) -> list[bytes]:

@@ -7,6 +7,7 @@ import trio
 import trio.testing
 
 from cmdbus_trio.bus.claims import Claims, Delivery
+from cmdbus_trio.metrics import REGISTRY
 from cmdbus_trio.protocol.subjects import parse_filter
 
 ALL = parse_filter(">")
@@ -491,8 +492,6 @@ async def test_a_waiter_that_leaves_is_skipped_and_the_next_oldest_served(
 
 
 def _delivered(subject: str, family: str = "cmdbus_deliveries_total") -> float:
-    from cmdbus_trio.metrics import REGISTRY
-
     return REGISTRY.get_sample_value(family, {"subject": subject}) or 0.0
 
 
@@ -529,3 +528,66 @@ async def test_next_many_leases_what_next_one_at_a_time_would(
     ) == singles_counted
     assert _delivered(SHARED, "cmdbus_redeliveries_total") - again == 2  # 2, twice
     assert batched.leased == one_by_one.leased == 9
+
+
+async def test_a_batch_taken_through_one_filter_leaves_the_others_right(
+    claims: Claims, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A batch moves each subject's head in every filter's index: a record it took is
+    not offered through another filter, and the subject's next one is."""
+    claims.add_many([(n, SYSTEM if n % 3 == 0 else SHARED) for n in range(1, 10)])
+    system = parse_filter("commands.system.>")
+    assert claims.has(system) and claims.has(ALL)  # both indexes built
+    owner = object()
+    assert [d.sort_key for d in claims.next_many_nowait(ALL, owner, 4)] == [1, 2, 3, 4]
+    assert [d.sort_key for d in claims.next_many_nowait(system, owner, 5)] == [6, 9]
+    assert [d.sort_key for d in claims.next_many_nowait(ALL, owner, 9)] == [5, 7, 8]
+    assert claims.next_many_nowait(ALL, owner, 9) == []
+    assert not claims.has(system)
+
+
+async def test_a_batch_shares_one_timer_entry_and_comes_back_oldest_first(
+    claims: Claims, autojump_clock: trio.testing.MockClock
+) -> None:
+    """The leases of one batch expire together, oldest first (to the waiters parked
+    longest), whatever order the batch took them in; one extended meanwhile stays."""
+    claims.add_many([(1, SYSTEM), (2, SHARED), (3, SHARED), (4, SYSTEM), (5, SHARED), (6, SHARED)])
+    worker = object()
+    claims.next_nowait(parse_filter(SHARED), worker)  # 2
+    assert claims.nack(2, worker)  # 2 comes first in the batch: a redelivery
+    batch = claims.next_many_nowait(ALL, worker, 4)
+    assert [d.sort_key for d in batch] == [2, 1, 3, 4]
+    claims.next_nowait(ALL, worker)  # 5, at the same (mock) instant: an entry of its own
+    assert len(claims._leases._expiries) == 3  # 2's first lease, the batch's, 5's
+    handed: dict[int, int] = {}  # the waiter (in the order they parked): its record
+
+    async def wait_for_one(waiter: int) -> None:
+        handed[waiter] = (await claims.next(ALL, object())).sort_key
+
+    async with trio.open_nursery() as nursery:
+        for waiter in range(4):  # parked in this order; 6 goes to the first at once
+            nursery.start_soon(wait_for_one, waiter)
+            await trio.sleep(1)
+        await trio.sleep(10)
+        assert claims.extend(3, worker)
+        await trio.sleep(claims.ack_wait - 11)  # past the batch's deadline, not 3's
+    assert handed == {0: 6, 1: 1, 2: 2, 3: 4}
+    assert claims.leased == 4  # 3 still the worker's; 5 and 6 came back, no one waiting
+    assert claims.next_nowait(ALL, object()) == Delivery(5, SHARED, True, 2)
+
+
+async def test_the_acks_of_a_batch_settle_each_record_once(
+    claims: Claims, autojump_clock: trio.testing.MockClock
+) -> None:
+    claims.add_many([(1, SHARED), (2, SYSTEM), (3, SHARED), (4, SHARED)])
+    owner, other = object(), object()
+    claims.next_many_nowait(ALL, owner, 3)
+    claims.next_nowait(ALL, other)  # 4
+    begun = claims.begin_acks([1, 2, 2, 4, 99, 3], owner)
+    assert begun == [True, True, False, False, False, True]  # 2 twice, 4 not its, 99 none
+    assert claims.lag() == {SHARED: 3, SYSTEM: 1}  # not settled yet
+    claims.finish_acks([1, 2, 3])
+    assert claims.lag() == {SHARED: 1}
+    assert not claims.holds(owner) and claims.holds(other)
+    assert claims.begin_acks([1, 4], other) == [False, True]
+    assert claims.begin_acks([4], owner) == [False]  # an owner holding nothing

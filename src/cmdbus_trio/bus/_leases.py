@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import attrs
 import trio
+
+from cmdbus_trio.protocol.claim import Delivery
 
 
 @attrs.define
@@ -20,8 +22,9 @@ class Lease:
 
 class Leases:
     """Leased records by sort key and by owner (a connection), each with one timer entry
-    however often it is extended (when that entry comes due, a lease extended meanwhile
-    is pushed again for its new deadline); and the delayed nacks, by when they are ready.
+    however often it is extended (shared by the records leased together; when that entry
+    comes due, a lease extended meanwhile is pushed again for its new deadline); and the
+    delayed nacks, by when they are ready.
 
     :meth:`due` and :meth:`wait_due` are the group's timers task; a timer added sooner
     than the task means to wake wakes it."""
@@ -30,17 +33,22 @@ class Leases:
         self.by_key: dict[int, Lease] = {}
         self.delayed: list[tuple[float, int, str]] = []  # heap: (ready_at, sort_key, subject)
         self._owned: dict[object, set[int]] = {}  # owner -> its leased sort keys
-        self._expiries: list[tuple[float, int]] = []  # heap: (deadline, sort_key)
+        self._expiries: list[tuple[float, tuple[int, ...]]] = []  # heap: (deadline, sort keys)
         self._changed = trio.Event()
         self._due_at = math.inf  # when the timers task wakes next, unless woken
 
     def __len__(self) -> int:
         return len(self.by_key)
 
-    def grant(self, sort_key: int, owner: object, subject: str, deadline: float) -> None:
-        self.by_key[sort_key] = Lease(owner, subject, deadline)
-        self._owned.setdefault(owner, set()).add(sort_key)
-        heapq.heappush(self._expiries, (deadline, sort_key))
+    def grant_many(self, owner: object, leased: Sequence[Delivery], deadline: float) -> None:
+        """Lease the records to ``owner`` until ``deadline``, with one timer entry for
+        them all (a batch of ``next`` shares its deadline)."""
+        by_key = self.by_key
+        for delivery in leased:
+            by_key[delivery.sort_key] = Lease(owner, delivery.subject, deadline)
+        keys = [delivery.sort_key for delivery in leased]
+        self._owned.setdefault(owner, set()).update(keys)
+        heapq.heappush(self._expiries, (deadline, tuple(keys)))
         self._timer_added(deadline)
 
     def delay(self, sort_key: int, subject: str, ready_at: float) -> None:
@@ -59,6 +67,25 @@ class Leases:
         if not owned:
             del self._owned[lease.owner]
         return lease
+
+    def end_many(self, sort_keys: Sequence[int], owner: object) -> list[Lease | None]:
+        """:meth:`end` of each record that ``owner`` holds, in order (None: not held)."""
+        owned = self._owned.get(owner)
+        if owned is None:
+            return [None for _ in sort_keys]
+        by_key = self.by_key
+        ended: list[Lease | None] = []
+        for sort_key in sort_keys:
+            lease = by_key.get(sort_key)
+            if lease is not None and lease.owner is owner:
+                del by_key[sort_key]
+                owned.discard(sort_key)
+                ended.append(lease)
+            else:
+                ended.append(None)
+        if not owned:
+            del self._owned[owner]
+        return ended
 
     def holds(self, owner: object) -> bool:
         return owner in self._owned
@@ -100,13 +127,16 @@ class Leases:
         """End and yield, as ``(sort_key, subject)``, each lease whose deadline has
         passed, then each delayed record now ready."""
         self._changed = trio.Event()
+        came_due: list[tuple[float, int]] = []
         while self._expiries and self._expiries[0][0] <= now:
-            _, sort_key = heapq.heappop(self._expiries)
+            deadline, sort_keys = heapq.heappop(self._expiries)
+            came_due += ((deadline, sort_key) for sort_key in sort_keys)
+        for _, sort_key in sorted(came_due):  # soonest first, then oldest, as granted
             lease = self.by_key.get(sort_key)
             if lease is None:
                 continue  # acked, nacked or released meanwhile
             if lease.deadline > now:  # extended: its one entry goes back in
-                heapq.heappush(self._expiries, (lease.deadline, sort_key))
+                heapq.heappush(self._expiries, (lease.deadline, (sort_key,)))
                 continue
             self.end(sort_key)
             yield sort_key, lease.subject

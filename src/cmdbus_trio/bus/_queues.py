@@ -95,22 +95,39 @@ class SubjectQueues:
                 heapq.heappop(heap)  # an old head
         return None
 
-    def take(self, subject: str, again: bool) -> None:
-        """Remove the subject's oldest record (as :meth:`oldest` found it)."""
-        if again:
-            heap = self.again[subject]
-            heapq.heappop(heap)
-            if heap:
-                self._indexed(subject, "again", heap[0])
-            else:
-                del self.again[subject]
-        else:
-            queue = self.fresh[subject]
-            queue.popleft()
-            if queue:
-                self._indexed(subject, "fresh", queue[0])
-            else:
-                del self.fresh[subject]
+    def take_oldest(self, index: FilterIndex, most: int) -> list[tuple[int, str, bool]]:
+        """Remove and return up to ``most`` of the oldest queued records the index's
+        filter matches, as :meth:`oldest` and :meth:`take` one at a time would, in that
+        order: ``(sort_key, subject, again)``.
+
+        What a record taken costs is one heap step on this index (its entry replaced by
+        the subject's new head) and a push on each other index matching the subject,
+        not a push here and a pop of the old head on the next look."""
+        taken: list[tuple[int, str, bool]] = []
+        kinds: tuple[tuple[Kind, list[tuple[int, str]], dict[str, Any]], ...] = (
+            ("again", index.again, self.again),
+            ("fresh", index.fresh, self.fresh),
+        )
+        for kind, heap, queues in kinds:
+            again = kind == "again"
+            while heap and len(taken) < most:
+                key, subject = heap[0]
+                queue = queues.get(subject)
+                if queue is None or queue[0] != key:
+                    heapq.heappop(heap)  # an old head
+                    continue
+                taken.append((key, subject, again))
+                if again:
+                    heapq.heappop(queue)
+                else:
+                    queue.popleft()
+                if queue:
+                    heapq.heapreplace(heap, (queue[0], subject))
+                    self._indexed(subject, kind, queue[0], besides=index)
+                else:
+                    del queues[subject]
+                    heapq.heappop(heap)
+        return taken
 
     def drop_through(self, through: int, count: Callable[[str, int], None]) -> int:
         """Drop every queued record up to ``through``; ``count(subject, -n)`` for each
@@ -172,10 +189,14 @@ class SubjectQueues:
             del self.indexes[filter_tokens]
             self._matching.clear()
 
-    def _indexed(self, subject: str, kind: Kind, head: int) -> None:
-        """``subject``'s head of ``kind`` is now ``head``."""
+    def _indexed(
+        self, subject: str, kind: Kind, head: int, besides: FilterIndex | None = None
+    ) -> None:
+        """``subject``'s head of ``kind`` is now ``head`` (``besides``: told already)."""
         queues: dict[str, Any] = self.fresh if kind == "fresh" else self.again
         for index in self.indexes_of(subject):
+            if index is besides:
+                continue
             heap = index.fresh if kind == "fresh" else index.again
             heapq.heappush(heap, (head, subject))
             if len(heap) > 2 * (len(self.fresh) + len(self.again)) + 64:

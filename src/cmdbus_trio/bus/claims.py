@@ -18,7 +18,8 @@ after ``max_deliver`` deliveries is parked as *dead* instead.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import trio
@@ -242,32 +243,29 @@ class Claims(Owing):
         batch shares (the filter's index, the clock, the metric series) is looked up
         once for the batch, not once a record."""
         index = self._index(filter_tokens)
-        deadline = trio.current_time() + self.ack_wait
-        leased: list[Delivery] = []
-        delivered: dict[str, int] = {}  # per subject, for the metrics
-        again_by: dict[str, int] = {}
-        while len(leased) < most:
-            oldest = self._oldest(index, scan)
-            if oldest is None:
+        taken = self._queues.take_oldest(index, most)  # redeliveries first
+        while self._cursor is not None and len(taken) < most:  # then the tail's fresh ones
+            fresh = self._cursor.oldest(index, scan)
+            if fresh is None:
                 break
-            sort_key, subject, again = oldest
-            if not again and self._cursor is not None:
-                self._cursor.take(index, sort_key)
-            else:
-                self._queues.take(subject, again)
-            deliveries = self._deliveries.get(sort_key, 0) + 1
-            self._deliveries[sort_key] = deliveries
-            self._leases.grant(sort_key, owner, subject, deadline)
-            redelivered = deliveries > 1  # not a record given back undelivered
-            delivered[subject] = delivered.get(subject, 0) + 1
-            if redelivered:
-                again_by[subject] = again_by.get(subject, 0) + 1
-            leased.append(Delivery(sort_key, subject, redelivered, deliveries))
-        for subject, count in delivered.items():
+            self._cursor.take(index, fresh[0])
+            taken.append((fresh[0], fresh[1], False))
+        if not taken:
+            return []
+        counts = self._deliveries
+        leased: list[Delivery] = []
+        for sort_key, subject, _ in taken:
+            deliveries = counts.get(sort_key, 0) + 1
+            counts[sort_key] = deliveries
+            # Redelivered: not a record given back undelivered.
+            leased.append(Delivery(sort_key, subject, deliveries > 1, deliveries))
+        self._leases.grant_many(owner, leased, trio.current_time() + self.ack_wait)
+        for subject, count in Counter(delivery.subject for delivery in leased).items():
             label = metrics.SUBJECTS.label(subject)  # bounded: child() may remember it
             metrics.child(metrics.DELIVERIES, label).inc(count)
-            if subject in again_by:
-                metrics.child(metrics.REDELIVERIES, label).inc(again_by[subject])
+        again = Counter(delivery.subject for delivery in leased if delivery.redelivered)
+        for subject, count in again.items():
+            metrics.child(metrics.REDELIVERIES, metrics.SUBJECTS.label(subject)).inc(count)
         return leased
 
     async def next(self, filter_tokens: tuple[str, ...], owner: object) -> Delivery:
@@ -359,16 +357,30 @@ class Claims(Owing):
     def begin_ack(self, sort_key: int, owner: object) -> bool:
         """Start an ack by the record's lease owner; the caller makes it durable, then
         calls :meth:`finish_ack` (or :meth:`abort_ack` if that failed)."""
-        lease = self._leases.end(sort_key, owner)
-        if lease is None:
-            return False
-        self._settling[sort_key] = lease.subject
-        return True
+        return self.begin_acks([sort_key], owner)[0]
+
+    def begin_acks(self, sort_keys: Sequence[int], owner: object) -> list[bool]:
+        """:meth:`begin_ack` of each key, in order; one settled by :meth:`finish_acks`
+        (or :meth:`abort_ack` each)."""
+        settling = self._settling
+        begun = []
+        for sort_key, lease in zip(sort_keys, self._leases.end_many(sort_keys, owner), strict=True):
+            if lease is not None:
+                settling[sort_key] = lease.subject
+            begun.append(lease is not None)
+        return begun
 
     def finish_ack(self, sort_key: int) -> None:
-        subject = self._settling.pop(sort_key)
-        self._deliveries.pop(sort_key, None)
-        self._backlog.count(subject, -1)
+        self.finish_acks([sort_key])
+
+    def finish_acks(self, sort_keys: Sequence[int]) -> None:
+        """The acks begun of these records are durable: the group forgets them."""
+        subjects = [self._settling.pop(sort_key) for sort_key in sort_keys]
+        deliveries = self._deliveries
+        for sort_key in sort_keys:
+            deliveries.pop(sort_key, None)
+        for subject, count in Counter(subjects).items():
+            self._backlog.count(subject, -count)
 
     def abort_ack(self, sort_key: int) -> None:
         subject = self._settling.pop(sort_key)

@@ -213,7 +213,7 @@ class Consumer:
         claims = self.groups.known(group)
         group_name = _group_name(claims, group)
         span = spans.settling("ack", self.face, group_name, len(sort_keys), trace)
-        begun = [claims is not None and claims.begin_ack(key, self) for key in sort_keys]
+        begun = [False] * len(sort_keys) if claims is None else claims.begin_acks(sort_keys, self)
         if claims is None or not any(begun):
             spans.settled(span, begun)
             return Deferred.of(begun)
@@ -221,10 +221,10 @@ class Consumer:
         acked: Deferred[list[bool]] = Deferred()
 
         def settled(ticket: Ticket) -> None:
-            for key in started:
-                if ticket.error is None:
-                    claims.finish_ack(key)
-                else:
+            if ticket.error is None:
+                claims.finish_acks(started)
+            else:
+                for key in started:
                     claims.abort_ack(key)
             outcome = begun if ticket.error is None else ticket.error
             spans.settled(span, outcome)
