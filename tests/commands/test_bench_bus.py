@@ -37,9 +37,11 @@ def test_the_steady_workload_reports_rates_latency_and_cpu(tmp_path: Path) -> No
     ]
     rows = {line.split()[3]: line.split() for line in lines if " batch " not in line}
     assert set(rows) == {"cmdbus-trio", "floor", "floor+disk"}
-    # The consumers in batches (issue 41): the writer only (the floors take one a request).
-    (batched,) = [line.split()[5:] for line in lines if " batch 16 " in line]
-    assert batched[0] == "cmdbus-trio" and float(batched[1]) > 50, batched
+    # The consumers in batches (issue 41), on the floors too (they take `max` since 12-05).
+    batched = {line.split()[5]: line.split()[5:] for line in lines if " batch 16 " in line}
+    assert set(batched) == set(rows)
+    for name, row in batched.items():
+        assert float(row[1]) > 50, f"{name} delivered {row[1]}/s of 100/s in batches"
     for name, row in rows.items():
         delivered, latency, cores, us_per_op, generator_cores = row[4:9]
         assert float(delivered) > 50, f"{name} delivered {delivered}/s of 100/s"
@@ -79,7 +81,7 @@ def test_rounds_report_medians_and_each_rounds_ratio(tmp_path: Path) -> None:
 
 def test_the_durable_floor_replies_only_after_its_commit(tmp_path: Path) -> None:
     """floor_server.py --durable: a publish's or an ack's reply means it is in the
-    database (read here by another connection, as after a crash)."""
+    database (read here by another connection, as after a crash), batches included."""
     ports, database = tmp_path / "ports.json", tmp_path / "floor.sqlite3"
     server = subprocess.Popen([sys.executable, str(FLOOR), str(ports), "--durable", str(database)])
     try:
@@ -109,6 +111,11 @@ def test_the_durable_floor_replies_only_after_its_commit(tmp_path: Path) -> None
             assert ask({"id": 4, "op": "ack", "sort_key": delivered["sort_key"]})["acked"]
             acks = sqlite3.connect(database).execute("SELECT * FROM acks").fetchall()
             assert acks == [(delivered["sort_key"],)] and batch["sort_keys"] == [2, 3]
+            many = ask({"id": 5, "op": "next", "filter": "commands.>", "max": 5})["deliveries"]
+            assert isinstance(many, list) and [d["sort_key"] for d in many] == [2, 3]
+            assert ask({"id": 6, "op": "ack", "sort_keys": [2, 3]})["acked"]
+            acks = sqlite3.connect(database).execute("SELECT * FROM acks").fetchall()
+            assert sorted(acks) == [(1,), (2,), (3,)]
     finally:
         server.terminate()
         server.wait(timeout=30)

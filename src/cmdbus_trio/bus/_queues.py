@@ -97,8 +97,8 @@ class SubjectQueues:
 
     def take_oldest(self, index: FilterIndex, most: int) -> list[tuple[int, str, bool]]:
         """Remove and return up to ``most`` of the oldest queued records the index's
-        filter matches, as :meth:`oldest` and :meth:`take` one at a time would, in that
-        order: ``(sort_key, subject, again)``.
+        filter matches, as many looks of :meth:`oldest` would find them (each record
+        taken before the next look), in that order: ``(sort_key, subject, again)``.
 
         What a record taken costs is one heap step on this index (its entry replaced by
         the subject's new head) and a push on each other index matching the subject,
