@@ -80,44 +80,31 @@ class SubjectQueues:
         if heap[0] == sort_key:
             self._indexed(subject, "again", sort_key)
 
-    def oldest(self, index: FilterIndex) -> tuple[int, str, bool] | None:
-        """The oldest queued record the index's filter matches, redeliveries first:
-        ``(sort_key, subject, again)``."""
-        for heap, queues, again in (
-            (index.again, self.again, True),
-            (index.fresh, self.fresh, False),
-        ):
-            while heap:
-                key, subject = heap[0]
-                queue = queues.get(subject)
-                if queue is not None and queue[0] == key:
-                    return key, subject, again
-                heapq.heappop(heap)  # an old head
-        return None
+    def has(self, index: FilterIndex) -> bool:
+        """A queued record (to redeliver, or fresh) matches the index's filter."""
+        return (
+            _live_head(index.again, self.again) is not None
+            or _live_head(index.fresh, self.fresh) is not None
+        )
 
-    def take_oldest(self, index: FilterIndex, most: int) -> list[tuple[int, str, bool]]:
+    def take_oldest(self, index: FilterIndex, most: int) -> list[tuple[int, str]]:
         """Remove and return up to ``most`` of the oldest queued records the index's
-        filter matches, as many looks of :meth:`oldest` would find them (each record
-        taken before the next look), in that order: ``(sort_key, subject, again)``.
+        filter matches, redeliveries first, oldest first: ``(sort_key, subject)``.
 
         What a record taken costs is one heap step on this index (its entry replaced by
         the subject's new head) and a push on each other index matching the subject,
         not a push here and a pop of the old head on the next look."""
-        taken: list[tuple[int, str, bool]] = []
+        taken: list[tuple[int, str]] = []
         kinds: tuple[tuple[Kind, list[tuple[int, str]], dict[str, Any]], ...] = (
             ("again", index.again, self.again),
             ("fresh", index.fresh, self.fresh),
         )
         for kind, heap, queues in kinds:
-            again = kind == "again"
-            while heap and len(taken) < most:
-                key, subject = heap[0]
-                queue = queues.get(subject)
-                if queue is None or queue[0] != key:
-                    heapq.heappop(heap)  # an old head
-                    continue
-                taken.append((key, subject, again))
-                if again:
+            while len(taken) < most and (head := _live_head(heap, queues)) is not None:
+                taken.append(head)
+                subject = head[1]
+                queue = queues[subject]
+                if kind == "again":
                     heapq.heappop(queue)
                 else:
                     queue.popleft()
@@ -203,3 +190,15 @@ class SubjectQueues:
                 # Drop the entries that no longer are a subject's head (kept in place).
                 heap[:] = [(key, s) for key, s in heap if s in queues and queues[s][0] == key]
                 heapq.heapify(heap)
+
+
+def _live_head(heap: list[tuple[int, str]], queues: dict[str, Any]) -> tuple[int, str] | None:
+    """The index heap's top entry that is still its subject's head, ``(sort_key,
+    subject)``, the old heads above it popped; None when there is none."""
+    while heap:
+        key, subject = heap[0]
+        queue = queues.get(subject)
+        if queue is not None and queue[0] == key:
+            return key, subject
+        heapq.heappop(heap)  # an old head
+    return None

@@ -206,21 +206,14 @@ class Claims(Owing):
     def _index(self, filter_tokens: tuple[str, ...]) -> FilterIndex:
         return self._queues.index(filter_tokens, self.cursor)
 
-    def _oldest(self, index: FilterIndex, scan: int | None) -> tuple[int, str, bool] | None:
-        """The oldest record the index's filter matches, redeliveries first:
-        ``(sort_key, subject, again)``; on a tail, looking through ``scan`` records."""
-        found = self._queues.oldest(index)
-        if found is None and self._cursor is not None:
-            fresh = self._cursor.oldest(index, scan)
-            if fresh is not None:
-                return fresh[0], fresh[1], False
-        return found
-
     # --- delivering ----------------------------------------------------------------------
 
     def has(self, filter_tokens: tuple[str, ...]) -> bool:
         """A record matching the filter can be taken now (found within a scan step)."""
-        return self._oldest(self._index(filter_tokens), SCAN_STEP) is not None
+        index = self._index(filter_tokens)
+        if self._queues.has(index):
+            return True
+        return self._cursor is not None and self._cursor.oldest(index, SCAN_STEP) is not None
 
     def next_nowait(
         self, filter_tokens: tuple[str, ...], owner: object, scan: int | None = SCAN_STEP
@@ -249,12 +242,12 @@ class Claims(Owing):
             if fresh is None:
                 break
             self._cursor.take(index, fresh[0])
-            taken.append((fresh[0], fresh[1], False))
+            taken.append(fresh)
         if not taken:
             return []
         counts = self._deliveries
         leased: list[Delivery] = []
-        for sort_key, subject, _ in taken:
+        for sort_key, subject in taken:
             deliveries = counts.get(sort_key, 0) + 1
             counts[sort_key] = deliveries
             # Redelivered: not a record given back undelivered.
