@@ -7,10 +7,12 @@ of which spent more CPU than the server it measured). Run in worker processes:
 
 KIND: publish (COUNT requests in flight), batched (COUNT records a request), claim+ack,
 produce (COUNT records a second per client, each carrying its publish time) or consume
-(claim+ack, timing each record from its publish). START_AT is a time.monotonic() instant
+(claim+ack, timing each record from its publish to its delivery, the reply to the claim
+in hand, and to its ack's confirmation). START_AT is a time.monotonic() instant
 (CLOCK_MONOTONIC, the same in every process of the machine): every worker starts then, so
 the parent can sample the server's CPU over exactly the window. Prints one JSON line:
-ops, latencies (seconds) and the worker's own CPU seconds over the window.
+ops, latencies (seconds; consume: to delivery), acked (consume: to the ack's
+confirmation) and the worker's own CPU seconds over the window.
 """
 
 from __future__ import annotations
@@ -72,21 +74,23 @@ class CmdbusClient:
         for reply in await self._calls(self.ingest, frames):
             assert reply["ok"], reply
 
-    async def claim(self, batch: int) -> list[dict[str, Any]]:
-        """One next (waiting up to 1 s) and the ack of what it got: the records. With
-        ``batch`` > 1, ``next`` with ``max`` and one ``ack`` of every sort key."""
+    async def claim(self, batch: int) -> tuple[list[dict[str, Any]], float]:
+        """One next (waiting up to 1 s) and the ack of what it got: the records, and when
+        they were in hand (before the ack). With ``batch`` > 1, ``next`` with ``max`` and
+        one ``ack`` of every sort key."""
         asked = {"max": batch} if batch > 1 else {}
         (got,) = await self._calls(
             self.claims, [self._frame("next", filter="commands.>", timeout_ms=1000, **asked)]
         )
+        delivered = time.monotonic()
         deliveries = got["deliveries"] if batch > 1 else [got["delivery"]] * bool(got["delivery"])
         if not deliveries:
-            return []
+            return [], delivered
         keys = [delivery["sort_key"] for delivery in deliveries]
         settle = {"sort_keys": keys} if batch > 1 else {"sort_key": keys[0]}
         (acked,) = await self._calls(self.claims, [self._frame("ack", **settle)])
         assert acked["acked"], acked
-        return [delivery["record"] for delivery in deliveries]
+        return [delivery["record"] for delivery in deliveries], delivered
 
 
 async def _dial(address: str) -> Any:
@@ -131,18 +135,20 @@ class RedisClient:
         fields = [item for pair in body(n, sent_at).items() for item in pair]
         await self._commands([["XADD", "commands", "*", *fields] for _ in range(count)])
 
-    async def claim(self, batch: int) -> list[dict[str, Any]]:
+    async def claim(self, batch: int) -> tuple[list[dict[str, Any]], float]:
         """``XREADGROUP COUNT batch`` (waiting up to 1 s), then one ``XACK`` of every id."""
         read = ["XREADGROUP", "GROUP", "workers", self.name, "COUNT", batch, "BLOCK", 1000]
         (got,) = await self._commands([[*read, "STREAMS", "commands", ">"]])
+        delivered = time.monotonic()
         if not got:
-            return []
+            return [], delivered
         entries = got[0][1]
         await self._commands([["XACK", "commands", "workers", *(key for key, _ in entries)]])
-        return [
+        records = [
             {fields[i].decode(): fields[i + 1].decode() for i in range(0, len(fields), 2)}
             for _, fields in entries
         ]
+        return records, delivered
 
 
 def _resp(command: list[Any]) -> bytes:
@@ -225,7 +231,7 @@ class NatsClient:
             _, _, ack = await self._message()
             assert b'"seq"' in ack, ack
 
-    async def claim(self, batch: int) -> list[dict[str, Any]]:
+    async def claim(self, batch: int) -> tuple[list[dict[str, Any]], float]:
         """A pull of up to ``batch`` messages, then each acked, the acks pipelined and
         every one confirmed. A batch pull asks with ``no_wait`` first, as nats-py's
         ``fetch(n)`` does: what is there now, then a 404 status; only when nothing was
@@ -246,10 +252,11 @@ class NatsClient:
                 records.append(json.loads(data))
             if records:
                 break
+        delivered = time.monotonic()
         self.writer.write(b"".join(self._pub(a.decode(), f"{self.inbox}.a", b"") for a in acks))
         for _ in acks:
             await self._message()  # each ack confirmed
-        return records
+        return records, delivered
 
 
 class Scraper:
@@ -303,6 +310,7 @@ async def run(
     empty = [0] * clients  # claims that found nothing: the backlog ran out
     claims = [0] * clients  # claim requests that found records
     latencies: list[float] = []
+    acked: list[float] = []  # consume: from publish to the ack's confirmation
     end_at = start_at + span
 
     async def client(index: int) -> None:
@@ -329,13 +337,14 @@ async def run(
                 n += 1
                 continue
             started = time.monotonic()
-            records = await c.claim(int(count))  # count: records a request at most
+            records, delivered = await c.claim(int(count))  # count: records a request at most
             done = time.monotonic()
             ops[index] += len(records)
             empty[index] += not records
             claims[index] += bool(records)
             if kind == "consume":
-                latencies.extend(done - sent_at(record) for record in records)
+                latencies.extend(delivered - sent_at(record) for record in records)
+                acked.extend(done - sent_at(record) for record in records)
             elif records:
                 latencies.append(done - started)
 
@@ -346,6 +355,7 @@ async def run(
     return {
         "ops": sum(ops),
         "latencies": latencies,
+        "acked": acked,
         "cpu": cpu,
         "empty": sum(empty),
         "claims": sum(claims),

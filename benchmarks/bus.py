@@ -21,10 +21,11 @@ each ack confirmed; the floor servers as cmdbus-trio); and, on cmdbus-trio only,
 again beside a scrape flood (32 keep-alive HTTP clients asking for /metrics, and the lag
 port's, as fast as they are answered), against publish x16 alone. --rate R adds, first,
 on an empty bus, the steady end-to-end workload: 16 producers publishing R records a
-second between them
-(an open loop, each record stamped with its publish time), 16 consumers claiming and
-acking, and the latency of each record from its publish to its delivery; then the same
-with the consumers claiming and acking in batches of up to 16.
+second between them (an open loop, each record stamped with its publish time), 16
+consumers claiming and acking, and the latency of each record from its publish to its
+delivery (the claim's reply in the consumer's hands) and, on a line of its own, to its
+ack's confirmation (a second commit later); then the same with the consumers claiming
+and acking in batches of up to 16.
 
 For every workload and server: ops/s; latency p50/p99 (claim+ack: the next and the ack;
 steady: publish to delivery); the server's CPU (utime + stime of its process, all
@@ -339,6 +340,9 @@ def run_workload(
         "rate": ops / duration,
         "scrapes": scrapes / duration,
         "latency": percentiles([x for _, r in results for x in r["latencies"]]),
+        "acked": percentiles(acked)
+        if (acked := [x for _, r in results for x in r["acked"]])
+        else None,
         "server_cores": server_cpu / duration,
         "server_us": server_cpu / max(ops, 1) * 1e6,
         "generator_cores": sum(r["cpu"] for _, r in results) / duration,
@@ -503,7 +507,8 @@ def report(names: list[str], rounds: list[dict[str, dict[str, Any]]], duration: 
     medians = f", medians of {len(rounds)} rounds" if len(rounds) > 1 else ""
     print(
         f"\n{duration:.0f} s per workload{medians}. ops/s; latency p50/p99 ms (claim+ack: "
-        "next and ack; steady: publish to delivery); server CPU in cores and us per op; the load "
+        "next and ack; steady: publish to delivery, the claim's reply in the consumer's "
+        "hands); server CPU in cores and us per op; the load "
         "generators' CPU in cores; /healthz p50/p99/max ms during the workload. *: the "
         "claims ran out of backlog in the window (the figure is a lower bound)."
     )
@@ -534,6 +539,14 @@ def report(names: list[str], rounds: list[dict[str, dict[str, Any]]], duration: 
     ]
     if batched:
         print("records per claim request: " + "; ".join(batched))
+    acked = [
+        f"{key} {name} {r['acked']['p50']:.1f}/{r['acked']['p99']:.1f}"
+        for key in results[names[0]]
+        for name in names
+        if (r := results[name].get(key)) is not None and r.get("acked")
+    ]
+    if acked:
+        print("steady: publish to the ack's confirmation, p50/p99 ms: " + "; ".join(acked))
     for name in names:
         flood, alone = results[name].get(SCRAPE_FLOOD), results[name].get("publish x16")
         if flood is not None and alone is not None:

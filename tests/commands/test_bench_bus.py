@@ -51,6 +51,18 @@ def test_the_steady_workload_reports_rates_latency_and_cpu(tmp_path: Path) -> No
     healthz = rows["cmdbus-trio"][9]
     assert all(float(ms) > 0 for ms in healthz.split("/"))
     assert len(rows["floor"]) == len(rows["floor+disk"]) == 9  # no control face: no probe
+    # The latency above is to the delivery; to the ack's confirmation is said apart, and
+    # comes later (a commit later) for each record.
+    (acked_line,) = (line for line in done.stdout.splitlines() if "ack's confirmation" in line)
+    acked = {
+        part.split()[-2]: part.split()[-1]
+        for part in acked_line.split(": ", 1)[1].split("; ")
+        if " batch " not in part
+    }
+    assert set(acked) == set(rows)
+    for name, latency in acked.items():
+        acked_p50 = float(latency.split("/")[0])
+        assert acked_p50 >= float(rows[name][5].split("/")[0]), (name, acked_line)
 
 
 def test_rounds_report_medians_and_each_rounds_ratio(tmp_path: Path) -> None:
