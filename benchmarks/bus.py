@@ -38,6 +38,9 @@ server can do per request (no disk, no admission, no metrics). It bounds what on
 can reach on this machine with this protocol and these load generators. "floor+disk" is the
 same server committing each read's publishes and acks to SQLite (an fsync per group commit,
 in one worker thread) before replying: the bound for a durable server on one trio loop.
+It hands a record to `next` before the record is on disk, which a real server must not;
+"floor+strict" hands it over only once it is on disk, as the writer does: the bound for a
+server that keeps that promise.
 
 The load generators (`_generators.py`) are the same for every server: worker processes (at
 most 2 a side of the load) running asyncio, one connection per client, requests pipelined
@@ -207,11 +210,15 @@ def start_nats(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
     return process, f"127.0.0.1:{port}"
 
 
-def start_floor(workdir: Path, durable: bool = False) -> tuple[subprocess.Popen[bytes], str]:
+def start_floor(
+    workdir: Path, durable: bool = False, strict: bool = False
+) -> tuple[subprocess.Popen[bytes], str]:
     ports_file = workdir / "ports.json"
     command = [sys.executable, str(HERE.parent / "floor_server.py"), str(ports_file)]
     if durable:
         command += ["--durable", str(workdir / "floor.sqlite3")]
+    if strict:
+        command += ["--strict"]
     process = subprocess.Popen(command)
     deadline = time.monotonic() + 60
     while not ports_file.exists():
@@ -221,10 +228,12 @@ def start_floor(workdir: Path, durable: bool = False) -> tuple[subprocess.Popen[
     return process, ports_file.read_text()
 
 
+FLOORS = ("floor", "floor+disk", "floor+strict")
 STARTERS = {
     "cmdbus-trio": start_cmdbus,
     "floor": start_floor,
     "floor+disk": lambda workdir: start_floor(workdir, durable=True),
+    "floor+strict": lambda workdir: start_floor(workdir, durable=True, strict=True),
     "redis": start_redis,
     "nats": start_nats,
 }
@@ -586,7 +595,9 @@ def main() -> None:
     )
     parser.add_argument("--peer", choices=["redis", "nats"], action="append", default=[])
     parser.add_argument(
-        "--floor", action="store_true", help="also run floor_server.py, in memory and durable"
+        "--floor",
+        action="store_true",
+        help="also run floor_server.py: in memory, durable, durable and strict",
     )
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--backlog", type=int, default=40_000, help="records preloaded for claims")
@@ -637,7 +648,7 @@ def main() -> None:
         "cmdbus-trio",
         *([f"cmdbus-trio@{args.baseline}"] if args.baseline else []),
         *([TRACED] if args.traced else []),
-        *(["floor", "floor+disk"] if args.floor else []),
+        *(FLOORS if args.floor else []),
         *dict.fromkeys(args.peer),
     ]
     runs = [(k, loads) for k, loads in workloads(args.rate) if chosen(k, args.only)]

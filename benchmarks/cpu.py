@@ -4,7 +4,7 @@ turns and steps, thread hops and syscalls, per record end to end.
     python benchmarks/cpu.py                              # 100, 500, 1000/s and saturation
     python benchmarks/cpu.py --rates 500 --duration 10    # one rate
     python benchmarks/cpu.py --rates 500 --baseline REV   # this tree beside revision REV
-    python benchmarks/cpu.py --floor                      # the floor servers' CPU beside
+    python benchmarks/cpu.py --floor                      # the floor servers beside
     python benchmarks/cpu.py --rates 500 --consumers 200  # most consumers parked
 
 Each rate is `bus.py --rate`'s steady workload (16 producers publishing the rate between
@@ -28,6 +28,10 @@ Per record (a publish, a delivery and an ack), it prints:
 - syscalls (``perf stat -e raw_syscalls:sys_enter --per-thread``, where perf and its
   tracepoints are there), of the loop thread and of the others, with the loop's
   ``epoll_wait`` calls and the commit thread's ``fdatasync`` calls.
+
+``--floor`` adds the same rows for `floor_server.py` in memory, durable ("floor+disk")
+and durable handing a record to ``next`` only once it is on disk ("floor+strict"),
+without the census (they have no hook; their worker thread counts as "other").
 """
 
 from __future__ import annotations
@@ -215,15 +219,20 @@ def census_window(server: bus.Server, rate: float, duration: float) -> dict[str,
     return counted
 
 
-def floor_cpu(rate: float, duration: float, durable: bool, workdir: Path) -> dict[str, Any]:
-    where = Path(tempfile.mkdtemp(dir=workdir))
-    process, address = bus.start_floor(where, durable=durable)
-    server = bus.Server("floor", process, address)
-    try:
-        result = bus.run_workload(server, workload(rate), duration)
-    finally:
-        bus.stop(process)
-    return {"rate": result["rate"], "us": result["server_us"], "cores": result["server_cores"]}
+def measure_floor(
+    kind: str, rates: list[float], duration: float, perf: bool, workdir: Path
+) -> dict[float, dict[str, Any]]:
+    """`measure` for one of the floor servers: CPU and syscalls (no census; its worker
+    thread counts as "other")."""
+    rows = {}
+    for rate in rates:
+        process, address = bus.STARTERS[kind](Path(tempfile.mkdtemp(dir=workdir)))
+        try:
+            cpu = cpu_window(bus.Server(kind, process, address), rate, duration, perf)
+        finally:
+            bus.stop(process)
+        rows[rate] = {"cpu": cpu, "census": None}
+    return rows
 
 
 def measure(
@@ -250,9 +259,7 @@ def label(rate: float) -> str:
     return "sat" if rate >= SATURATION else f"{rate:.0f}/s"
 
 
-def report(
-    results: dict[str, dict[float, dict[str, Any]]], floors: dict[float, dict[str, Any]]
-) -> None:
+def report(results: dict[str, dict[float, dict[str, Any]]]) -> None:
     print(
         "\nPer record end to end (a publish, a delivery, an ack). CPU in us: loop thread, "
         "commit thread, others, all; turns by what ended the loop's wait; task steps; "
@@ -302,12 +309,6 @@ def report(
                     f"{task.rsplit('.', 1)[-1]} {k / m:.1f}" for task, k in busiest
                 )
             print(line)
-    for rate, floor in floors.items():
-        for kind, row in floor.items():
-            print(
-                f"{kind:<22}{label(rate):>6}{row['rate']:>7.0f}{'':>12}{'':>6}{'':>7}{'':>6}"
-                f"{row['us']:>6.0f}{row['cores']:>6.2f}"
-            )
 
 
 def main() -> None:
@@ -321,7 +322,7 @@ def main() -> None:
     )
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per window")
     parser.add_argument("--baseline", metavar="REV", help="also measure git revision REV")
-    parser.add_argument("--floor", action="store_true", help="the floor servers' CPU beside")
+    parser.add_argument("--floor", action="store_true", help="the floor servers beside")
     parser.add_argument(
         "--consumers", type=int, default=16, help="consumers claiming (default: %(default)s)"
     )
@@ -340,14 +341,10 @@ def main() -> None:
         source = bus.export_revision(args.baseline, workdir)
         name = f"cmdbus-trio@{args.baseline}"
         results[name] = measure(name, source, rates, args.duration, perf, workdir)
-    floors: dict[float, dict[str, Any]] = {}
     if args.floor:
-        for rate in rates:
-            floors[rate] = {
-                "floor": floor_cpu(rate, args.duration, False, workdir),
-                "floor+disk": floor_cpu(rate, args.duration, True, workdir),
-            }
-    report(results, floors)
+        for kind in bus.FLOORS:
+            results[kind] = measure_floor(kind, rates, args.duration, perf, workdir)
+    report(results)
 
 
 if __name__ == "__main__":

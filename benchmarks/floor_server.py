@@ -1,6 +1,6 @@
 """The floor: the least a trio server can do per request of this protocol.
 
-    python benchmarks/floor_server.py PORTS_FILE [--durable DB]
+    python benchmarks/floor_server.py PORTS_FILE [--durable DB [--strict]]
 
 It speaks just enough v2 for `bus.py`'s workloads (hello, publish, publish_batch, next
 waiting up to its timeout_ms, with or without max, ack of one sort key or of many) on
@@ -18,6 +18,11 @@ that moment in one transaction (group commit). What it reaches bounds what a dur
 server on one trio loop and one SQLite file can reach (generously: it hands a record to
 `next` before the record is on disk, which a real server must not); the gap between the
 two floors is the price of the fsync before the reply.
+
+``--strict`` (`bus.py --floor`'s "floor+strict") hands a record to `next` only once its
+commit is over, as the writer does: a record's publish and its ack can then never share
+a commit, and a delivery waits for the commit's thread hop back. What it reaches bounds a
+durable server that never delivers what a crash could lose.
 """
 
 from __future__ import annotations
@@ -42,31 +47,33 @@ class Memory:
         self.sort_keys = itertools.count(1)
         self.records: deque[tuple[int, Any]] = deque()
         self.leased: dict[int, Any] = {}
-        self.arrived = trio.Event()  # set, and replaced, when records come
-
-    def _arrived(self) -> None:
-        self.arrived.set()
-        self.arrived = trio.Event()
+        # The nexts waiting for records: a record wakes one of them, as the writer's
+        # commits do, not all (which would cost more the fewer records come at a time).
+        self.waiting = trio.lowlevel.ParkingLot()
 
     async def wait_for_records(self) -> None:
         while not self.records:
-            await self.arrived.wait()
+            await self.waiting.park()
 
-    def answer(self, request: dict[str, Any]) -> dict[str, Any]:
+    def make_visible(self, records: list[tuple[int, Any]]) -> None:
+        """Hand records to ``next``."""
+        self.records += records
+        self.waiting.unpark(count=len(records))
+
+    def answer(self, request: dict[str, Any], held: list[tuple[int, Any]]) -> dict[str, Any]:
+        """The reply to a request; a publish's records go to ``held``, for `make_visible`."""
         reply: dict[str, Any] = {"id": request["id"], "ok": True}
         op = request["op"]
         if op == "publish":
             key = next(self.sort_keys)
-            self.records.append((key, request["record"]))
-            self._arrived()
+            held.append((key, request["record"]))
             reply.update(sort_key=key, subject=SUBJECT, duplicate=False)
         elif op == "publish_batch":
             keys = []
             for record in request["records"]:
                 keys.append(next(self.sort_keys))
-                self.records.append((keys[-1], record))
+                held.append((keys[-1], record))
             reply.update(sort_keys=keys)
-            self._arrived()
         elif op == "next":
             # With ``max``, up to that many deliveries (none after timeout_ms: see
             # serve_connection); without, one or None.
@@ -132,16 +139,21 @@ class Disk:
         self.db.execute("COMMIT")
 
 
-async def serve_connection(memory: Memory, disk: Disk | None, stream: trio.SocketStream) -> None:
+async def serve_connection(
+    memory: Memory, disk: Disk | None, strict: bool, stream: trio.SocketStream
+) -> None:
     decoder = FrameDecoder(1 << 20)
     records: list[tuple[int, str]] = []
     acks: list[tuple[int]] = []
+    held: list[tuple[int, Any]] = []  # published; for next once on disk (strict) or at once
 
     async def send(replies: list[dict[str, Any]]) -> None:
         if disk is not None and (records or acks):
             await disk.write(records[:], acks[:])
             records.clear()
             acks.clear()
+        memory.make_visible(held)
+        held.clear()
         await stream.send_all(b"".join(_frames(replies)))
 
     while True:
@@ -158,8 +170,11 @@ async def serve_connection(memory: Memory, disk: Disk | None, stream: trio.Socke
                 replies = []
                 with trio.move_on_after(request["timeout_ms"] / 1000):
                     await memory.wait_for_records()
-            reply = memory.answer(request)
+            reply = memory.answer(request, held)
             replies.append(reply)
+            if not strict:
+                memory.make_visible(held)
+                held.clear()
             if disk is not None:
                 _note_writes(request, reply, records, acks)
         if replies:
@@ -188,7 +203,7 @@ def _frames(replies: list[dict[str, Any]]) -> list[bytes]:
     return [encode_frame(json.dumps(r).encode()) for r in replies]
 
 
-async def main(ports_file: str, durable: str | None) -> None:
+async def main(ports_file: str, durable: str | None, strict: bool) -> None:
     memory = Memory()
     disk = Disk(durable) if durable else None
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
@@ -199,7 +214,7 @@ async def main(ports_file: str, durable: str | None) -> None:
 
     async def handle(stream: trio.SocketStream) -> None:
         with contextlib.suppress(trio.BrokenResourceError):
-            await serve_connection(memory, disk, stream)
+            await serve_connection(memory, disk, strict, stream)
 
     async with trio.open_nursery() as nursery:
         if disk is not None:
@@ -209,4 +224,4 @@ async def main(ports_file: str, durable: str | None) -> None:
 
 if __name__ == "__main__":
     durable = sys.argv[3] if sys.argv[2:3] == ["--durable"] else None
-    trio.run(main, sys.argv[1], durable)
+    trio.run(main, sys.argv[1], durable, sys.argv[4:5] == ["--strict"])

@@ -5,6 +5,7 @@ themselves are for docs/benchmarks.md, never asserted here.)"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import socket
@@ -12,6 +13,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -36,7 +38,7 @@ def test_the_steady_workload_reports_rates_latency_and_cpu(tmp_path: Path) -> No
         if line.startswith("steady 100/s e2e") and not line.endswith("x")  # not a ratio
     ]
     rows = {line.split()[3]: line.split() for line in lines if " batch " not in line}
-    assert set(rows) == {"cmdbus-trio", "floor", "floor+disk"}
+    assert set(rows) == {"cmdbus-trio", "floor", "floor+disk", "floor+strict"}
     # The consumers in batches (issue 41), on the floors too (they take `max` since 12-05).
     batched = {line.split()[5]: line.split()[5:] for line in lines if " batch 16 " in line}
     assert set(batched) == set(rows)
@@ -50,7 +52,8 @@ def test_the_steady_workload_reports_rates_latency_and_cpu(tmp_path: Path) -> No
         assert float(cores) > 0 and float(us_per_op) > 0 and float(generator_cores) > 0
     healthz = rows["cmdbus-trio"][9]
     assert all(float(ms) > 0 for ms in healthz.split("/"))
-    assert len(rows["floor"]) == len(rows["floor+disk"]) == 9  # no control face: no probe
+    # No control face, so no probe: one field fewer.
+    assert {len(rows[name]) for name in ("floor", "floor+disk", "floor+strict")} == {9}
     # The latency above is to the delivery; to the ack's confirmation is said apart, and
     # comes later (a commit later) for each record.
     (acked_line,) = (line for line in done.stdout.splitlines() if "ack's confirmation" in line)
@@ -84,35 +87,63 @@ def test_rounds_report_medians_and_each_rounds_ratio(tmp_path: Path) -> None:
         if line.startswith("publish x16 batched") and "(" in line
     ]
     cells = re.findall(r"([\d.]+)x \(([\d. ]+)\)", ratio)
-    assert len(cells) == 2, ratio  # ours / floor, ours / floor+disk
+    assert len(cells) == 3, ratio  # ours / each floor
     for median, rounds in cells:
         each = [float(x) for x in rounds.split()]
         assert len(each) == 2 and all(x > 0 for x in each)
         assert float(median) == pytest.approx(sum(each) / 2, abs=0.011)
 
 
-def test_the_durable_floor_replies_only_after_its_commit(tmp_path: Path) -> None:
-    """floor_server.py --durable: a publish's or an ack's reply means it is in the
-    database (read here by another connection, as after a crash), batches included."""
+class FloorConnection:
+    """One blocking connection to a floor server, a request at a time."""
+
+    def __init__(self, ports: Path) -> None:
+        host, port = json.loads(ports.read_text())["cmd_ingest"].split(":")
+        self.sock = socket.create_connection((host, int(port)), timeout=10)
+        self.decoder = FrameDecoder(1 << 20)
+        assert self.ask({"protocol": 2, "hello": True})["ok"]
+
+    def send(self, request: dict[str, object]) -> None:
+        self.sock.sendall(encode_frame(json.dumps(request).encode()))
+
+    def receive(self) -> dict[str, object]:
+        while not isinstance(frame := self.decoder.next_frame(), bytes):
+            self.decoder.receive_data(self.sock.recv(65536))
+        reply: dict[str, object] = json.loads(frame)
+        return reply
+
+    def ask(self, request: dict[str, object]) -> dict[str, object]:
+        self.send(request)
+        return self.receive()
+
+
+@contextlib.contextmanager
+def floor_server(tmp_path: Path, *options: str) -> Iterator[tuple[Path, Path]]:
+    """A durable floor_server.py (with ``options``): its ports file and database."""
     ports, database = tmp_path / "ports.json", tmp_path / "floor.sqlite3"
-    server = subprocess.Popen([sys.executable, str(FLOOR), str(ports), "--durable", str(database)])
+    command = [sys.executable, str(FLOOR), str(ports), "--durable", str(database), *options]
+    server = subprocess.Popen(command)
     try:
         deadline = time.monotonic() + 30
         while not ports.exists():
             assert server.poll() is None and time.monotonic() < deadline, "no floor"
             time.sleep(0.05)
-        host, port = json.loads(ports.read_text())["cmd_ingest"].split(":")
-        with socket.create_connection((host, int(port)), timeout=10) as sock:
-            decoder = FrameDecoder(1 << 20)
+        yield ports, database
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
 
-            def ask(request: dict[str, object]) -> dict[str, object]:
-                sock.sendall(encode_frame(json.dumps(request).encode()))
-                while not isinstance(frame := decoder.next_frame(), bytes):
-                    decoder.receive_data(sock.recv(65536))
-                reply: dict[str, object] = json.loads(frame)
-                return reply
 
-            assert ask({"protocol": 2, "hello": True})["ok"]
+@pytest.mark.parametrize("options", [(), ("--strict",)])
+def test_the_durable_floor_replies_only_after_its_commit(
+    tmp_path: Path, options: tuple[str, ...]
+) -> None:
+    """floor_server.py --durable: a publish's or an ack's reply means it is in the
+    database (read here by another connection, as after a crash), batches included."""
+    with floor_server(tmp_path, *options) as (ports, database):
+        connection = FloorConnection(ports)
+        with connection.sock:
+            ask = connection.ask
             published = ask({"id": 1, "op": "publish", "record": {"n": 1}})
             stored = sqlite3.connect(database).execute("SELECT * FROM records").fetchall()
             assert stored == [(published["sort_key"], '{"n": 1}')]
@@ -128,9 +159,42 @@ def test_the_durable_floor_replies_only_after_its_commit(tmp_path: Path) -> None
             assert ask({"id": 6, "op": "ack", "sort_keys": [2, 3]})["acked"]
             acks = sqlite3.connect(database).execute("SELECT * FROM acks").fetchall()
             assert sorted(acks) == [(1,), (2,), (3,)]
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+
+
+@pytest.mark.parametrize(
+    ("options", "delivered_before_commit"), [((), True), (("--strict",), False)]
+)
+def test_the_strict_floor_delivers_a_record_only_once_it_is_on_disk(
+    tmp_path: Path, options: tuple[str, ...], delivered_before_commit: bool
+) -> None:
+    """floor_server.py --durable --strict hands a record to a waiting `next` only after
+    its commit, as the writer does; without --strict the floor hands it over at once.
+    The test holds the database's write lock (well under the floor's 5 s busy timeout),
+    so that no commit can end while it looks."""
+    with floor_server(tmp_path, *options) as (ports, database):
+        producer, consumer = FloorConnection(ports), FloorConnection(ports)
+        with producer.sock, consumer.sock:
+            consumer.send({"id": 1, "op": "next", "filter": "commands.>", "timeout_ms": 20_000})
+            time.sleep(0.2)  # the next waits in the floor
+            lock = sqlite3.connect(database, isolation_level=None)
+            lock.execute("BEGIN IMMEDIATE")
+            try:
+                producer.send({"id": 1, "op": "publish", "record": {"n": 1}})
+                consumer.sock.settimeout(1.0)
+                try:
+                    early: dict[str, object] | None = consumer.receive()
+                except TimeoutError:
+                    early = None
+            finally:
+                lock.execute("ROLLBACK")
+            assert (early is not None) is delivered_before_commit, early
+            consumer.sock.settimeout(10)
+            delivery = (early or consumer.receive())["delivery"]
+            published = producer.receive()
+            assert isinstance(delivery, dict)
+            assert delivery["sort_key"] == published["sort_key"] == 1
+            stored = sqlite3.connect(database).execute("SELECT sort_key FROM records")
+            assert stored.fetchall() == [(1,)]
 
 
 def test_rounds_below_one_are_refused(tmp_path: Path) -> None:
