@@ -9,9 +9,10 @@ publish commands in bursts with idle gaps (2.5 s) to both pools at about --rate 
 a second; workers in v1 and v2 wait for them, run them, append their events to the tier
 and publish them to the event bus, then ack (some nack, some run past ack_wait with
 extends, two are SIGKILLed and replaced); five event groups and a subscriber consume
-every event; probes hit /readyz and /healthz every 0.2 s. Prints goodput, the latency
-from publish to claim and from claim to ack (p50/p99), redeliveries, sheds, probe
-latency and the writer's RSS, then every guarantee the run broke (none expected).
+every event; probes hit /readyz and /healthz every 0.2 s. Prints goodput, the writer's
+CPU (in all, and a command), the latency from publish to claim and from claim to ack
+(p50/p99), redeliveries, sheds, probe latency and the writer's RSS, then every guarantee
+the run broke (none expected).
 """
 
 from __future__ import annotations
@@ -57,6 +58,12 @@ def main() -> None:
     print(
         f"{result['commands']} commands and {result['events']} events in {result['seconds']} s:"
         f" goodput {result['goodput_commands_per_s']} commands/s"
+    )
+    since = " since its last start" if args.faults else ""
+    cpu = result["writer_cpu_s"]
+    print(
+        f"  writer CPU{since}: {cpu:.1f} s, {cpu / result['seconds']:.2f} cores over the run,"
+        f" {cpu / max(result['commands'], 1) * 1000:.1f} ms a command (with its two events)"
     )
     for name in ("publish_to_claim_ms", "claim_to_ack_ms", "probe_ms"):
         print(f"  {name:22} p50 {result[name]['p50']:8.1f}  p99 {result[name]['p99']:8.1f}")

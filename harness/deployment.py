@@ -729,6 +729,9 @@ def figures(outcome: Outcome) -> dict[str, Any]:
         "probe_ms": _percentiles(probes),
         "probes_failed": sum(1 for p in outcome.probes if p.status != 200),
         "control_cpu_s": sum(metric(outcome.metrics, "cmdbus_loop_control_seconds_total")),
+        # The writer's whole CPU (all threads), from its start (its last, with faults) to
+        # the end: what the deployment's load cost it, for CPU a command.
+        "writer_cpu_s": sum(metric(outcome.metrics, "process_cpu_seconds_total")),
         "rss_mib": {
             "min": round(min((r for _, r in outcome.rss), default=0) / 2**20, 1),
             "max": round(max((r for _, r in outcome.rss), default=0) / 2**20, 1),

@@ -36,6 +36,9 @@ def test_a_day_in_a_minute(tmp_path: Path) -> None:
     assert outcome.kind("extended")  # some command outlived its lease, extended
     batched = [x for x in outcome.kind("claimed") if "batch" in x]
     assert batched and len(batched) < len(outcome.kind("claimed"))  # part of the work
+    # What the run cost the writer (workload.py prints it, a command's share too): its
+    # CPU over the run, below a whole run's worth of both CPUs.
+    assert 0 < figures(outcome)["writer_cpu_s"] < 2 * (outcome.quiet - outcome.started + 60)
 
 
 def test_a_day_in_a_minute_with_the_writer_killed_twice(tmp_path: Path) -> None:
