@@ -45,6 +45,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -219,35 +220,24 @@ def census_window(server: bus.Server, rate: float, duration: float) -> dict[str,
     return counted
 
 
-def measure_floor(
-    kind: str, rates: list[float], duration: float, perf: bool, workdir: Path
+def measure(
+    name: str,
+    start: Callable[[Path], tuple[subprocess.Popen[bytes], str]],
+    rates: list[float],
+    duration: float,
+    perf: bool,
+    workdir: Path,
 ) -> dict[float, dict[str, Any]]:
-    """`measure` for one of the floor servers: CPU and syscalls (no census; its worker
+    """Each rate on a fresh server from ``start``: CPU and syscalls, then the census
+    where the server has a control face (the writer; a floor has none, and its worker
     thread counts as "other")."""
     rows = {}
     for rate in rates:
-        process, address = bus.STARTERS[kind](Path(tempfile.mkdtemp(dir=workdir)))
-        try:
-            cpu = cpu_window(bus.Server(kind, process, address), rate, duration, perf)
-        finally:
-            bus.stop(process)
-        rows[rate] = {"cpu": cpu, "census": None}
-    return rows
-
-
-def measure(
-    name: str, source: Path | None, rates: list[float], duration: float, perf: bool, workdir: Path
-) -> dict[float, dict[str, Any]]:
-    rows = {}
-    for rate in rates:
-        where = Path(tempfile.mkdtemp(dir=workdir))
-        os.environ["CMDBUS_DEBUG_HOOKS"] = "true"  # the census hook (loopback only)
-        process, address = bus.start_cmdbus(where, source)
-        ports = json.loads(address)
-        server = bus.Server(name, process, address, ports["control"])
+        process, address = start(Path(tempfile.mkdtemp(dir=workdir)))
+        server = bus.Server(name, process, address, json.loads(address).get("control"))
         try:
             cpu = cpu_window(server, rate, duration, perf)
-            counted = census_window(server, rate, duration)
+            counted = census_window(server, rate, duration) if server.control else None
         finally:
             bus.stop(process)
         rows[rate] = {"cpu": cpu, "census": counted}
@@ -336,14 +326,19 @@ def main() -> None:
         f"machine: {os.cpu_count()} CPUs; python {sys.version.split()[0]}; perf: {perf}; "
         f"16 producers, {CONSUMERS} consumers"
     )
-    results = {"cmdbus-trio": measure("cmdbus-trio", None, rates, args.duration, perf, workdir)}
+    os.environ["CMDBUS_DEBUG_HOOKS"] = "true"  # the writers' census hook (loopback only)
+    starters: dict[str, Callable[[Path], tuple[subprocess.Popen[bytes], str]]] = {
+        "cmdbus-trio": bus.start_cmdbus
+    }
     if args.baseline:
         source = bus.export_revision(args.baseline, workdir)
-        name = f"cmdbus-trio@{args.baseline}"
-        results[name] = measure(name, source, rates, args.duration, perf, workdir)
+        starters[f"cmdbus-trio@{args.baseline}"] = lambda where: bus.start_cmdbus(where, source)
     if args.floor:
-        for kind in bus.FLOORS:
-            results[kind] = measure_floor(kind, rates, args.duration, perf, workdir)
+        starters.update((kind, bus.STARTERS[kind]) for kind in bus.FLOORS)
+    results = {
+        name: measure(name, start, rates, args.duration, perf, workdir)
+        for name, start in starters.items()
+    }
     report(results)
 
 
