@@ -246,6 +246,7 @@ class Writer:
         for each in (gate, *dict.fromkeys(lanes.values())):
             self.health.gates[each.name] = each
             await self._start_task(background, f"{each.name}.timers", each.run_timers)
+        pending_bytes = self.health.budgets[face] = ByteBudget(face, self.config.face_pending_bytes)
         ctx = FaceContext(
             face,
             bind,
@@ -253,7 +254,7 @@ class Writer:
             gate,
             self._draining,
             self._stores,
-            pending_bytes=ByteBudget(face, self.config.face_pending_bytes),
+            pending_bytes=pending_bytes,
             lanes=lanes,
         )
         await self._start(data, face, bind, partial(self._supervise, ctx))

@@ -336,6 +336,12 @@ EVENTS_GROUP_LAG = Gauge(
     ["group"],
     registry=REGISTRY,
 )
+GROUPS_TAIL_LOADED = Counter(
+    "cmdbus_groups_tail_loaded_records",
+    "Event records (a key and a subject each) the consumer groups read back from the store: "
+    "at start, from the lowest settled position of any group, and for a group created.",
+    registry=REGISTRY,
+)
 SUBSCRIBERS = Gauge(
     "cmdbus_subscribers",
     "Live subscriptions on the event subscribe face.",
@@ -347,11 +353,7 @@ SUBSCRIBERS_DROPPED = Counter(
     "behind the live stream.",
     registry=REGISTRY,
 )
-READY = Gauge(
-    "cmdbus_ready",
-    "1 when /readyz answers 200, else 0.",
-    registry=REGISTRY,
-)
+READY = Gauge("cmdbus_ready", "1 when /readyz answers 200, else 0.", registry=REGISTRY)
 
 
 SUBJECT_FOLDS = Counter(
@@ -368,6 +370,13 @@ PENDING_BYTES = Gauge(
     "a read from when their header is in, parsed, queued for or in their work), by face; "
     "at most CMDBUS_FACE_PENDING_BYTES: a flood of big frames waits in its sockets instead "
     "of in memory.",
+    ["face"],
+    registry=REGISTRY,
+)
+PENDING_BYTES_WAITERS = Gauge(
+    "cmdbus_pending_bytes_waiters",
+    "Connections of a data face queued right now for room in its byte budget, holding none "
+    "of it: waiters that stay while the face answers nothing mean work that never finishes.",
     ["face"],
     registry=REGISTRY,
 )
@@ -425,16 +434,10 @@ def child(family: MetricWrapperBase, *labels: str) -> Any:
 
 
 LAG_PORT_SAMPLES: dict[str, tuple[str, ...]] = {
-    "cmd_lag": (
-        "ehdb_feed_shard_lag",
-        "ehdb_feed_shard_committed",
-        "ehdb_feed_shard_inflight",
-        "ehdb_feed_total_inflight",
-        "ehdb_feed_total_lag",
-        "ehdb_feed_subject_lag",
-    ),
+    "cmd_lag": ("ehdb_feed_shard_lag", "ehdb_feed_shard_committed", "ehdb_feed_shard_inflight",
+                "ehdb_feed_total_inflight", "ehdb_feed_total_lag", "ehdb_feed_subject_lag"),
     "evt_lag": ("ehdb_events_group_lag",),
-}
+}  # fmt: skip
 """The samples each NoETL lag port serves: its bus's lag series, nothing else, so that a
 scrape of the old ports beside the control port adds no other series twice."""
 

@@ -198,6 +198,38 @@ async def test_max_deliver_parks_dead_letters(
     assert claims.lag() == {}  # dead letters are not backlog
 
 
+async def test_a_delayed_nack_is_counted_when_it_is_made(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The count goes to the store when the delivery ends (so it survives a restart
+    during the delay), once; the last allowed delivery nacked with a delay is dead at
+    once, without waiting for its delay."""
+    counted: list[tuple[int, int]] = []
+    dead: list[tuple[int, str, int]] = []
+    claims = Claims(
+        "commands",
+        ack_wait=30.0,
+        max_deliver=2,
+        on_dead=lambda *a: dead.append(a),
+        on_count=lambda *a: counted.append(a),
+    )
+    claims.add(1, SHARED)
+    owner = object()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(claims.run_timers)
+        claims.next_nowait(ALL, owner)
+        assert claims.nack(1, owner, delay=60.0)
+        assert counted == [(1, 1)]  # before the delay ends
+        await trio.sleep(61)
+        assert counted == [(1, 1)]  # not again when it does
+        assert claims.next_nowait(ALL, owner) == Delivery(1, SHARED, True, 2)
+        assert claims.nack(1, owner, delay=60.0)
+        assert dead == [(1, SHARED, 2)]
+        await trio.sleep(61)
+        assert claims.next_nowait(ALL, owner) is None
+        nursery.cancel_scope.cancel()
+
+
 async def test_lag_counts_undelivered_and_unacked(
     claims: Claims, autojump_clock: trio.testing.MockClock
 ) -> None:

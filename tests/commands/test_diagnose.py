@@ -283,3 +283,28 @@ async def test_a_probe_reset_mid_answer_is_an_oserror() -> None:
         with pytest.raises(OSError):
             await http_get(f"http://127.0.0.1:{server.getsockname()[1]}/healthz")
         thread.join(timeout=10)
+
+
+def test_a_face_whose_waiters_stay_unanswered_is_stuck_and_a_busy_one_is_not() -> None:
+    """Requests queued for a Gate slot (or for the face's bytes) at both scrapes, and
+    nothing answered but sheds: stuck. The same waiters while some requests are
+    answered: not stuck (saturated, if it sheds). Waiters at one scrape only: not stuck."""
+    from cmdbus_trio.commands._verdicts import face_stuck
+
+    count = "cmdbus_request_duration_seconds_count"
+
+    def scrape(waiters: int, ok: int, busy: int, metric: str = "cmdbus_waiters") -> Scrape:
+        return Scrape(
+            f'{metric}{{face="tier"}} {waiters}\n'
+            f'{count}{{face="tier",op="append",outcome="ok"}} {ok}\n'
+            f'{count}{{face="tier",op="append",outcome="busy"}} {busy}\n'
+        )
+
+    stuck = face_stuck(scrape(5, 10, 0), scrape(7, 10, 30), 3.0)
+    assert [finding.verdict for finding in stuck] == ["face stuck"]
+    assert "face tier" in stuck[0].summary
+    assert 'cmdbus_waiters{face="tier"} 5 -> 7' in stuck[0].evidence
+    waiting_for_bytes = "cmdbus_pending_bytes_waiters"
+    assert face_stuck(scrape(2, 10, 0, waiting_for_bytes), scrape(2, 10, 0, waiting_for_bytes), 3)
+    assert face_stuck(scrape(5, 10, 0), scrape(7, 11, 30), 3.0) == []  # one answered
+    assert face_stuck(scrape(0, 10, 0), scrape(7, 10, 0), 3.0) == []  # just arrived

@@ -1,4 +1,4 @@
-"""`cmdbus-trio diagnose` proved in nine states: each injected into a real writer in a
+"""`cmdbus-trio diagnose` proved in ten states: each injected into a real writer in a
 subprocess as the fault itself would strike (a hook where nothing else can make it: a
 blocked loop, a failing or slow disk, a crashed face; real clients for floods and
 backlogs). Its verdict, in JSON and with ``--human`` (both run over the same window),
@@ -73,7 +73,7 @@ def publishing(ports: Ports, pool: str, pause: float) -> Callable[[threading.Eve
     return publish
 
 
-# --- the nine states: each sets its writer up, injects its fault, and looks -----------
+# --- the ten states: each sets its writer up, injects its fault, and looks -----------
 
 
 def healthy(tmp_path: Path) -> Look:
@@ -101,6 +101,16 @@ def face_crashed(tmp_path: Path) -> Look:
         post(ports, "/debug/crash-face?face=evt_subscribe")
         time.sleep(0.5)
         return look(ports)
+
+
+def face_stuck(tmp_path: Path) -> Look:
+    """The face's byte budget held by work that does not finish: publishers queue for it
+    and nothing is answered, while the loop and the probes are fine."""
+    with serving(tmp_path, CMDBUS_DEBUG_HOOKS="true") as (_, ports):
+        post(ports, "/debug/hold-bytes?face=cmd_ingest&seconds=5")
+        with background(publishing(ports, "system", 0.01), threads=2):
+            time.sleep(0.5)
+            return look(ports)
 
 
 def disk_slow(tmp_path: Path) -> Look:
@@ -175,6 +185,7 @@ STATES: list[tuple[Callable[[Path], Look], str, str]] = [
     (stalled, "stalled", "did not answer"),
     (poisoned, "poisoned", "store tier"),
     (face_crashed, "face crashed", "face evt_subscribe crashed"),
+    (face_stuck, "face stuck", "face cmd_ingest"),
     (disk_slow, "disk slow", "store tier"),
     (saturated, "saturated", "face tier"),
     (control_face_flooded, "control face flooded", "connection cap on port control"),

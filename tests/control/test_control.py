@@ -122,6 +122,29 @@ async def test_the_crash_hook_crashes_one_face_and_refuses_a_face_it_does_not_kn
                 pass
 
 
+async def test_the_hold_bytes_hook_holds_a_face_and_refuses_what_it_cannot_hold(
+    make_config: Callable[..., Config],
+) -> None:
+    """The face's publishes wait while its bytes are held, and are answered once they go
+    back; a face it does not know, a bad duration and a budget in use are refused."""
+    config = make_config(debug_hooks="true", cmd_ingest_bind="127.0.0.1:0", tier_bind="127.0.0.1:0")
+    with trio.fail_after(20):
+        async with running_writer(config) as (_, addresses):
+            control = addresses["control"]
+            for query in ("face=nope", "face=cmd_ingest&seconds=0", "face=tier&seconds=x"):
+                response = await get(control, f"/debug/hold-bytes?{query}", "POST")
+                assert response.status == 400
+                assert "face must be one of ['cmd_ingest', 'tier']" in response.json()["error"]
+            held = await get(control, "/debug/hold-bytes?face=cmd_ingest&seconds=1", "POST")
+            assert held.status == 202
+            again = await get(control, "/debug/hold-bytes?face=cmd_ingest&seconds=1", "POST")
+            assert again.status == 409 and "in use" in again.json()["error"]
+            async with frame_client(addresses["cmd_ingest"]) as client:
+                started = trio.current_time()
+                reply = await client.request("publish", record={"execution_id": 1, "payload": "{}"})
+                assert reply["ok"] and trio.current_time() - started > 0.5  # it waited
+
+
 async def test_block_hook_is_absent_unless_enabled(make_config: Callable[..., Config]) -> None:
     with trio.fail_after(10):
         async with running_writer(make_config()) as (_, addresses):

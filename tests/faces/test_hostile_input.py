@@ -270,3 +270,64 @@ async def test_a_request_over_the_cap_is_answered_too_large_before_the_close(
         assert replies[1]["id"] is None and replies[1]["error"]["code"] == "too_large"
         async with await IngestClient.connect(ports["cmd_ingest"]) as ingest:
             await ingest.publish({"execution_id": 1, "payload": "{}"})
+
+
+def test_a_drain_does_not_linger_over_an_idle_subscriber(tmp_path: Path) -> None:
+    """On SIGTERM an idle v2 subscriber is told `unavailable` and its connection closed
+    at once, within a shutdown budget of a second: the lingering close is for a client
+    that may still be sending, not for an answer the writer chose to give. It used to
+    linger 2 s over each such subscriber (`shutdown_budget_exhausted`, with nothing in
+    flight)."""
+    import signal
+
+    settings = {"CMDBUS_TIER_BIND": "", "CMDBUS_SHUTDOWN_TIMEOUT_MS": "1000"}
+    with serving(tmp_path, **settings) as (writer, ports):
+
+        async def subscribe_then_drain() -> dict[str, Any]:
+            async with frame_client(ports["evt_subscribe"]) as subscriber:
+                await subscriber.send(b'{"id": 1, "op": "subscribe", "from": 0}')
+                await trio.sleep(0.3)  # caught up, idle
+                writer.send_signal(signal.SIGTERM)
+                with trio.fail_after(10):
+                    told: dict[str, Any] = await subscriber.receive_json()
+                    # Held open, as a client busy elsewhere would: the writer closes it.
+                    await trio.to_thread.run_sync(writer.wait)
+                return told
+
+        told = trio.run(subscribe_then_drain)
+        assert writer.wait(timeout=30) == 0
+    assert told["error"]["code"] == "unavailable", told
+    log = server_log(tmp_path)
+    assert "shutdown_budget_exhausted" not in log, log[-2000:]
+
+
+@pytest.mark.parametrize("last", ["too_large", "invalid"])
+def test_a_last_answer_comes_after_the_replies_to_the_requests_ahead_of_it(
+    tmp_path: Path, last: str
+) -> None:
+    """A publish still committing, then a frame over the cap (or one that is not JSON)
+    in the same write: the publish is answered first, then the last answer, then the
+    connection closes. The last answer used to go out first."""
+    from cmdbus_trio.protocol import encode_frame
+
+    from ..helpers import get
+
+    publish = {"id": 1, "op": "publish", "record": {"execution_id": 1, "payload": "{}"}}
+    bad = b"x" * (1 << 20 + 1) if last == "too_large" else b"{not json"
+    burst = encode_frame(json.dumps(publish).encode()) + encode_frame(bad)
+    settings = {"CMDBUS_TIER_BIND": "", "CMDBUS_DEBUG_HOOKS": "true"}
+    with serving(tmp_path, **settings) as (_, ports):
+
+        async def send_both() -> list[dict[str, Any]]:
+            path = "/debug/slow-commits?store=commands&seconds=0.3"
+            assert (await get(ports["control"], path, "POST")).status == 202
+            async with frame_client(ports["cmd_ingest"]) as client:
+                with trio.fail_after(10):
+                    await client.stream.send_all(burst)
+                    answers = [await client.receive_json() for _ in range(2)]
+                    assert await client.receive() is None
+            return answers
+
+        first, then = trio.run(send_both)
+    assert first["id"] == 1 and first["ok"], first
+    assert then["ok"] is False and then["error"]["code"] == last, then

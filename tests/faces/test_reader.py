@@ -190,26 +190,74 @@ async def test_a_hello_and_requests_in_one_write_are_answered_hello_first(
     assert again["ok"]
 
 
-async def test_a_large_frame_is_lent_its_own_bytes_while_an_earlier_ones_loan_waits() -> None:
-    """Two large frames read whole before the dispatcher takes the first: the second is
-    lent new bytes of the face's budget before it is read (not the first one's loan),
-    and each frame then takes its own loan, oldest first."""
-    budget = ByteBudget("test_reader_loans", 10 * RECEIVE_CHUNK)
-    ctx = SimpleNamespace(pending_bytes=budget)
-    reader = Reader(
-        ctx,  # type: ignore[arg-type]  # only its budget is used here
+def budget_reader(budget: ByteBudget, *, over_cap: bool = False) -> Reader:
+    """A reader with only a budget and an outbox's flag: for its loans alone."""
+
+    async def wait_drained() -> None:
+        if over_cap:
+            await trio.sleep_forever()
+
+    outbox = SimpleNamespace(over_cap=over_cap, wait_drained=wait_drained)
+    return Reader(
+        SimpleNamespace(pending_bytes=budget),  # type: ignore[arg-type]
         None,  # type: ignore[arg-type]
         None,  # type: ignore[arg-type]
-        None,  # type: ignore[arg-type]
+        outbox,  # type: ignore[arg-type]
         holding=lambda: False,
         end=lambda _outcome: None,
-        take_now=lambda frame, _arrival: frame,
+        take_now=lambda frame, _arrival, _lent: frame,
     )
-    first = await reader.lend_ahead(2 * RECEIVE_CHUNK)
-    reader._loans.append(first)  # read whole, as the reader keeps it for the dispatcher
-    second = await reader.lend_ahead(3 * RECEIVE_CHUNK)
-    assert budget.lent == 5 * RECEIVE_CHUNK
-    reader._loans.append(second)
-    assert await reader.lend(2 * RECEIVE_CHUNK + 1) == first
-    assert await reader.lend(3 * RECEIVE_CHUNK + 1) == second
-    assert budget.lent == 5 * RECEIVE_CHUNK  # taken, not lent again
+
+
+async def test_a_connection_holding_bytes_waits_for_its_own_before_it_queues() -> None:
+    """No connection holds part of the face's budget while it waits for more of it: with
+    no room, a reader that holds bytes waits for its own to come back (its earlier
+    frames are answered without the budget), and only then queues. A connection holding
+    nothing queues at once and goes first."""
+    budget = ByteBudget("test_reader_hold_and_wait", 4)
+    holder, other, newcomer = (budget_reader(budget) for _ in range(3))
+    held = await holder.lend(1)
+    others = await other.lend(3)
+    got: dict[str, int] = {}
+
+    async def ask(name: str, reader: Reader, size: int) -> None:
+        got[name] = await reader.lend(size)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ask, "holder", holder, 2)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not budget._waiting  # it waits for its own, not in the face's queue
+        nursery.start_soon(ask, "newcomer", newcomer, 2)
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(budget._waiting) == 1
+        other.give_back(others)
+        await trio.testing.wait_all_tasks_blocked()
+        assert got == {"newcomer": 2}  # the room went to the one holding nothing
+        holder.give_back(held)
+    assert got == {"newcomer": 2, "holder": 2}
+    assert budget.lent == 4
+    for name, reader in (("holder", holder), ("newcomer", newcomer)):
+        reader.give_back(got[name])
+    assert budget.lent == 0
+
+
+async def test_a_client_that_does_not_read_is_lent_nothing_more() -> None:
+    """While a connection's unsent replies are over their cap, its reader lends no
+    bytes to its next frame (they would be held until the client reads)."""
+    budget = ByteBudget("test_reader_unread", 10)
+    reader = budget_reader(budget, over_cap=True)
+    assert reader.lend_nowait(1) is None
+    with trio.move_on_after(1):
+        await reader.lend(1)
+        raise AssertionError("lent to a client that does not read its replies")
+    assert budget.lent == 0
+
+
+async def test_loans_of_frames_not_taken_go_back_when_the_connection_ends() -> None:
+    budget = ByteBudget("test_reader_untaken", 3 * RECEIVE_CHUNK)
+    reader = budget_reader(budget)
+    for size in (10, 2 * RECEIVE_CHUNK):
+        reader._untaken.append(await reader.lend(size))
+    assert reader.take_loan() == 10
+    reader.return_untaken()
+    assert budget.lent == 10  # the loan taken is the request's, given back with its reply

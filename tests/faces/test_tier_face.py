@@ -242,6 +242,39 @@ async def test_v2_unsupported_hello_version_closes(server: dict[str, str]) -> No
         assert await client.receive() is None
 
 
+async def test_an_append_repeated_at_its_version_is_the_same_append(
+    server: dict[str, str],
+) -> None:
+    """A client repeats an append whose reply it lost: the same event at the same
+    expected version is answered as the first one was (deduplicated, its sequence),
+    not `conflict`. A different event at that version, and the same event at another
+    version, still conflict; a payload without an event id cannot be told apart."""
+    execution = new_execution()
+    first_event = json.dumps({"event_id": "step-1", "event_type": "step.done"})
+    async with frame_client(server["tier"]) as client:
+
+        async def append(payload: str, version: int) -> dict[str, Any]:
+            return await client.request(
+                "append", execution_id=execution, payload=payload, expected_version=version
+            )
+
+        first = await append(first_event, 0)
+        assert first["ok"] and first["deduplicated"] is False
+        again = await append(first_event, 0)
+        assert again["ok"], again
+        assert again["deduplicated"] is True
+        assert again["global_sequence"] == first["global_sequence"]
+        other = await append(json.dumps({"event_id": "step-2"}), 0)
+        assert other["error"]["code"] == "conflict", other
+        assert (await append(json.dumps({"event_id": "step-2"}), 1))["ok"]
+        elsewhere = await append(first_event, 1)  # stored, but not at version 1
+        assert elsewhere["error"]["code"] == "conflict", elsewhere
+        assert (await append("{}", 2))["ok"]
+        assert (await append("{}", 2))["error"]["code"] == "conflict"
+        read = await client.request("read_execution", execution_id=execution)
+        assert read["record_count"] == 3
+
+
 async def test_v2_ops_and_shapes(server: dict[str, str]) -> None:
     execution = new_execution()
     async with frame_client(server["tier"]) as client:

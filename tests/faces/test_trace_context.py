@@ -124,6 +124,48 @@ async def test_a_malformed_context_is_invalid_and_stores_nothing(tmp_path: Path)
             assert batch["error"]["message"].startswith("records[1].traceparent: ")
             good = await ingest.request("publish", record=record(3), traceparent=PARENT)
             assert good["sort_key"] == 1  # nothing was stored before it
+            lone_state = await ingest.request("publish", record=record(4), tracestate="a=1")
+            assert lone_state["error"]["message"] == "tracestate: given without a traceparent"
+            empty_state = await ingest.request("publish", record=record(5), tracestate="")
+            assert empty_state["ok"], empty_state  # an empty one is none
         async with frame_client(ports["cmd_claim"]) as claim:
             lag = await claim.request("lag")
-            assert lag["total"] == 1
+            assert lag["total"] == 2
+
+
+async def test_a_subscriber_catching_up_beside_traced_publishes_gets_every_context(
+    tmp_path: Path,
+) -> None:
+    """Subscribers that catch up from a new store while traced events are published get
+    each record's context, from the store and live alike. A scan of the store used to
+    choose its columns before its SELECT, from a traced range widened only after the
+    commit: a record committed in between came without its context, and its live copy
+    was then skipped as already sent."""
+    batches, size = 200, 10
+    with trio.fail_after(120), serving(tmp_path, **BUSES) as (_, ports):
+
+        async def publish() -> None:
+            async with frame_client(ports["evt_ingest"]) as ingest:
+                for batch in range(batches):
+                    records = [
+                        {"record": record(batch * size + n), "traceparent": PARENT}
+                        for n in range(size)
+                    ]
+                    assert (await ingest.request("publish_batch", records=records))["ok"]
+
+        async def subscribe(seen: list[dict[str, Any]]) -> None:
+            async with frame_client(ports["evt_subscribe"]) as subscriber:
+                await subscriber.send(b'{"id": 1, "op": "subscribe", "from": 0}')
+                while len(seen) < batches * size:
+                    seen += (await subscriber.receive_json())["records"]
+
+        subscribers: list[list[dict[str, Any]]] = [[] for _ in range(6)]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(publish)
+            for n, seen in enumerate(subscribers):
+                await trio.sleep(0.02 * (n // 2))  # joining at points of the history
+                nursery.start_soon(subscribe, seen)
+    for seen in subscribers:
+        assert [r["sort_key"] for r in seen] == list(range(1, batches * size + 1))
+        untraced = [r["sort_key"] for r in seen if r.get("traceparent") != PARENT]
+        assert not untraced, f"{len(untraced)} records without their context: {untraced[:10]}"

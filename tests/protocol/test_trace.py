@@ -24,6 +24,7 @@ def test_a_well_formed_context_is_kept_as_given() -> None:
     )
     assert trace.decode({}) is None
     assert trace.decode({"traceparent": PARENT, "tracestate": ""}) == TraceContext(PARENT)
+    assert trace.decode({"tracestate": ""}) is None  # empty: none, with or without a parent
     flags_upper = PARENT[:-2] + "FF"  # PROTOCOL: "<2 hex>" for the flags
     assert trace.decode({"traceparent": flags_upper}) == TraceContext(flags_upper)
     at_cap = "k=" + "v" * (trace.MAX_TRACESTATE_BYTES - 2)

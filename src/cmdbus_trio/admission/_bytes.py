@@ -26,6 +26,7 @@ class ByteBudget:
         self.lent = 0
         self._waiting: deque[tuple[int, trio.Event]] = deque()
         metrics.PENDING_BYTES.labels(face=name).set_function(lambda: self.lent)
+        metrics.PENDING_BYTES_WAITERS.labels(face=name).set_function(lambda: self.waiting)
 
     def _fit(self, size: int) -> int:
         return min(size, self.total)
@@ -66,6 +67,11 @@ class ByteBudget:
                 self._hand_out()  # those behind it may fit now
             raise
         return size
+
+    @property
+    def waiting(self) -> int:
+        """Askers queued for bytes."""
+        return len(self._waiting)
 
     def release(self, lent: int) -> None:
         self.lent -= lent

@@ -123,9 +123,9 @@ class Leases:
         yield from (lease.subject for lease in self.by_key.values())
         yield from (subject for _, _, subject in self.delayed)
 
-    def due(self, now: float) -> Iterator[tuple[int, str]]:
-        """End and yield, as ``(sort_key, subject)``, each lease whose deadline has
-        passed, then each delayed record now ready."""
+    def due(self, now: float) -> Iterator[tuple[int, str, bool]]:
+        """End and yield, as ``(sort_key, subject, True)``, each lease whose deadline has
+        passed, then, as ``(sort_key, subject, False)``, each delayed record now ready."""
         self._changed = trio.Event()
         came_due: list[tuple[float, int]] = []
         while self._expiries and self._expiries[0][0] <= now:
@@ -139,10 +139,10 @@ class Leases:
                 heapq.heappush(self._expiries, (lease.deadline, (sort_key,)))
                 continue
             self.end(sort_key)
-            yield sort_key, lease.subject
+            yield sort_key, lease.subject, True
         while self.delayed and self.delayed[0][0] <= now:
             _, sort_key, subject = heapq.heappop(self.delayed)
-            yield sort_key, subject
+            yield sort_key, subject, False
 
     async def wait_due(self) -> None:
         """Sleep until the soonest timer, a sooner one added, or :meth:`wake`."""

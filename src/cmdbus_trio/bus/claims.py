@@ -387,10 +387,7 @@ class Claims(Owing):
         lease = self._leases.end(sort_key, owner)
         if lease is None:
             return False
-        if delay > 0:
-            self._leases.delay(sort_key, lease.subject, trio.current_time() + delay)
-        else:
-            self._end_delivery(sort_key, lease.subject)
+        self._end_delivery(sort_key, lease.subject, delay)
         return True
 
     def extend(self, sort_key: int, owner: object) -> bool:
@@ -404,8 +401,11 @@ class Claims(Owing):
             self._end_delivery(sort_key, subject)
         return len(mine)
 
-    def _end_delivery(self, sort_key: int, subject: str) -> None:
-        """A delivery ended without an ack: redeliver, or park as dead after max_deliver."""
+    def _end_delivery(self, sort_key: int, subject: str, delay: float = 0.0) -> None:
+        """A delivery ended without an ack: its count made durable now, then redelivered
+        (``delay`` seconds later: a nack's), or parked as dead after max_deliver. Counted
+        when it ends, not when its delay does: a restart during the delay would
+        otherwise hand it out again as a first delivery, past max_deliver for good."""
         deliveries = self._deliveries.get(sort_key, 0)
         if self.max_deliver and deliveries >= self.max_deliver:
             self._deliveries.pop(sort_key, None)
@@ -415,7 +415,10 @@ class Claims(Owing):
             return
         if deliveries:
             self._on_count(sort_key, deliveries)
-        self._redeliver(sort_key, subject)
+        if delay > 0:
+            self._leases.delay(sort_key, subject, trio.current_time() + delay)
+        else:
+            self._redeliver(sort_key, subject)
 
     def _redeliver(self, sort_key: int, subject: str) -> None:
         self._queues.add_again(sort_key, subject)
@@ -429,6 +432,9 @@ class Claims(Owing):
         """Expire leases and release delayed nacks, on time (in the background nursery)."""
         task_status.started()
         while not self.deleted:
-            for sort_key, subject in self._leases.due(trio.current_time()):
-                self._end_delivery(sort_key, subject)
+            for sort_key, subject, expired in self._leases.due(trio.current_time()):
+                if expired:  # a lease ran out: its delivery ends now
+                    self._end_delivery(sort_key, subject)
+                else:  # a nack's delay is over: counted when it was nacked
+                    self._redeliver(sort_key, subject)
             await self._leases.wait_due()

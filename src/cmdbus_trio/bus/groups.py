@@ -100,11 +100,15 @@ class ConsumerGroups:
             )
             return
         persisted = await run_in_thread(self.log.groups, limiter=self._limiter)
+        # Each from where it resumes, its settled position (not where it started: every
+        # configured group starts at the beginning, and covering from there read the key
+        # and subject of every retained record at each restart).
+        resume = {name: await self._resume_after(name, start) for name, start in persisted.items()}
         with self.tail.pinned():
-            if persisted:  # the earliest start first: one read of the history for all
-                await self.tail.cover(min(persisted.values()))
+            if resume:  # the earliest first: one read of the store for all
+                await self.tail.cover(min(resume.values()))
             for name, start_after in persisted.items():
-                await self._load(name, start_after)
+                await self._load(name, start_after, resume[name])
         self._configured = frozenset(defaults)
         for name in defaults:
             if name not in self.claims:
@@ -210,7 +214,13 @@ class ConsumerGroups:
             del self._creating[name]
             created.done.set()
 
-    async def _load(self, name: str, start_after: int) -> None:
+    async def _resume_after(self, name: str, start_after: int) -> int:
+        """The sort key after which the group ``name`` (started after ``start_after``)
+        has records to load: every one up to it is settled, or evicted."""
+        settled_below = await run_in_thread(self.log.settled_below, name, limiter=self._limiter)
+        return max(start_after, settled_below - 1, self.evicted_through)
+
+    async def _load(self, name: str, start_after: int, after: int | None = None) -> None:
         on_dead, on_count = durable_settlements(self.committer, name)
         claims = Claims(
             name,
@@ -223,8 +233,8 @@ class ConsumerGroups:
             stuck_after=self.stuck_after,
         )
         with self.tail.pinned():  # nothing after ``after`` is trimmed until attached
-            settled_below = await run_in_thread(self.log.settled_below, name, limiter=self._limiter)
-            after = max(start_after, settled_below - 1, self.evicted_through)
+            if after is None:
+                after = await self._resume_after(name, start_after)
             await self.tail.cover(after)
             settled, counts = await run_in_thread(
                 self.log.group_state, name, after, limiter=self._limiter

@@ -17,6 +17,7 @@ from typing import Protocol
 
 import trio
 
+from cmdbus_trio import metrics
 from cmdbus_trio.admission import run_in_thread
 from cmdbus_trio.storage.buslog import BusLog
 
@@ -119,6 +120,7 @@ class Tail:
                     keys.append(sort_key)
                     subjects.append(names.setdefault(subject, subject))
                 last = page[-1][0]
+            metrics.GROUPS_TAIL_LOADED.inc(len(keys))
             self.keys = keys + self.keys
             self.subjects = subjects + self.subjects
             self.base -= len(keys)

@@ -199,3 +199,48 @@ def backlog(before: Scrape, after: Scrape, interval: float) -> list[Finding]:
                     )
                 )
     return findings
+
+
+def face_stuck(before: Scrape, after: Scrape, interval: float) -> list[Finding]:
+    """Requests wait on a face (queued for its byte budget or for a Gate slot) at both
+    scrapes, and the face answered none in between, but for sheds: whatever holds the
+    bytes or the slots does not finish, and the probes cannot tell (the loop turns, the
+    stores are fine). A saturated face answers something; a stuck one nothing."""
+    waiting: dict[str, list[str]] = defaultdict(list)
+    for metric in ("cmdbus_pending_bytes_waiters", "cmdbus_waiters"):
+        old = {label(labels, "face"): value for labels, value in before.series(metric).items()}
+        for labels, value in after.series(metric).items():
+            face = label(labels, "face")
+            if value > 0 and old.get(face, 0.0) > 0:
+                waiting[face].append(f'{metric}{{face="{face}"}} {old[face]:.0f} -> {value:.0f}')
+    if not waiting:
+        return []
+    answered: dict[str, float] = defaultdict(float)
+    requests = "cmdbus_request_duration_seconds_count"
+    for labels, count in delta(before, after, requests).items():
+        if label(labels, "outcome") != "busy":  # a shed is no progress
+            answered[label(labels, "face")] += count
+    findings = []
+    for face in sorted(waiting):
+        if answered[face] > 0:
+            continue
+        lent = [
+            f'cmdbus_pending_bytes{{face="{face}"}} {value:.0f}'
+            for labels, value in after.series("cmdbus_pending_bytes").items()
+            if label(labels, "face") == face
+        ]
+        findings.append(
+            Finding(
+                "face stuck",
+                f"face {face}: requests wait and none was answered in {interval:.1f} s: its "
+                "byte budget or Gate slots are held by work that does not finish; its clients "
+                "hang while the probes say ready (restart the pod; keep its log and a "
+                "/debug/loop-census for the bug report)",
+                (
+                    *waiting[face],
+                    f'{requests}{{face="{face}",outcome!="busy"}} +0 in {interval:.1f} s',
+                    *lent,
+                ),
+            )
+        )
+    return findings

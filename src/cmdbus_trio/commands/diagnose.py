@@ -9,6 +9,9 @@ and says which of these holds, worst first, each with the evidence lines that sh
 - **poisoned** / **contended**: a store refuses writes / waits for its write lock;
 - **face crashed** / **task crashed**: a data face or a background task (a committer,
   claim timers, a sampler, the consumer groups) died; only a restart brings it back;
+- **face stuck**: requests wait on a face (for its byte budget or a Gate slot) at
+  both scrapes and it answered none in between: what holds the bytes or slots never
+  finishes, while the loop turns and the probes say ready;
 - **not ready**: `/readyz` fails for another reason (starting, draining);
 - **disk slow**: a store's group commits (fsync included) took long: p99 over the interval
   from ``cmdbus_commit_seconds``, the same for every request of the store;
@@ -47,6 +50,7 @@ from ._verdicts import (
     backlog,
     control_flooded,
     disk_slow,
+    face_stuck,
     loop_busy,
     loop_saturated,
     saturated,
@@ -59,6 +63,7 @@ SEVERITY = [
     "poisoned",
     "face crashed",
     "task crashed",
+    "face stuck",
     "not ready",
     "disk slow",
     "saturated",
@@ -82,6 +87,7 @@ def assess(
         *_stores(health[1] or health[0] or {}),
         *_crashed(health[1] or health[0] or {}),
         *_not_ready(health[1] or health[0] or {}),
+        *face_stuck(before, after, interval),
         *disk_slow(before, after, interval),
         *saturated(before, after, interval),
         *loop_saturated(before, after, interval),

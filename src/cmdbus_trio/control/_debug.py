@@ -15,6 +15,7 @@ from urllib.parse import parse_qs
 
 import trio
 
+from ..admission import ByteBudget
 from ..logs import event
 from ..loop import census
 from .health import Health
@@ -89,6 +90,41 @@ def slow_commits(health: Health, scope: Scope) -> Answer:
     return _json(202, {"store": name, "slow_commits_s": seconds})
 
 
+def hold_bytes(health: Health, scope: Scope) -> Answer:
+    """Drill hook: the byte budget of the data face ``face`` is held whole for
+    ``seconds``, as frames whose work never finishes would hold it: its connections
+    queue for bytes and the face answers nothing (``diagnose`` says ``face stuck``),
+    while the loop, the probes and every other face go on. 409 while it is not free."""
+    name = _param(scope, "face", "")
+    budget = health.budgets.get(name)
+    try:
+        seconds = float(_param(scope, "seconds", "1"))
+    except ValueError:
+        seconds = -1.0
+    if budget is None or not 0 < seconds <= MAX_BLOCK_SECONDS:
+        return _json(
+            400,
+            {
+                "error": f"face must be one of {sorted(health.budgets)}, seconds in "
+                f"(0, {MAX_BLOCK_SECONDS}]"
+            },
+        )
+    try:
+        held = budget.acquire_nowait(budget.total)
+    except trio.WouldBlock:
+        return _json(409, {"error": f"face {name}'s byte budget is in use; try again"})
+    event(log, logging.WARNING, "debug_hold_bytes", face=name, seconds=seconds)
+    trio.lowlevel.spawn_system_task(_give_back_after, budget, held, seconds)
+    return _json(202, {"face": name, "held_bytes": held, "seconds": seconds})
+
+
+async def _give_back_after(budget: ByteBudget, held: int, seconds: float) -> None:
+    try:
+        await trio.sleep(seconds)
+    finally:
+        budget.release(held)
+
+
 def loop_census(health: Health, scope: Scope) -> Answer:
     """Measuring hook (``CMDBUS_DEBUG_HOOKS``): what the event loop did since the
     last call (its turns by cause, each task's steps: :mod:`cmdbus_trio.loop.census`),
@@ -144,6 +180,7 @@ HOOKS: dict[str, Callable[[Health, Scope], Answer]] = {
     "/debug/fail-writes": fail_writes,
     "/debug/slow-commits": slow_commits,
     "/debug/crash-face": crash_face,
+    "/debug/hold-bytes": hold_bytes,
 }
 
 _DISK_ERRORS = {

@@ -15,7 +15,7 @@ import attrs
 import trio
 
 from .. import __version__, metrics
-from ..admission import Gate
+from ..admission import ByteBudget, Gate
 from ..loop.heartbeat import Heartbeat
 from ..storage import Store, StoreState
 
@@ -49,6 +49,7 @@ class Health:
         self.crash_drills: dict[str, Callable[[], None]] = {}  # /debug/crash-face, per face
         self.addresses: dict[str, str] = {}
         self.gates: dict[str, Gate] = {}
+        self.budgets: dict[str, ByteBudget] = {}  # each data face's (/debug/hold-bytes)
         self.stores: dict[str, Store] = {}
         # Read at scrape time, so /metrics is right without anyone calling /readyz.
         metrics.READY.set_function(lambda: 1 if self.readiness().ready else 0)

@@ -51,7 +51,6 @@ from ._reader import (
     LINGER_SECONDS,
     MAX_INFLIGHT_PER_CONNECTION,
     MAX_STEP,
-    RECEIVE_CHUNK,
     Batch,
     Reader,
     linger,
@@ -87,8 +86,9 @@ class Connection:
         self._replies: trio.Nursery | None = None  # where deferred replies are flushed
         self._deferred = 0  # deferred replies not settled yet
         self._deferred_settled: trio.Event | None = None
+        self._closing: Closed | None = None  # the connection takes no more; why
         self.outcome = "closed"
-        self._answered_last = False  # a last answer went out before the writer's close
+        self._answered_last = False  # a too_large or unreadable frame's answer went out
         self._shed_recently = False
         self.outbox = Outbox(
             stream,
@@ -157,13 +157,16 @@ class Connection:
     async def _serve(self) -> None:
         send_events, receive_events = trio.open_memory_channel[Batch](0)
         with self._scope:  # cancelled to end the connection from a handler
-            async with trio.open_nursery() as nursery:
-                requests = trio.CancelScope()
-                nursery.start_soon(self.reader.run, send_events, requests)
-                with requests:
-                    async with receive_events:
-                        await self._dispatch(receive_events)
-                nursery.cancel_scope.cancel()
+            try:
+                async with trio.open_nursery() as nursery:
+                    requests = trio.CancelScope()
+                    nursery.start_soon(self.reader.run, send_events, requests)
+                    with requests:
+                        async with receive_events:
+                            await self._dispatch(receive_events)
+                    nursery.cancel_scope.cancel()
+            finally:  # the reader and the dispatcher are both done
+                self.reader.return_untaken()
 
     # --- dispatching ---------------------------------------------------------------------
 
@@ -179,6 +182,8 @@ class Connection:
                 self.outbox.write_pending(inflight)  # while inflight still takes a flush
             finally:
                 self._replies = None  # a reply settled later has nobody to go to
+        if self._closing is not None:  # its last answer after every earlier one
+            await self._close(self._closing)
 
     async def _take_events(
         self, batches: trio.MemoryReceiveChannel[Batch], inflight: trio.Nursery
@@ -199,7 +204,7 @@ class Connection:
                     await budget.wait()
                     until = time.perf_counter() + MAX_STEP
                 if isinstance(taken, Closed):
-                    await self._close(taken)
+                    self._closing = taken
                     return
                 if isinstance(taken, Opened):
                     await self.outbox.send(taken.reply)
@@ -221,12 +226,12 @@ class Connection:
         # A client that does not read its replies: take nothing more from it until they
         # drain (its requests wait in its socket, costing the writer nothing).
         await self.outbox.wait_drained()
-        lent = await self.reader.lend(len(frame))  # before parsing: it weighs more parsed
+        lent = self.reader.take_loan()  # lent by the reader before it handed the frame over
         request = self.protocol.read_request(frame)
         if not isinstance(request, Request):
             self._give_back(lent, None)
-            if isinstance(request, Closed):  # unparseable: answered, then closed
-                await self._close(request)
+            if isinstance(request, Closed):  # unparseable: answered last, then closed
+                self._closing = request
                 return False
             await self._write(request, arrival)
             return True
@@ -255,25 +260,21 @@ class Connection:
         self._start(request, arrival, lent, slot, large, inflight)
         return True
 
-    def _take_now(self, frame: FrameReceived, arrival: float) -> Event | None:
-        """:meth:`_take_request` in the reader's task, for a frame nothing waits ahead of
-        (:attr:`Reader.dispatcher_idle`) that nothing would hold back (replies, slots,
-        Gates, the face's bytes, the turn's share). None when taken; else the event for
-        the dispatcher: the frame as it came, or the close its parse answered."""
+    def _take_now(self, frame: FrameReceived, arrival: float, lent: int) -> Event | None:
+        """:meth:`_take_request` in the reader's task, for a frame lent its bytes that
+        nothing waits ahead of (:attr:`Reader.dispatcher_idle`) nor would hold back
+        (replies, slots, Gates, the turn's share). None when taken; else, for the
+        dispatcher, the frame (its loan the reader's) or its parse's close (loan back)."""
         inflight = self._replies
         if (
             inflight is None
             or self.protocol.dialect is not Dialect.V2
-            or len(frame.data) > RECEIVE_CHUNK  # a large frame's bytes were lent ahead
             or self.outbox.over_cap
             or not self._slots.available_tokens
             or not self._large.available_tokens
             or not self.ctx.room
             or not turns.current().has_room()
         ):
-            return frame
-        lent = self.reader.lend_nowait(len(frame.data))
-        if lent is None:
             return frame
         request = self.protocol.read_request(frame.data)
         if not isinstance(request, Request):
@@ -339,7 +340,7 @@ class Connection:
 
     async def _v1(self, frame: bytes, arrival: float) -> bool:
         self.reader.asking(+1)
-        lent = await self.reader.lend(len(frame))
+        lent = self.reader.take_loan()
         try:
             try:
                 try:
@@ -370,9 +371,8 @@ class Connection:
                 finally:
                     produced()
             except CloseConnection as close:
-                if close.final is not None:
+                if close.final is not None:  # the writer's choice: not lingered over
                     await self.outbox.send(encode_frame(close.final))
-                    self._answered_last = True
                 await self.outbox.wait_flushed()  # no frame is cut in two by the close
                 self._end(close.outcome)
                 self._scope.cancel()

@@ -9,12 +9,13 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Literal
 
 import attrs
 import trio
 
 from cmdbus_trio.loop import turns
-from cmdbus_trio.protocol import NEED_DATA
+from cmdbus_trio.protocol import NEED_DATA, Sentinel
 from cmdbus_trio.protocol.server import Closed, Dialect, Event, FrameReceived, ServerConnection
 
 from . import FaceContext
@@ -35,9 +36,11 @@ Batch = list[tuple[Event, float]]
 """What the reader hands the dispatcher: every event one read completed, each with its
 arrival time (one hand-over per read, not per frame, for a pipelining client)."""
 
-TakeNow = Callable[[FrameReceived, float], Event | None]
-"""Take a frame in the reader's own task, without a wait (the connection's
-``_take_now``): None when taken, else the event the dispatcher is handed instead."""
+TakeNow = Callable[[FrameReceived, float, int], Event | None]
+"""Take a frame, lent its bytes, in the reader's own task, without a wait (the
+connection's ``_take_now``): None when taken, else the event the dispatcher is handed
+instead: the frame (its loan still the reader's) or the close its parse answered (its
+loan given back)."""
 
 
 async def linger(stream: trio.abc.Stream, seconds: float, max_bytes: int) -> int:
@@ -87,55 +90,81 @@ class Reader:
     The dispatcher sets it; a hand-over clears it."""
     _reading_loan: int = attrs.field(default=0, init=False)
     """Bytes lent for the large frame being read."""
-    _loans: deque[int] = attrs.field(factory=deque, init=False)
-    """Bytes lent for the large frames read whole and not yet taken, in order."""
+    _untaken: deque[int] = attrs.field(factory=deque, init=False)
+    """Bytes lent for the frames handed to the dispatcher and not yet taken, in order."""
+    _held: int = attrs.field(default=0, init=False)
+    """Bytes of the face's budget this connection holds: frames read, being read and
+    being answered (until each reply exists)."""
+    _all_returned: trio.Event | None = attrs.field(default=None, init=False)
     _asked: int = attrs.field(default=0, init=False)
     """Requests being answered (the idle timeout waits for none)."""
     _quiet_since: float = attrs.field(factory=trio.current_time, init=False)
     """The last read or answer (see :meth:`asking`)."""
 
-    # --- the face's byte budget, lent to each frame read until its reply exists -----------
-
-    async def lend(self, size: int) -> int:
-        """The bytes of the face's budget for a frame of ``size`` bytes: those lent before
-        it was read whole, if it is a large one (larger than a read; large frames are
-        taken in the order they were read, so the oldest loan is its), else lent now."""
-        if size > RECEIVE_CHUNK and self._loans:
-            return self._loans.popleft()
-        return await self.lend_ahead(size)
-
-    async def lend_ahead(self, size: int) -> int:
-        """Lend ``size`` bytes of the face's budget, never an earlier frame's loan (the
-        reader lends a large frame its bytes before reading it); at once when free, as a
-        wait is a pass of the loop."""
-        lent = self.lend_nowait(size)
-        if lent is not None:
-            return lent
-        assert self.ctx.pending_bytes is not None  # else lent at once
-        return await self.ctx.pending_bytes.acquire(size)
+    # --- the face's byte budget, lent to each frame until its reply exists ----------------
+    #
+    # The reader is a connection's only borrower, and it borrows in the order the frames
+    # come: each frame before it is handed over (a large one before it is read whole), so
+    # the dispatcher never waits for bytes. And a connection never waits for the budget
+    # while it holds some of it: when there is no room, the reader first waits for its own
+    # bytes to come back (the frames ahead of it are answered without the budget), then
+    # queues with nothing in hand. A connection that asked for a large frame's bytes while
+    # an earlier frame waited for its own held the budget against itself, and the face's
+    # queue, first come first served, behind it.
 
     def lend_nowait(self, size: int) -> int | None:
         """Lend ``size`` bytes of the face's budget if they are free (0 without a
-        budget), else None. Not for a large frame (see :meth:`lend`)."""
+        budget) and the client reads its replies, else None (see :meth:`lend`)."""
         budget = self.ctx.pending_bytes
         if budget is None:
             return 0
+        if self.outbox.over_cap:
+            return None  # its frames would hold their bytes until the client reads
         try:
-            return budget.acquire_nowait(size)
+            lent = budget.acquire_nowait(size)
         except trio.WouldBlock:
             return None
+        self._held += lent
+        return lent
+
+    async def lend(self, size: int) -> int:
+        """Lend ``size`` bytes of the face's budget (at most all of it: a frame larger
+        than the budget is taken in alone), waiting with none of it in hand.
+
+        Cancellation: nothing is lent when cancelled."""
+        lent = self.lend_nowait(size)
+        if lent is not None:
+            return lent
+        budget = self.ctx.pending_bytes
+        assert budget is not None  # else lent at once
+        # A client that does not read its replies: take nothing more from it until
+        # they drain (its requests wait in its socket, costing the writer nothing).
+        await self.outbox.wait_drained()
+        while self._held:
+            self._all_returned = trio.Event()
+            await self._all_returned.wait()
+        lent = await budget.acquire(size)
+        self._held += lent
+        return lent
+
+    def take_loan(self) -> int:
+        """The dispatcher takes the next frame handed to it: the bytes lent for it."""
+        return self._untaken.popleft()
 
     def give_back(self, lent: int) -> None:
         """Bytes lent by :meth:`lend` go back to the face's budget."""
         if lent and self.ctx.pending_bytes is not None:
             self.ctx.pending_bytes.release(lent)
+            self._held -= lent
+            if not self._held and self._all_returned is not None:
+                self._all_returned.set()
 
-    def _return_loans(self) -> None:
-        """The connection reads no more: what was lent for frames not taken goes back."""
-        for lent in (self._reading_loan, *self._loans):
+    def return_untaken(self) -> None:
+        """The connection is over: what was lent for frames not taken goes back."""
+        for lent in (self._reading_loan, *self._untaken):
             self.give_back(lent)
         self._reading_loan = 0
-        self._loans.clear()
+        self._untaken.clear()
 
     def asking(self, change: int) -> None:
         """Count the requests being answered. The idle timeout runs only while there are
@@ -149,15 +178,12 @@ class Reader:
     async def run(self, out: trio.MemorySendChannel[Batch], requests: trio.CancelScope) -> None:
         """Read until the end; then, if the peer is gone, cancel ``requests`` (the
         connection's read work: nobody is left to answer; started writes finish)."""
-        try:
-            async with out, trio.open_nursery() as reading:
-                reading.start_soon(self._stop_on_drain, reading.cancel_scope)
-                # BrokenResourceError: the dispatcher takes no more (it met the end).
-                with contextlib.suppress(trio.BrokenResourceError):
-                    await self._read(out, self.ctx.config.read_timeout_ms / 1000)
-                reading.cancel_scope.cancel()
-        finally:
-            self._return_loans()
+        async with out, trio.open_nursery() as reading:
+            reading.start_soon(self._stop_on_drain, reading.cancel_scope)
+            # BrokenResourceError: the dispatcher takes no more (it met the end).
+            with contextlib.suppress(trio.BrokenResourceError):
+                await self._read(out, self.ctx.config.read_timeout_ms / 1000)
+            reading.cancel_scope.cancel()
         if self.outbox.peer_gone:
             requests.cancel()
 
@@ -214,6 +240,7 @@ class Reader:
         taking_until = 0.0  # the reader takes frames itself until then (see MAX_STEP)
         handing_over = reading = False
         closed: Closed | None = None
+        unlent: tuple[FrameReceived, float] | None = None
         waiting_since = now = trio.current_time()
         # The first frame (a hello, or v1's first request) by a deadline from the accept:
         # the read timeout restarts with each byte, so a peer trickling bytes held a
@@ -235,15 +262,31 @@ class Reader:
                             return
                         batch, handing_over = [], False
                         waiting_since = trio.current_time()
-                    next_event = protocol.next_event()
+                    next_event: Event | Literal[Sentinel.NEED_DATA]
+                    if unlent is not None:  # a frame read whole, waiting for its bytes
+                        next_event, arrival = unlent
+                    else:
+                        next_event = protocol.next_event()
+                        arrival = trio.current_time()
                     if next_event is not NEED_DATA:
+                        lent = 0
                         if self._reading_loan:  # the large frame it was lent for
                             if isinstance(next_event, FrameReceived):
-                                self._loans.append(self._reading_loan)
+                                lent = self._reading_loan
                             else:
                                 self.give_back(self._reading_loan)
                             self._reading_loan = 0
-                        arrival = trio.current_time()
+                        elif isinstance(next_event, FrameReceived):
+                            lent_now = self.lend_nowait(len(next_event.data))
+                            if lent_now is None:
+                                unlent = (next_event, arrival)
+                                if batch:  # the frames lent before it go first
+                                    handing_over = True
+                                    continue
+                                # Cancelled (a timer), it is asked for again.
+                                lent_now = await self.lend(len(next_event.data))
+                                unlent = None
+                            lent = lent_now
                         if (
                             not batch
                             and self.dispatcher_idle
@@ -252,10 +295,12 @@ class Reader:
                         ):
                             # Nothing waits ahead of it: taken here, the request costs no
                             # hand-over (a turn of the loop and a step of the dispatcher).
-                            handed = self._take_now(next_event, arrival)
+                            handed = self._take_now(next_event, arrival, lent)
                             if handed is None:
                                 continue
                             next_event = handed
+                        if isinstance(next_event, FrameReceived):
+                            self._untaken.append(lent)
                         batch.append((next_event, arrival))
                         if isinstance(next_event, Closed):
                             handing_over, closed = True, next_event
@@ -274,7 +319,7 @@ class Reader:
                     if length is not None and length > RECEIVE_CHUNK and not self._reading_loan:
                         # A large frame is lent its bytes before it is read whole (a flood
                         # of them waits in the clients' sockets), not once it is in memory.
-                        self._reading_loan = await self.lend_ahead(length)
+                        self._reading_loan = await self.lend(length)
                     reading = True
                     data = await self._receive()
                     reading = False

@@ -58,12 +58,12 @@ def decode(fields: Mapping[str, Any], where: str = "") -> TraceContext | None:
     traceparent that is not version 00 (``00-<32 hex>-<16 hex>-<2 hex>``, lowercase ids)
     or has an all-zero trace or span id; a tracestate that is not printable ASCII, is
     over :data:`MAX_TRACESTATE_BYTES`, or comes without a traceparent (W3C: it means
-    nothing alone). An empty tracestate is no tracestate.
+    nothing alone). An empty tracestate is no tracestate, also without a traceparent.
     """
     parent = fields.get("traceparent")
     state = fields.get("tracestate")
     if parent is None:
-        if state is not None:
+        if state is not None and state != "":  # an empty one is none, with or without
             raise FieldError(f"{where}tracestate", "given without a traceparent")
         return None
     return TraceContext(traceparent(parent, where), tracestate(state, where) or None)

@@ -68,7 +68,9 @@ def append_all(
 
     A request is refused (its outcome a :class:`VersionConflict` or ``ValueError``)
     before it writes anything, so the others go on. A record whose ``event_id`` is
-    stored for its execution (or was earlier in this transaction) is not stored again.
+    stored for its execution (or was earlier in this transaction) is not stored again;
+    a request whose ``expected_version`` has passed because this same write is stored
+    (the same event ids from that version on) is answered as deduplicated, not refused.
     ``tier_counts`` are the tiers' counts before the transaction (for
     ``log_record_count``, the tier's count after each request); ``now`` is the
     executions' ``last_at``."""
@@ -87,7 +89,12 @@ def append_all(
                 executions[key] = _execution_count(connection, *key)
             expected = request.expected_version
             if expected is not None and expected != executions[key]:
-                raise VersionConflict(expected, executions[key])
+                stored = _stored_at(connection, request, expected)
+                if stored is None:
+                    raise VersionConflict(expected, executions[key])
+                tier_count = tier_counts[request.tier] + tier_added[request.tier]
+                outcomes.append([AppendResult(seq, tier_count, True) for seq in stored])
+                continue
         except (ValueError, VersionConflict) as exc:
             outcomes.append(exc)
             continue
@@ -120,6 +127,34 @@ def _execution_count(connection: sqlite3.Connection, tier: str, execution_id: st
         f"SELECT record_count FROM {tier}_executions WHERE execution_id = ?", (execution_id,)
     ).fetchone()
     return int(row[0]) if row else 0
+
+
+def _stored_at(
+    connection: sqlite3.Connection, request: Appending, expected: int
+) -> list[int] | None:
+    """The global sequences of the request's records if this very write is stored
+    already: each record's ``event_id`` found, at the execution's positions from
+    ``expected`` on (a repeat after a lost reply). None when it is not: a record without
+    an ``event_id``, one not stored, or stored at another position (another write)."""
+    tier, execution_id = request.tier, request.execution_id
+    stored = []
+    for position, record in enumerate(request.records, expected):
+        if record.event_id is None:
+            return None
+        found = connection.execute(
+            f"SELECT global_sequence FROM {tier}_records WHERE execution_id = ? AND event_id = ?",
+            (execution_id, record.event_id),
+        ).fetchone()
+        if found is None:
+            return None
+        before = connection.execute(  # its position: the execution's records before it
+            f"SELECT COUNT(*) FROM {tier}_records WHERE execution_id = ? AND global_sequence < ?",
+            (execution_id, found[0]),
+        ).fetchone()
+        if before[0] != position:
+            return None
+        stored.append(int(found[0]))
+    return stored or None
 
 
 def _insert(

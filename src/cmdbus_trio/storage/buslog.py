@@ -73,8 +73,9 @@ class BusLog(SqliteStore):
         """The lowest and highest sort keys of records stored with trace context (None:
         none). Only reads of keys in that range read the trace columns: two more
         columns on every body read cost a claim+ack 5% (docs/benchmarks.md, "Tracing").
-        Widened under the write lock once an append commits, so before any reader can
-        ask for the record; never narrowed by retention (a stale range only reads more)."""
+        Widened under the write lock before an append commits, so that a read that sees
+        the record finds it in range once its SELECT is done (:meth:`_select`); never
+        narrowed, by retention or a rollback (a stale range only reads more)."""
 
     def _setup(self, connection: sqlite3.Connection) -> None:
         counted = _bus_schema.create(connection, self._wall_clock())
@@ -87,6 +88,26 @@ class BusLog(SqliteStore):
         if traced is None or highest < traced[0] or lowest > traced[1]:
             return PLAIN
         return TRACED
+
+    def _select(
+        self, where: str, parameters: Sequence[object], lowest: int, highest: int
+    ) -> list[StoredRecord]:
+        """``SELECT … FROM records <where>`` for keys from ``lowest`` to ``highest``,
+        with the trace columns where the log may hold context for them. The columns are
+        chosen before the SELECT, and a traced append may commit in between, seen by it:
+        such a record would come without its context, for good (a scan of what is
+        committed hears of a record before the commit's callback does). Its range is
+        widened before its COMMIT, so the range is looked at again once the rows are
+        in: if it now takes in the keys read plain, they are read again, traced."""
+        columns = self._columns(lowest, highest)
+        with self._connection() as connection:
+            query = f"SELECT {columns} FROM records {where}"
+            rows = connection.execute(query, parameters).fetchall()
+            if columns == PLAIN and rows and self._columns(lowest, highest) == TRACED:
+                columns = TRACED
+                query = f"SELECT {columns} FROM records {where}"
+                rows = connection.execute(query, parameters).fetchall()
+        return stored_records(rows, columns)
 
     @property
     def last_sort_key(self) -> int:
@@ -114,7 +135,9 @@ class BusLog(SqliteStore):
             _bus_writes.settle(connection, done, now, moved)
             if not entries:
                 return []
-            return _bus_writes.append(connection, entries, now, self.dedup_window)
+            results = _bus_writes.append(connection, entries, now, self.dedup_window)
+            self._widen_traced(results, entries)  # before the COMMIT: see _select
+            return results
 
         return self._write(write, committed=partial(self._appended, entries=entries))
 
@@ -125,6 +148,8 @@ class BusLog(SqliteStore):
         if fresh:
             self._last_sort_key = max(self._last_sort_key, *fresh)
             self._records += len(fresh)
+
+    def _widen_traced(self, results: list[Published], entries: Sequence[BusEntry]) -> None:
         traced = [
             r.sort_key
             for r, entry in zip(results, entries, strict=True)
@@ -237,12 +262,8 @@ class BusLog(SqliteStore):
 
     @refuses_loop_thread
     def read(self, sort_key: int) -> StoredRecord | None:
-        columns = self._columns(sort_key, sort_key)
-        with self._connection() as connection:
-            rows = connection.execute(
-                f"SELECT {columns} FROM records WHERE sort_key = ?", (sort_key,)
-            ).fetchall()
-        return next(iter(stored_records(rows, columns)), None)
+        records = self._select("WHERE sort_key = ?", (sort_key,), sort_key, sort_key)
+        return next(iter(records), None)
 
     @refuses_loop_thread
     def read_many(self, sort_keys: Sequence[int]) -> dict[int, StoredRecord]:
@@ -253,13 +274,9 @@ class BusLog(SqliteStore):
         if not sort_keys:
             return {}
         marks = ", ".join("?" * len(sort_keys))
-        columns = self._columns(min(sort_keys), max(sort_keys))
-        with self._connection() as connection:
-            rows = connection.execute(
-                f"SELECT {columns} FROM records WHERE sort_key IN ({marks})",
-                tuple(sort_keys),
-            ).fetchall()
-        return {record.sort_key: record for record in stored_records(rows, columns)}
+        where = f"WHERE sort_key IN ({marks})"
+        records = self._select(where, tuple(sort_keys), min(sort_keys), max(sort_keys))
+        return {record.sort_key: record for record in records}
 
     @refuses_loop_thread
     def settled_below(self, consumer: str) -> int:
@@ -399,13 +416,8 @@ class BusLog(SqliteStore):
     @refuses_loop_thread
     def read_after(self, after: int, limit: int) -> list[StoredRecord]:
         """Up to ``limit`` records with ``sort_key > after``, ascending."""
-        columns = self._columns(after + 1, HIGHEST)
-        with self._connection() as connection:
-            rows = connection.execute(
-                f"SELECT {columns} FROM records WHERE sort_key > ? ORDER BY sort_key LIMIT ?",
-                (after, limit),
-            ).fetchall()
-        return stored_records(rows, columns)
+        where = "WHERE sort_key > ? ORDER BY sort_key LIMIT ?"
+        return self._select(where, (after, limit), after + 1, HIGHEST)
 
 
 @functools.lru_cache(maxsize=256)
