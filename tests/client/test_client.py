@@ -287,8 +287,10 @@ async def test_retries_honour_the_budget(tiny_gate: dict[str, str]) -> None:
 
 
 async def test_connection_lost_then_reconnect(tmp_path: Path) -> None:
+    """With no reconnect window, a lost writer raises at once, and the next call after
+    it is back reconnects (tests/client/test_reconnect.py: the window)."""
     with serving(tmp_path) as (process, ports):
-        async with await TierClient.connect(ports["tier"]) as tier:
+        async with await TierClient.connect(ports["tier"], reconnect_for=0) as tier:
             await tier.health()
             process.kill()
             process.wait()
@@ -371,8 +373,11 @@ def test_retry_only_what_is_safe() -> None:
     from cmdbus_trio.client import Unavailable, _calls
 
     policy = RetryPolicy(attempts=3, budget=RetryBudget(initial=100))
-    plain = _calls.publish({"execution_id": 1, "payload": "{}"})
+    plain = _calls.append(1, "{}")  # no expected_version: not safe to send twice
     keyed = _calls.publish({"execution_id": 1, "payload": "{}"}, msg_id="m")
+    unkeyed = _calls.publish({"execution_id": 1, "payload": "{}"})
+    assert unkeyed.fields["msg_id"] != keyed.fields["msg_id"]  # one of the client's own
+    assert policy.should_retry(unkeyed, ConnectionLost("x"), 1)
     assert policy.should_retry(plain, Busy("x"), 1)
     assert not policy.should_retry(plain, Busy("x"), 3)  # attempts spent
     assert not policy.should_retry(plain, Unavailable("x"), 1)

@@ -126,6 +126,41 @@ def test_claim_errors(server: dict[str, str]) -> None:
     claim = ("--addr", server["cmd_claim"])
     assert_fails(run("client", "claim", *claim, "--filter", "a..b", "--max", "1"), "filter")
     assert_fails(run("client", "claim", *claim, "--filter", ">", "--max", "0"), "--max must be")
+    for bad in ("-1", "inf"):
+        failed = run("client", "claim", *claim, "--filter", ">", "--reconnect-for", bad)
+        assert_fails(failed, "--reconnect-for must be >= 0 seconds")
+
+
+def test_a_claiming_worker_goes_on_through_a_writer_restart(tmp_path: Path) -> None:
+    """`client claim` as the deploy's worker runs it: one record claimed, the writer
+    drained and started again on the same ports, a second record published; the
+    command takes it too and exits 0 (it used to exit 1 at the drain)."""
+    import signal
+
+    from ..helpers import serving
+
+    with serving(tmp_path) as (writer, ports):
+        publish = ("client", "publish", "--addr", ports["cmd_ingest"], "--execution-id")
+        claim = subprocess.Popen(
+            cli("client", "claim", "--addr", ports["cmd_claim"], "--filter", ">", "--max", "2"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            lines(run(*publish, "1", "--payload", "{}"))
+            assert claim.stdout is not None
+            assert json.loads(claim.stdout.readline())["sort_key"] == 1
+            writer.send_signal(signal.SIGTERM)
+            assert writer.wait(timeout=30) == 0
+            again = {f"CMDBUS_{face.upper()}_BIND": address for face, address in ports.items()}
+            with serving(tmp_path, **again):
+                lines(run(*publish, "2", "--payload", "{}"))
+                out, err = claim.communicate(timeout=60)
+            assert claim.returncode == 0, err
+            assert json.loads(out)["sort_key"] == 2
+        finally:
+            claim.kill()
 
 
 def test_tier_append_read_scan_delete(server: dict[str, str]) -> None:

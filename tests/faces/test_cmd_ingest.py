@@ -103,6 +103,22 @@ async def test_v2_publish_batch_and_whole_refusal(server: dict[str, str]) -> Non
         assert after["sort_key"] == keys[-1] + 1  # the refused batches appended nothing
 
 
+async def test_v2_publish_batch_records_with_their_own_msg_ids(server: dict[str, str]) -> None:
+    """A batch whose records carry msg_ids, sent twice (a lost reply): the second is
+    answered with the first's sort keys and stores nothing; records without one mix in;
+    a record's bad msg_id is refused naming it."""
+    items = [{"record": record(1), "msg_id": "batch-a"}, record(2)]
+    items.append({"record": record(3), "msg_id": "batch-c"})
+    async with frame_client(server["cmd_ingest"]) as client:
+        first = (await client.request("publish_batch", records=items))["sort_keys"]
+        again = (await client.request("publish_batch", records=items[::2]))["sort_keys"]
+        assert again == [first[0], first[2]]
+        bad = await client.request("publish_batch", records=[{"record": record(4), "msg_id": ""}])
+        assert bad["error"]["message"].startswith("records[0].msg_id: expected a string")
+        after = await client.request("publish", record=record(5))
+        assert after["sort_key"] == first[-1] + 1  # the repeat stored nothing
+
+
 @pytest.mark.parametrize(
     ("fields", "message"),
     [

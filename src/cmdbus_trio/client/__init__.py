@@ -26,6 +26,7 @@ from ._calls import (
 from ._errors import (
     Busy,
     CannotConnect,
+    ClientClosed,
     ClientError,
     Conflict,
     ConnectionLost,
@@ -37,7 +38,7 @@ from ._errors import (
     Unavailable,
     Unsupported,
 )
-from ._retry import RetryBudget, RetryPolicy, RetryStatistics
+from ._retry import ReconnectStatistics, RetryBudget, RetryPolicy, RetryStatistics
 from ._shards import ShardDelivery, ShardMap
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "Busy",
     "Call",
     "CannotConnect",
+    "ClientClosed",
     "ClientError",
     "Conflict",
     "ConnectionLost",
@@ -58,6 +60,7 @@ __all__ = [
     "Lag",
     "Page",
     "Published",
+    "ReconnectStatistics",
     "Record",
     "RetryBudget",
     "RetryPolicy",

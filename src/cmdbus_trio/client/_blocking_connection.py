@@ -17,7 +17,14 @@ from ._calls import (
     Call,
 )
 from ._core import LOCAL_GRACE, BaseConnection, Reply, ServerHello, split_address
-from ._errors import CannotConnect, ClientError, ConnectionLost, DeadlineExceeded, ServerError
+from ._errors import (
+    CannotConnect,
+    ClientClosed,
+    ClientError,
+    ConnectionLost,
+    DeadlineExceeded,
+    ServerError,
+)
 from ._retry import Attempts
 from ._sockets import closed_by_peer
 
@@ -77,7 +84,7 @@ class Connection(BaseConnection):
         """Run ``call``; ``timeout`` (seconds) is sent as its ``deadline_ms`` and bounds
         the wait for the reply and any retries."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        attempts = Attempts(self.retry, call, deadline, time.monotonic)
+        attempts = Attempts(self.retry, call, deadline, time.monotonic, self.reconnect)
         while True:
             try:
                 outcome = self._exchange([call], deadline)[0]
@@ -176,7 +183,7 @@ class Connection(BaseConnection):
 
     def _connected(self) -> socket.socket:
         if self._closed:
-            raise ConnectionLost("the client was closed")
+            raise ClientClosed("the client was closed")
         if self._sock is not None:
             if not closed_by_peer(self._sock.fileno()):
                 return self._sock

@@ -3,6 +3,7 @@ typed result. Both transports run these; nothing here does I/O."""
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Generic, TypeVar
 
@@ -29,6 +30,12 @@ class Call(Generic[T]):
     """Safe to send again when it is unknown whether the first attempt was carried out."""
     wait: float | None = None
     """Seconds the server may legitimately hold the reply (``next``'s ``timeout_ms``)."""
+    after_loss: bool = attrs.field(
+        default=attrs.Factory(lambda call: call.idempotent, takes_self=True)
+    )
+    """Safe to send again on a new connection once the writer was lost or said it is
+    unavailable: what an idempotent call is, and a ``next`` (a lost connection gives its
+    leases back, so asking again loses nothing)."""
 
 
 # --- results ------------------------------------------------------------------------------
@@ -157,21 +164,29 @@ def _options(**fields: Any) -> dict[str, Any]:
 # --- ingest faces ---------------------------------------------------------------------------
 
 
+def new_msg_id() -> str:
+    """A random ``msg_id`` (128 bits): what a publish that names none is sent with, so
+    that sending it again after a lost connection never stores it twice."""
+    return secrets.token_hex(16)
+
+
 def publish(record: Record, msg_id: str | None = None) -> Call[Published]:
-    """A publish, with the current span's trace context when there is one."""
-    fields = _options(record=record, msg_id=msg_id) | current_fields()
-    return Call("publish", fields, _published, idempotent=msg_id is not None)
+    """A publish, with the current span's trace context when there is one; a ``msg_id``
+    of the client's own when the caller gives none (the caller's wins)."""
+    fields = {"record": record, "msg_id": msg_id or new_msg_id()} | current_fields()
+    return Call("publish", fields, _published, idempotent=True)
 
 
 def publish_batch(records: Iterable[Record]) -> Call[list[int]]:
-    """A batch; with the current span's trace context each record carries it."""
+    """A batch, each record with a ``msg_id`` of the client's own (see :func:`publish`)
+    and, with the current span's trace context, that context."""
     trace = current_fields()
-    items = [{"record": r, **trace} for r in records] if trace else list(records)
+    items = [{"record": r, "msg_id": new_msg_id(), **trace} for r in records]
     return Call(
         "publish_batch",
         {"records": items},
         lambda reply: list(reply["sort_keys"]),
-        idempotent=False,
+        idempotent=True,
     )
 
 
@@ -221,7 +236,7 @@ def _next(
     fields: dict[str, Any], parse: Callable[[dict[str, Any]], T], wait: float | None
 ) -> Call[T]:
     wait = float("inf") if wait is None else wait
-    return Call("next", fields, parse, idempotent=False, wait=wait)
+    return Call("next", fields, parse, idempotent=False, wait=wait, after_loss=True)
 
 
 def _settling(
@@ -391,5 +406,6 @@ def subscribe(start: int = 0, filter: str | None = None) -> Call[Batch]:
         _options(filter=filter, **{"from": start}),
         subscribed,
         idempotent=False,
+        after_loss=True,  # again after the last record received (the client's)
         wait=float("inf"),
     )

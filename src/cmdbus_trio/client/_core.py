@@ -24,7 +24,7 @@ from cmdbus_trio.protocol import (
 )
 
 from ._errors import ConnectionLost, ServerError, TooLarge, error_from_reply
-from ._retry import RetryPolicy
+from ._retry import RECONNECT_FOR, Reconnect, RetryPolicy
 
 DEFAULT_MAX_REPLY_BYTES: Final = 64 << 20
 LOCAL_GRACE: Final = 0.1
@@ -168,10 +168,14 @@ class BaseConnection:
         token: str | None = None,
         ssl_context: ssl.SSLContext | None = None,
         connect_timeout: float = 10.0,
+        reconnect_for: float = RECONNECT_FOR,
     ) -> None:
         split_address(address)
         self.address = address
         self.retry = retry
+        self.reconnect = Reconnect(reconnect_for)
+        """The reconnect window (``reconnect_for`` seconds; 0: a call raises at once
+        when the writer is away); ``reconnect.statistics()`` says what it cost."""
         self._client_name = client
         self._token = token
         self._ssl_context = ssl_context

@@ -20,6 +20,10 @@ class ConnectionLost(ClientError):
     violation) before the reply came. Whether the request was carried out is unknown."""
 
 
+class ClientClosed(ConnectionLost):
+    """The client was closed (by the application): its calls end, and none reconnects."""
+
+
 class CannotConnect(ConnectionLost):
     """No connection could be made (refused, unreachable, timed out): nothing was sent,
     so any call may be tried again, say while a writer is starting."""

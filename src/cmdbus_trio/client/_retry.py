@@ -1,6 +1,10 @@
-"""Opt-in retries: jittered exponential backoff that honours ``retry_after_ms``, under a
-retry budget so that retries add at most ~``ratio`` extra load (the SRE book's client-side
-throttling: a client whose calls keep failing must not multiply the overload)."""
+"""Two kinds of trying again, kept apart: riding through a writer that is away (draining,
+restarting, briefly unreachable), by default, within a reconnect window; and opt-in
+retries of an overloaded writer's refusals: jittered exponential backoff that honours
+``retry_after_ms``, under a retry budget so that retries add at most ~``ratio`` extra load
+(the SRE book's client-side throttling: a client whose calls keep failing must not
+multiply the overload). A writer that is down is not overloaded: its window spends no
+budget."""
 
 from __future__ import annotations
 
@@ -16,11 +20,71 @@ from ._calls import Call
 from ._errors import (
     Busy,
     CannotConnect,
+    ClientClosed,
     ClientError,
     ConnectionLost,
     DeadlineExceeded,
     Unavailable,
 )
+
+RECONNECT_FOR = 60.0
+"""Seconds a call waits for a writer that is away before it raises (the default)."""
+RECONNECT_FIRST_PAUSE = 0.05
+RECONNECT_MAX_PAUSE = 1.0
+
+
+@attrs.frozen
+class ReconnectStatistics:
+    pauses: int
+    """Pauses taken before trying again, because the writer was away."""
+    outages: int
+    """Calls that found the writer away (and paused at least once)."""
+    gave_up: int
+    """Calls that raised because the writer stayed away for the whole window."""
+
+
+class Reconnect:
+    """A connection's reconnect window: how long a call rides through a writer that is
+    away (``seconds``; 0: it raises at once), and what that cost. Thread-safe.
+
+    What is away: a connection that cannot be made, one lost, or the answer
+    ``unavailable`` (a draining writer's, or a store's that refuses writes). What is sent
+    again: a call that cannot have been carried out (no connection was made), or one that
+    is safe to send again (:attr:`Call.after_loss`). The pauses are jittered, doubling
+    from 50 ms to at most 1 s."""
+
+    def __init__(self, seconds: float = RECONNECT_FOR) -> None:
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+            raise ValueError(f"reconnect_for must be a number of seconds, got {seconds!r}")
+        if not 0 <= seconds < math.inf:
+            raise ValueError(f"reconnect_for must be >= 0 seconds and finite, got {seconds}")
+        self.seconds = float(seconds)
+        self._lock = threading.Lock()
+        self._pauses = self._outages = self._gave_up = 0
+        self._rng = random.Random()
+
+    def covers(self, call: Call[Any], error: ClientError) -> bool:
+        """``error`` says the writer is away, and ``call`` may be sent again for it."""
+        if isinstance(error, ClientClosed) or not self.seconds:
+            return False
+        if isinstance(error, CannotConnect):
+            return True  # nothing was sent
+        return isinstance(error, ConnectionLost | Unavailable) and call.after_loss
+
+    def pause(self, pauses: int) -> float:
+        step = min(RECONNECT_MAX_PAUSE, RECONNECT_FIRST_PAUSE * 2.0**pauses)
+        with self._lock:
+            self._pauses += 1
+            self._outages += pauses == 0
+            return step / 2 + self._rng.uniform(0, step / 2)
+
+    def gave_up(self) -> None:
+        with self._lock:
+            self._gave_up += 1
+
+    def statistics(self) -> ReconnectStatistics:
+        with self._lock:
+            return ReconnectStatistics(self._pauses, self._outages, self._gave_up)
 
 
 @attrs.frozen
@@ -112,17 +176,41 @@ class Attempts:
         call: Call[Any],
         deadline: float | None,
         clock: Callable[[], float],
+        reconnect: Reconnect | None = None,
     ) -> None:
         self._policy = policy
         self._call = call
         self._deadline = math.inf if deadline is None else deadline
         self._clock = clock
         self._attempt = 1
+        self._reconnect = reconnect
+        self._away_until: float | None = None  # the window, from the first time away
+        self._away_pauses = 0
         if policy is not None:
             policy.budget.record_request()
 
     def pause_after(self, error: ClientError) -> float | None:
-        """Seconds to wait before retrying after ``error``; None: raise it."""
+        """Seconds to wait before trying again after ``error``; None: raise it."""
+        reconnect = self._reconnect
+        if reconnect is not None and reconnect.covers(self._call, error):
+            return self._away(reconnect, error)
+        return self._retry(error)
+
+    def _away(self, reconnect: Reconnect, error: ClientError) -> float | None:
+        now = self._clock()
+        if self._away_until is None:
+            self._away_until = now + reconnect.seconds
+        left = min(self._away_until, self._deadline) - now
+        if left <= 0:
+            if self._away_until <= now:
+                reconnect.gave_up()
+                error.add_note(f"the writer was away for the whole {reconnect.seconds:g} s window")
+            return None
+        pause = min(reconnect.pause(self._away_pauses), left)
+        self._away_pauses += 1
+        return pause
+
+    def _retry(self, error: ClientError) -> float | None:
         policy = self._policy
         if policy is None or not policy.should_retry(self._call, error, self._attempt):
             return None

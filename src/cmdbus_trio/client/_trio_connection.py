@@ -17,7 +17,7 @@ from ._calls import (
     Call,
 )
 from ._core import LOCAL_GRACE, BaseConnection, Reply, ServerHello, split_address
-from ._errors import CannotConnect, ClientError, ConnectionLost, DeadlineExceeded
+from ._errors import CannotConnect, ClientClosed, ClientError, ConnectionLost, DeadlineExceeded
 from ._retry import Attempts
 from ._sockets import closed_by_peer
 
@@ -74,13 +74,13 @@ class Connection(BaseConnection):
 
     async def aclose(self) -> None:
         self._closed = True
-        self._break(ConnectionLost("the client was closed"))
+        self._break(ClientClosed("the client was closed"))
 
     async def call(self, call: Call[T], *, timeout: float | None = None) -> T:
         """Run ``call``; ``timeout`` (seconds) is sent as its ``deadline_ms`` and bounds
         the wait for the reply and any retries."""
         deadline = math.inf if timeout is None else trio.current_time() + timeout
-        attempts = Attempts(self.retry, call, deadline, trio.current_time)
+        attempts = Attempts(self.retry, call, deadline, trio.current_time, self.reconnect)
         while True:
             try:
                 return call.parse(await self._attempt(call, deadline))
@@ -112,7 +112,7 @@ class Connection(BaseConnection):
     async def _connected(self) -> trio.abc.Stream:
         async with self._connect_lock:
             if self._closed:
-                raise ConnectionLost("the client was closed")
+                raise ClientClosed("the client was closed")
             if self._stream is not None:
                 transport = self._transport
                 idle = not self._pending and not self._reading

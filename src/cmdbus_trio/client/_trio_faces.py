@@ -28,6 +28,7 @@ from ._calls import (
     Record,
 )
 from ._errors import ClientError
+from ._retry import Attempts
 from ._shards import ClaimRounds, Rotation, ShardDelivery, ShardMap, by_shard
 from ._trio_connection import Connection
 
@@ -270,9 +271,25 @@ class SubscribeClient(Connection):
 
     async def subscribe(self, start: int = 0, *, filter: str | None = None) -> AsyncIterator[Batch]:
         """Batches of records with sort key > ``start``: history first, then live.
-        Raises :class:`Busy` when the server cut this subscriber off as too slow."""
-        async for batch in self._stream_replies(calls.subscribe(start, filter)):
-            yield batch
+        Through a writer that is away (its reconnect window), it subscribes again after
+        the last record received: no gap, no repeat. Raises :class:`Busy` when the server
+        cut this subscriber off as too slow."""
+        after = start
+        while True:
+            call = calls.subscribe(after, filter)
+            attempts = Attempts(None, call, None, trio.current_time, self.reconnect)
+            try:
+                async for batch in self._stream_replies(call):
+                    attempts = Attempts(None, call, None, trio.current_time, self.reconnect)
+                    if batch:
+                        after = batch[-1].sort_key
+                    yield batch
+                return
+            except ClientError as error:
+                pause = attempts.pause_after(error)
+                if pause is None:
+                    raise
+                await trio.sleep(pause)
 
 
 W = TypeVar("W", bound=Connection)

@@ -27,7 +27,7 @@ REPLACEMENTS = (
     (r"\b__aenter__\b", "__enter__"),
     (r"\b__aexit__\b", "__exit__"),
     (r"\baclose\b", "close"),
-    (r"\btrio\.current_time\(\)", "time.monotonic()"),
+    (r"\btrio\.current_time\b", "time.monotonic"),
     (r"\btrio\.sleep\(", "time.sleep("),
     (r"^import trio$", "import time"),
     (r"\b_trio_connection\b", "_blocking_connection"),

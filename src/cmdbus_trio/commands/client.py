@@ -8,6 +8,7 @@ import argparse
 import http.client
 import itertools
 import json
+import math
 import os
 import ssl
 import sys
@@ -21,6 +22,7 @@ from typing import Any, TypeVar
 import attrs
 
 from cmdbus_trio.client import CannotConnect, ClientError, ShardMap, blocking
+from cmdbus_trio.client._retry import RECONNECT_FOR
 from cmdbus_trio.protocol.subjects import as_i64
 
 from ._addresses import STARTING_WAIT, default_address, default_control_url
@@ -140,6 +142,14 @@ def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"the writer's auth token (default: ${TOKEN_VARIABLE})",
     )
     parser.add_argument("--tls-ca", type=Path, help="speak TLS, trusting this CA (PEM)")
+    parser.add_argument(
+        "--reconnect-for",
+        type=float,
+        default=RECONNECT_FOR,
+        metavar="SECONDS",
+        help=f"ride through a writer that is away this long (default {RECONNECT_FOR:g}; "
+        "0: fail at once)",
+    )
 
 
 Client = TypeVar("Client", bound=blocking.Connection)
@@ -165,7 +175,11 @@ def connection_options(args: argparse.Namespace) -> dict[str, Any]:
     (``health`` has none of them)."""
     tls_ca = getattr(args, "tls_ca", None)
     context = None if tls_ca is None else ssl.create_default_context(cafile=str(tls_ca))
-    return {"token": getattr(args, "token", None), "ssl_context": context}
+    reconnect_for = getattr(args, "reconnect_for", RECONNECT_FOR)
+    if not 0 <= reconnect_for < math.inf:
+        raise ValueError(f"--reconnect-for must be >= 0 seconds and finite, got {reconnect_for}")
+    token = getattr(args, "token", None)
+    return {"token": token, "ssl_context": context, "reconnect_for": reconnect_for}
 
 
 def run(args: argparse.Namespace) -> int:

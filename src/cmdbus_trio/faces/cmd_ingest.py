@@ -88,7 +88,9 @@ class IngestHandler:
         if isinstance(op, codec.Publish):
             ticket = Ticket([(op.record, op.msg_id, "record")])
         else:
-            ticket = Ticket([(r, None, f"records[{i}]") for i, r in enumerate(op.records)])
+            msg_ids = op.msg_ids or (None,) * len(op.records)
+            pairs = enumerate(zip(op.records, msg_ids, strict=True))
+            ticket = Ticket([(r, m, f"records[{i}]") for i, (r, m) in pairs])
         return self._publish(ticket, slot, span).map(partial(codec.publish_reply, request.id, op))
 
     def _publish(self, ticket: Ticket, slot: Slot, span: Span | None) -> Deferred[list[Published]]:

@@ -33,9 +33,10 @@ GROUP_NAME: Final = re.compile(r"[A-Za-z0-9_-]{1,128}")
 GROUP_NAME_RULE: Final = "1-128 letters, digits, '_' or '-'"
 _RECORD_FIELDS: Final = frozenset({"execution_id", "payload", "transaction_id", "global_sequence"})
 _PUBLISH_FIELDS: Final = frozenset({"record", "msg_id"}) | TRACE_FIELDS
-_TRACED_ITEM_FIELDS: Final = frozenset({"record"}) | TRACE_FIELDS
-"""A ``publish_batch`` item that carries trace context: ``{"record": {...}, "traceparent":
-..., "tracestate": ...}``, shaped as ``publish`` is (a record itself has no ``record``)."""
+_WRAPPED_ITEM_FIELDS: Final = _PUBLISH_FIELDS
+"""A ``publish_batch`` item with a ``msg_id`` or trace context: ``{"record": {...},
+"msg_id": ..., "traceparent": ..., "tracestate": ...}``, shaped as ``publish`` is (a
+record itself has no ``record``)."""
 
 
 class BusKind(enum.Enum):
@@ -82,6 +83,8 @@ class Publish:
 @attrs.frozen
 class PublishBatch:
     records: tuple[PublishRecord, ...]
+    msg_ids: tuple[str | None, ...] = ()
+    """Each record's ``msg_id`` (None: none), in order; () when no record has one."""
     op = "publish_batch"
 
 
@@ -104,14 +107,25 @@ def decode_record(
     )
 
 
-def decode_batch_item(value: Any, field: str) -> PublishRecord:
-    """One of ``publish_batch``'s ``records``: a record, or a record with its trace context
-    (see :data:`_TRACED_ITEM_FIELDS`)."""
+def decode_batch_item(value: Any, field: str) -> tuple[PublishRecord, str | None]:
+    """One of ``publish_batch``'s ``records``: a record, or a record wrapped with its
+    ``msg_id`` or trace context (see :data:`_WRAPPED_ITEM_FIELDS`); and its msg_id."""
     if not (isinstance(value, dict) and "record" in value):
-        return decode_record(value, field)
-    if unknown := sorted(set(value) - _TRACED_ITEM_FIELDS):
+        return decode_record(value, field), None
+    if unknown := sorted(set(value) - _WRAPPED_ITEM_FIELDS):
         raise FieldError(f"{field}.{unknown[0]}", "unknown field")
-    return decode_record(value["record"], f"{field}.record", decode_trace(value, f"{field}."))
+    trace = decode_trace(value, f"{field}.")
+    record = decode_record(value["record"], f"{field}.record", trace)
+    return record, _msg_id(value.get("msg_id"), f"{field}.msg_id")
+
+
+def _msg_id(value: Any, field: str = "msg_id") -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 1 <= len(value) <= MAX_MSG_ID:
+        raise FieldError(field, f"expected a string of 1 to {MAX_MSG_ID} characters")
+    storable_text(value, field)
+    return value
 
 
 def publish_reply(
@@ -137,13 +151,7 @@ def decode_op(op: str, fields: dict[str, Any]) -> Publish | PublishBatch:
         if unknown := sorted(set(fields) - _PUBLISH_FIELDS):
             raise FieldError(unknown[0], "unknown field")
         trace = decode_trace(fields)
-        msg_id = fields.get("msg_id")
-        if msg_id is not None and (
-            not isinstance(msg_id, str) or not 1 <= len(msg_id) <= MAX_MSG_ID
-        ):
-            raise FieldError("msg_id", f"expected a string of 1 to {MAX_MSG_ID} characters")
-        if msg_id is not None:
-            storable_text(msg_id, "msg_id")
+        msg_id = _msg_id(fields.get("msg_id"))
         return Publish(decode_record(fields.get("record"), trace=trace), msg_id)
     if op == "publish_batch":
         if unknown := sorted(set(fields) - {"records"}):
@@ -151,9 +159,9 @@ def decode_op(op: str, fields: dict[str, Any]) -> Publish | PublishBatch:
         records = fields.get("records")
         if not isinstance(records, list) or not 1 <= len(records) <= MAX_BATCH:
             raise FieldError("records", f"expected a list of 1 to {MAX_BATCH} records")
-        return PublishBatch(
-            tuple(decode_batch_item(r, f"records[{i}]") for i, r in enumerate(records))
-        )
+        items = [decode_batch_item(r, f"records[{i}]") for i, r in enumerate(records)]
+        msg_ids = tuple(msg_id for _, msg_id in items)
+        return PublishBatch(tuple(record for record, _ in items), msg_ids if any(msg_ids) else ())
     raise UnsupportedOp(op, ("publish", "publish_batch"))
 
 
