@@ -331,3 +331,56 @@ def test_a_last_answer_comes_after_the_replies_to_the_requests_ahead_of_it(
         first, then = trio.run(send_both)
     assert first["id"] == 1 and first["ok"], first
     assert then["ok"] is False and then["error"]["code"] == last, then
+
+
+def test_a_drain_answers_every_request_it_was_sent_and_closes_without_a_reset(
+    tmp_path: Path,
+) -> None:
+    """200 publishes pipelined in one write while commits are slow, then SIGTERM: every
+    one is answered (published, or `unavailable` for those the drain will not take),
+    then the connection ends with end of stream, not a reset. The drain used to stop
+    reading at once: requests waiting in the socket went unanswered, and closing over
+    them reset the connection, losing answers already sent."""
+    import signal
+
+    from cmdbus_trio.protocol import encode_frame
+
+    from ..helpers import get
+
+    frames = b"".join(
+        encode_frame(
+            json.dumps(
+                {"id": n, "op": "publish", "record": {"execution_id": n, "payload": "{}"}}
+            ).encode()
+        )
+        for n in range(1, 201)
+    )
+    settings = {"CMDBUS_TIER_BIND": "", "CMDBUS_DEBUG_HOOKS": "true"}
+    with serving(tmp_path, **settings) as (writer, ports):
+
+        async def pipeline_then_drain() -> tuple[dict[int, str], str]:
+            path = "/debug/slow-commits?store=commands&seconds=0.3"
+            assert (await get(ports["control"], path, "POST")).status == 202
+            async with frame_client(ports["cmd_ingest"]) as client:
+                await client.stream.send_all(frames)
+                await trio.sleep(0.1)
+                writer.send_signal(signal.SIGTERM)
+                answers: dict[int, str] = {}
+                with trio.fail_after(20):
+                    while True:
+                        try:
+                            data = await client.stream.receive_some(1 << 16)
+                        except trio.BrokenResourceError as exc:
+                            return answers, f"reset: {exc.__cause__!r}"
+                        if not data:
+                            return answers, "end of stream"
+                        client.decoder.receive_data(data)
+                        while isinstance(frame := client.decoder.next_frame(), bytes):
+                            reply = json.loads(frame)
+                            answers[reply["id"]] = "ok" if reply["ok"] else reply["error"]["code"]
+
+        answers, ending = trio.run(pipeline_then_drain)
+        assert writer.wait(timeout=30) == 0
+    assert ending == "end of stream"
+    assert sorted(answers) == list(range(1, 201)), f"{200 - len(answers)} unanswered"
+    assert set(answers.values()) <= {"ok", "unavailable"}, set(answers.values())

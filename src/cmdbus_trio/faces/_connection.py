@@ -131,11 +131,11 @@ class Connection:
         connection.handler = make_handler(connection.outbox.send)
         try:
             await connection._serve()
-            if connection._answered_last and not connection.outbox.peer_gone:
+            lingers = connection._answered_last or connection.reader.read_in_drain
+            if lingers and not connection.outbox.peer_gone:
                 await connection._linger()  # still one of the face's open connections
         except Exception as exc:
-            # A bug met by one connection closes that connection only; the face and
-            # every other client keep going.
+            # A bug closes this connection only; the face and every other client go on.
             connection._end("internal_error")
             event(log, logging.ERROR, "connection_failed", face=connection.face, exc_info=exc)
         finally:

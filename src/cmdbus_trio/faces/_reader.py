@@ -5,6 +5,7 @@ first frame's deadline, the read timeout mid-frame, the idle timeout between fra
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from collections import deque
@@ -100,6 +101,12 @@ class Reader:
     """Requests being answered (the idle timeout waits for none)."""
     _quiet_since: float = attrs.field(factory=trio.current_time, init=False)
     """The last read or answer (see :meth:`asking`)."""
+    _scope: trio.CancelScope | None = attrs.field(default=None, init=False)
+    """The scope of the reads under way (the drain cancels it: see :meth:`_read`)."""
+    _drained: bool = attrs.field(default=False, init=False)
+    read_in_drain: int = attrs.field(default=0, init=False)
+    """Bytes read once the face drained: the client was sending, so its connection is
+    closed the lingering way (see :func:`linger`), not with a reset."""
 
     # --- the face's byte budget, lent to each frame until its reply exists ----------------
     #
@@ -179,7 +186,7 @@ class Reader:
         """Read until the end; then, if the peer is gone, cancel ``requests`` (the
         connection's read work: nobody is left to answer; started writes finish)."""
         async with out, trio.open_nursery() as reading:
-            reading.start_soon(self._stop_on_drain, reading.cancel_scope)
+            reading.start_soon(self._stop_on_drain)
             # BrokenResourceError: the dispatcher takes no more (it met the end).
             with contextlib.suppress(trio.BrokenResourceError):
                 await self._read(out, self.ctx.config.read_timeout_ms / 1000)
@@ -187,9 +194,31 @@ class Reader:
         if self.outbox.peer_gone:
             requests.cancel()
 
-    async def _stop_on_drain(self, reading: trio.CancelScope) -> None:
+    async def _stop_on_drain(self) -> None:
         await self.ctx.draining.wait()
-        reading.cancel()
+        self._drained = True
+        if self._scope is not None:
+            self._scope.cancel()
+
+    def _receive_nowait(self) -> bytes | None:
+        """Once the face drains: the bytes the peer sent that are here already (b"" once
+        it is gone), else None (nothing more is waited for, nor read past
+        :data:`LINGER_REQUESTS` requests' worth of the cap; a TLS stream is not read)."""
+        cap = LINGER_REQUESTS * self.ctx.config.max_request_bytes
+        stream = self.stream
+        if not isinstance(stream, trio.SocketStream) or self.read_in_drain >= cap:
+            return None
+        fd = stream.socket.fileno()
+        if fd < 0:
+            return b""
+        try:
+            data = os.read(fd, RECEIVE_CHUNK)
+        except BlockingIOError:
+            return None
+        except OSError:
+            return b""
+        self.read_in_drain += len(data)
+        return data
 
     async def _receive(self) -> bytes | bytearray:
         """The next bytes from the peer, b"" once it is gone. On a plain socket, read
@@ -248,7 +277,8 @@ class Reader:
         hello_by = now + self.ctx.config.hello_timeout_ms / 1000
         timer = min(self._quiet_since + idle_timeout, now + horizon, hello_by)
         while True:
-            with trio.CancelScope(deadline=timer):
+            with trio.CancelScope(deadline=math.inf if self._drained else timer) as scope:
+                self._scope = scope
                 while True:
                     if handing_over:
                         try:  # the dispatcher waits for it: no need to yield a turn
@@ -320,16 +350,27 @@ class Reader:
                         # A large frame is lent its bytes before it is read whole (a flood
                         # of them waits in the clients' sockets), not once it is in memory.
                         self._reading_loan = await self.lend(length)
-                    reading = True
-                    data = await self._receive()
-                    reading = False
+                    if self._drained:  # what was sent is answered; nothing more is waited for
+                        drained = self._receive_nowait()
+                        if drained is None:
+                            return
+                        data: bytes | bytearray = drained
+                    else:
+                        reading = True
+                        data = await self._receive()
+                        reading = False
                     waiting_since = self._quiet_since = trio.current_time()
                     protocol.receive_data(data)
                     # After the bytes are the protocol's: a timer firing in the wait
                     # loses nothing. Waiting here also leaves the next read in the kernel.
                     await budget.wait()
                     taking_until = time.perf_counter() + MAX_STEP
-            # The timer's deadline passed (the only way out of the scope but a return).
+            # The timer's deadline passed, or the drain began (the only ways out of the
+            # scope but a return): a batch, a frame waiting for its bytes, or bytes in the
+            # protocol are kept, and taken on in the next scope.
+            if self._drained:
+                reading = False
+                continue
             now = trio.current_time()
             undecided = protocol.dialect is Dialect.UNDECIDED
             if undecided and now >= hello_by:
