@@ -77,7 +77,7 @@ class Outcome:
     lines: list[dict[str, Any]]
     probes: list[Probe]
     rss: list[tuple[float, int]]  # (time, bytes) of the writer
-    restarts: list[tuple[float, float]]  # (killed at, serving again at)
+    restarts: list[tuple[float, float]]  # (killed or drained at, serving again at)
     killed: set[str]  # actors SIGKILLed
     started: float
     quiet: float  # when everything had been consumed
@@ -85,6 +85,7 @@ class Outcome:
     writer_exit: int | None
     writer_log: str
     tier: dict[str, list[str]]  # execution -> its event_ids, read at the end
+    drained: list[int | None] = attrs.field(factory=list)  # each rollout's exit code
 
     def kind(self, kind: str) -> list[dict[str, Any]]:
         return [line for line in self.lines if line["kind"] == kind]
@@ -313,6 +314,7 @@ def run(
     deployment = Deployment(root, env=env)
     started = deployment.start_writer()
     restarts: list[tuple[float, float]] = []
+    drained: list[int | None] = []  # each rollout's drain: the writer's exit code
     killed: set[str] = set()
     try:
         with deployment.probing():
@@ -356,6 +358,7 @@ def run(
             chaos = sorted(
                 [(run_for * 0.3, "worker"), (run_for * 0.6, "worker")]
                 + ([(run_for * 0.4, "writer"), (run_for * 0.75, "writer")] if faults else [])
+                + ([(run_for * 0.2, "rollout"), (run_for * 0.55, "rollout")] if faults else [])
             )
             log(f"running: {bursts} bursts of {burst} commands from each of two servers")
             for at, what in chaos:
@@ -364,6 +367,11 @@ def run(
                     down = deployment.kill_writer()
                     restarts.append((down, deployment.start_writer()))
                     log(f"{down - started:.1f} s: writer SIGKILLed and restarted")
+                elif what == "rollout":  # as a StatefulSet's rollout: drain, then start
+                    down = time.time()
+                    drained.append(deployment.stop_writer())
+                    restarts.append((down, deployment.start_writer()))
+                    log(f"{down - started:.1f} s: writer drained (SIGTERM) and restarted")
                 else:
                     killed.add(_kill_a_worker_mid_command(deployment, rng, workers))
                     log(f"{time.time() - started:.1f} s: a worker SIGKILLed mid-command")
@@ -382,6 +390,7 @@ def run(
         probes=deployment.probes,
         rss=deployment.rss,
         restarts=restarts,
+        drained=drained,
         killed=killed,
         started=started,
         quiet=quiet,
@@ -637,6 +646,17 @@ def violations(outcome: Outcome) -> list[str]:
         out.append(f"the writer logged {len(errors)} error lines, first: {errors[0][:500]}")
     if outcome.writer_exit != 0:
         out.append(f"the writer exited {outcome.writer_exit} after SIGTERM")
+    if any(code != 0 for code in outcome.drained):
+        out.append(f"a rollout's drain exited {outcome.drained}")
+
+    # The clients rode through every restart: no error a restart causes reached an actor
+    # on the Python clients (v1 workers speak raw sockets; an append without
+    # expected_version may have been stored, so its lost connection is the caller's).
+    for x in outcome.kind("transient"):
+        python_client = "-v1" not in x["actor"]  # worker-<pool>-v1, its replacements too
+        lost_append = x.get("what") == "append" and x["error"] == "ConnectionLost"
+        if python_client and not lost_append and x["error"] != "Busy":
+            out.append(f"{x['actor']} saw {x['error']} ({x.get('what')}): a restart reached it")
 
     # Probes answered throughout (outside the writer's own restarts).
     for probe in outcome.probes:

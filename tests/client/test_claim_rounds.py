@@ -51,3 +51,34 @@ def test_a_bad_request_is_raised_at_once_with_its_shard() -> None:
     with pytest.raises(Invalid) as raised:
         rounds.failed(1, Invalid("filter: bad"))
     assert raised.value.shard == 1
+
+
+def test_every_writer_away_is_waited_for_within_the_reconnect_window() -> None:
+    """Every writer away in a round: within the reconnect window, a reconnect pause (or
+    None once the caller's wait is spent); a writer back resets it; past the window, the
+    last error, with a note."""
+    import time
+
+    from cmdbus_trio.client._retry import RECONNECT_MAX_PAUSE, Reconnect
+
+    def all_away(rounds: ClaimRounds) -> None:
+        rounds.round()
+        for shard in range(3):
+            rounds.failed(shard, ConnectionLost(f"gone {shard}"))
+
+    window = Reconnect(0.3)
+    rounds = ClaimRounds(SHARDS, Rotation(3), window)
+    all_away(rounds)
+    pause = rounds.pause(10.0)
+    assert pause is not None and 0 < pause <= RECONNECT_MAX_PAUSE
+    all_away(rounds)
+    assert rounds.pause(0.0) is None  # the caller's wait is over first: no record
+    time.sleep(0.35)  # past the window
+    all_away(rounds)
+    with pytest.raises(ConnectionLost, match="gone 2") as raised:
+        rounds.pause(10.0)
+    assert "every writer was away for the whole 0.3 s window" in raised.value.__notes__
+    assert window.statistics().gave_up == 1
+    again = ClaimRounds(SHARDS, Rotation(3), window)  # a new call, a new window
+    all_away(again)
+    assert again.pause(10.0) is not None

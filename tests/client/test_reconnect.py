@@ -168,3 +168,38 @@ def test_a_bad_reconnect_window_is_refused_naming_the_option(bad: Any) -> None:
         blocking.IngestClient("127.0.0.1:1", reconnect_for=bad)
     with pytest.raises(ValueError, match="reconnect_for"):
         IngestClient("127.0.0.1:1", reconnect_for=bad)
+
+
+async def test_a_sharded_claim_goes_on_with_the_writers_that_are_there(tmp_path: Path) -> None:
+    """Two shards, one writer killed: a sharded `next` is served by the other at once
+    (a writer that is away is skipped, not waited for), and once the killed one is back
+    on its ports its records are claimed too."""
+    from contextlib import ExitStack
+
+    from cmdbus_trio.client import ShardMap
+    from cmdbus_trio.client.trio import ShardedClaimClient
+
+    with ExitStack() as stack:
+        writers = []
+        for shard in (0, 1):
+            env = {"CMDBUS_SHARD": str(shard), "CMDBUS_SHARD_COUNT": "2"}
+            (tmp_path / f"w{shard}").mkdir()
+            writers.append(stack.enter_context(serving(tmp_path / f"w{shard}", **env)))
+        claims = ShardMap.parse(",".join(f"{i}@{w[1]['cmd_claim']}" for i, w in enumerate(writers)))
+        for shard, (_, ports) in enumerate(writers):
+            async with IngestClient(ports["cmd_ingest"]) as ingest:
+                execution = next(n for n in range(100) if claims.shard_for(n) == shard)
+                await ingest.publish({"execution_id": execution, "payload": "{}"})
+        killed, ports = writers[0]  # the first a round asks
+        killed.kill()
+        killed.wait()
+        async with ShardedClaimClient(claims) as cluster:
+            with trio.fail_after(10):
+                first = await cluster.next("commands.>", wait=5)
+            assert first is not None and first.shard == 1
+            await cluster.ack(first)
+            env = {"CMDBUS_SHARD": "0", "CMDBUS_SHARD_COUNT": "2", **same_ports(ports)}
+            stack.enter_context(serving(tmp_path / "w0", **env))
+            with trio.fail_after(20):
+                second = await cluster.next("commands.>", wait=10)
+            assert second is not None and second.shard == 0

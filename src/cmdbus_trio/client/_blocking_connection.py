@@ -80,11 +80,13 @@ class Connection(BaseConnection):
         self._closed = True
         self._drop()
 
-    def call(self, call: Call[T], *, timeout: float | None = None) -> T:
+    def call(self, call: Call[T], *, timeout: float | None = None, reconnect: bool = True) -> T:
         """Run ``call``; ``timeout`` (seconds) is sent as its ``deadline_ms`` and bounds
-        the wait for the reply and any retries."""
+        the wait for the reply and any retries. ``reconnect=False``: not within the
+        reconnect window (a caller with somewhere else to go, as a sharded claim)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        attempts = Attempts(self.retry, call, deadline, time.monotonic, self.reconnect)
+        window = self.reconnect if reconnect else None
+        attempts = Attempts(self.retry, call, deadline, time.monotonic, window)
         while True:
             try:
                 outcome = self._exchange([call], deadline)[0]

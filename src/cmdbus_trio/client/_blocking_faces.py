@@ -28,7 +28,7 @@ from ._calls import (
     Record,
 )
 from ._errors import ClientError
-from ._retry import Attempts
+from ._retry import RECONNECT_FOR, Attempts, Reconnect
 from ._shards import ClaimRounds, Rotation, ShardDelivery, ShardMap, by_shard
 from ._blocking_connection import Connection
 
@@ -355,11 +355,13 @@ class ShardedClaimClient(_Writers[ClaimClient]):
     """Claims from several writers (one claim address per shard) fairly: round robin
     over the shards with pending work, so none is starved. When no shard has a record it
     asks again after a pause (10 ms, doubling to 250 ms) until ``wait`` passes; a
-    writer that is down is skipped (and retried next round) while others serve."""
+    writer that is down is skipped (and asked again next round) while others serve, and
+    only when every one is down for the whole reconnect window does ``next`` raise."""
 
     def __init__(self, shards: ShardMap, **options: Any) -> None:
         self.shards = shards
         self.writers = [ClaimClient(address, **options) for address in shards.addresses]
+        self.reconnect = Reconnect(options.get("reconnect_for", RECONNECT_FOR))
         self._rotation = Rotation(shards.shard_count)
 
     def next(
@@ -372,12 +374,13 @@ class ShardedClaimClient(_Writers[ClaimClient]):
         timeout: float | None = None,
     ) -> ShardDelivery | None:
         deadline = math.inf if wait is None else time.monotonic() + wait
-        rounds = ClaimRounds(self.shards, self._rotation)
+        rounds = ClaimRounds(self.shards, self._rotation, self.reconnect)
+        call = calls.next_delivery(filter, wait=0, group=group, start=start)
         while True:
             for shard in rounds.round():
-                try:
-                    delivery = self.writers[shard].next(
-                        filter, wait=0, group=group, start=start, timeout=timeout
+                try:  # a writer that is away is not waited for: the others may serve
+                    delivery = self.writers[shard].call(
+                        call, timeout=timeout, reconnect=False
                     )
                 except ClientError as error:
                     rounds.failed(shard, error)  # raises unless the writer is down
@@ -412,13 +415,12 @@ class ShardedClaimClient(_Writers[ClaimClient]):
         """Up to ``most`` records from the first shard in the round that has any (the
         rounds as for :meth:`next`); an empty list after ``wait``."""
         deadline = math.inf if wait is None else time.monotonic() + wait
-        rounds = ClaimRounds(self.shards, self._rotation)
+        rounds = ClaimRounds(self.shards, self._rotation, self.reconnect)
+        call = calls.next_batch(filter, most, wait=0, group=group, start=start)
         while True:
             for shard in rounds.round():
                 try:
-                    batch = self.writers[shard].next_batch(
-                        filter, most, wait=0, group=group, start=start, timeout=timeout
-                    )
+                    batch = self.writers[shard].call(call, timeout=timeout, reconnect=False)
                 except ClientError as error:
                     rounds.failed(shard, error)  # raises unless the writer is down
                     continue

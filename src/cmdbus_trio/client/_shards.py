@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping, Sequence
 
 import attrs
@@ -12,6 +13,7 @@ from cmdbus_trio.protocol.subjects import shard_of
 from ._calls import Delivery, Record
 from ._core import split_address
 from ._errors import ClientError, ConnectionLost, DeadlineExceeded, Unavailable
+from ._retry import Reconnect
 
 WRITERS_ENV: Mapping[str, tuple[str, ...]] = {
     "commands": ("CMDBUS_CMD_WRITERS", "NOETL_COMMAND_BUS_WRITER_ADDRS"),
@@ -130,11 +132,16 @@ class ClaimRounds:
     means, and how long to pause when a round found nothing (10 ms, doubling to
     :data:`MAX_IDLE_PAUSE`). One per ``next`` call."""
 
-    def __init__(self, shards: ShardMap, rotation: Rotation) -> None:
+    def __init__(
+        self, shards: ShardMap, rotation: Rotation, reconnect: Reconnect | None = None
+    ) -> None:
         self.shards = shards
         self.rotation = rotation
         self._pause = 0.01
         self._failures: list[ClientError] = []
+        self._reconnect = reconnect
+        self._away_until: float | None = None  # every writer away since: the window's end
+        self._away_pauses = 0
 
     def round(self) -> list[int]:
         """The shards to ask this round, in order."""
@@ -148,6 +155,23 @@ class ClaimRounds:
             raise self.shards.tag(error, shard)
         self._failures.append(self.shards.tag(error, shard))
 
+    def _all_away(self, remaining: float) -> float | None:
+        reconnect, last = self._reconnect, self._failures[-1]
+        if reconnect is None or not reconnect.seconds:
+            raise last
+        now = time.monotonic()
+        if self._away_until is None:
+            self._away_until = now + reconnect.seconds
+        if now >= self._away_until:
+            reconnect.gave_up()
+            last.add_note(f"every writer was away for the whole {reconnect.seconds:g} s window")
+            raise last
+        if remaining <= 0:
+            return None
+        pause = reconnect.pause(self._away_pauses)
+        self._away_pauses += 1
+        return min(pause, remaining, self._away_until - now)
+
     def served(self, shard: int, delivery: Delivery) -> ShardDelivery:
         self.rotation.served(shard)
         return ShardDelivery(shard, delivery)
@@ -160,9 +184,11 @@ class ClaimRounds:
         """After a round without a record: how long to sleep before the next one, or
         None when ``remaining`` (seconds of the caller's wait) is spent.
 
-        Error handling: raises the last error when every writer failed this round."""
+        Error handling: raises the last error when every writer failed this round for
+        longer than the reconnect window."""
         if len(self._failures) == self.shards.shard_count:
-            raise self._failures[-1]
+            return self._all_away(remaining)
+        self._away_until, self._away_pauses = None, 0
         if remaining <= 0:
             return None
         pause = min(self._pause, remaining)

@@ -76,11 +76,15 @@ class Connection(BaseConnection):
         self._closed = True
         self._break(ClientClosed("the client was closed"))
 
-    async def call(self, call: Call[T], *, timeout: float | None = None) -> T:
+    async def call(
+        self, call: Call[T], *, timeout: float | None = None, reconnect: bool = True
+    ) -> T:
         """Run ``call``; ``timeout`` (seconds) is sent as its ``deadline_ms`` and bounds
-        the wait for the reply and any retries."""
+        the wait for the reply and any retries. ``reconnect=False``: not within the
+        reconnect window (a caller with somewhere else to go, as a sharded claim)."""
         deadline = math.inf if timeout is None else trio.current_time() + timeout
-        attempts = Attempts(self.retry, call, deadline, trio.current_time, self.reconnect)
+        window = self.reconnect if reconnect else None
+        attempts = Attempts(self.retry, call, deadline, trio.current_time, window)
         while True:
             try:
                 return call.parse(await self._attempt(call, deadline))

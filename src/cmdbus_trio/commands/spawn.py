@@ -44,8 +44,8 @@ def spawn_writer(
             f"CMDBUS_{face.upper()}_BIND": "127.0.0.1:0" if face in ("control", *faces) else ""
             for face in FACE_NAMES
         },
-        **(env or {}),
     )
+    environment.update(env or {})  # a face's bind too: a restart on the same ports
     log_path = workdir / "writer.log"
     with log_path.open("wb") as log:
         process = subprocess.Popen(
