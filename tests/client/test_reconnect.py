@@ -154,9 +154,12 @@ def test_what_is_sent_again_while_the_writer_is_away() -> None:
         _calls.ack(1),
         _calls.subscribe(0),
     ]
-    for error in (ConnectionLost("x"), Unavailable("the writer is draining")):
+    draining = Unavailable("the writer is draining", retry_after_ms=1000)
+    for error in (ConnectionLost("x"), draining):
         assert not window.covers(unsafe, error)
         assert all(window.covers(call, error) for call in safe)
+    poisoned = Unavailable("commands store is poisoned")  # refuses writes until a restart
+    assert not any(window.covers(call, poisoned) for call in safe)
     assert window.covers(unsafe, CannotConnect("x"))
     assert not window.covers(safe[0], ClientClosed("x"))
     assert not Reconnect(0).covers(safe[0], CannotConnect("x"))

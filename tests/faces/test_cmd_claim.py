@@ -261,6 +261,7 @@ async def test_a_drain_wakes_waiting_consumers_instead_of_waiting_for_them(tmp_p
                 reply = await v2.receive_json()
                 assert await v1.receive() is None  # v1 has no error to say it with: closed
             assert reply["error"]["code"] == "unavailable"
+            assert reply["error"]["retry_after_ms"] == 1000  # the clients reconnect for it
             await trio.to_thread.run_sync(process.wait, 10)
         assert process.returncode == 0
         assert trio.current_time() - start < 5  # not the 15 s shutdown budget

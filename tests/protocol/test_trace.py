@@ -86,9 +86,10 @@ def test_publish_batch_takes_a_context_per_record() -> None:
     [
         ({"records": [RECORD, {"record": RECORD, "traceparent": "x"}]}, "records[1].traceparent"),
         ({"records": [{"record": RECORD, "tracestate": "a=1"}]}, "records[0].tracestate"),
-        ({"records": [{"record": RECORD, "msg_id": "m"}]}, "records[0].msg_id"),
         ({"records": [{"record": {"payload": "{}"}}]}, "records[0].record.execution_id"),
         ({"records": [RECORD], "traceparent": PARENT}, "traceparent"),
+        ({"records": [{"record": RECORD, "colour": 1}]}, "records[0].colour"),
+        ({"records": [{"record": RECORD, "msg_id": 7}]}, "records[0].msg_id"),
     ],
 )
 def test_a_batch_names_the_record_whose_context_is_bad(fields: dict[str, Any], field: str) -> None:

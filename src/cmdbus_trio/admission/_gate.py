@@ -36,7 +36,13 @@ class Shed(Exception):
 
 
 class GateClosed(Exception):
-    """The Gate is draining: it admits nothing more (answer ``unavailable``)."""
+    """The Gate is draining: it admits nothing more (answer ``unavailable``).
+    ``draining`` False: closed for good instead (a consumer group deleted), so asking
+    again later, of this writer or the next, will not help."""
+
+    def __init__(self, message: str = "", *, draining: bool = True) -> None:
+        super().__init__(message)
+        self.draining = draining
 
 
 @attrs.frozen

@@ -41,6 +41,10 @@ if TYPE_CHECKING:
 __all__ = ["STUCK_AFTER", "Claims", "Delivery"]
 
 
+DRAINING = "the writer is draining"
+"""Why a group closes when the writer drains (the other reason: it was deleted)."""
+
+
 class Claims(Owing):
     """One consumer group's view of a bus. ``on_dead`` is called with
     ``(sort_key, subject, deliveries)`` for each record parked as dead, to make it durable;
@@ -81,7 +85,7 @@ class Claims(Owing):
         self._deliveries: dict[int, int] = {}
         self._backlog = BacklogCount(per_subject=True) if tail is None else TailBacklog(tail)
         self._closed = False
-        self._why_closed = "the writer is draining"
+        self._why_closed = DRAINING
         self.deleted = False
         self._last_added = 0
         self._parked = Parked(self._queues)
@@ -273,7 +277,7 @@ class Claims(Owing):
         writer is draining): a waiting consumer must not hold up the drain.
         """
         if self._closed:
-            raise GateClosed(f"{self.group}: {self._why_closed}")
+            raise self._closed_error()
         delivery = self.next_nowait(filter_tokens, owner)
         with trio.CancelScope(shield=True):  # a look under way ends: "none now" is true
             while (
@@ -296,7 +300,7 @@ class Claims(Owing):
                 self.give_back(waiter.delivery.sort_key, owner)
             raise
         if waiter.delivery is None:
-            raise GateClosed(f"{self.group}: {self._why_closed}")
+            raise self._closed_error()
         return waiter.delivery
 
     def _hand_over(self, subject: str) -> None:
@@ -335,7 +339,11 @@ class Claims(Owing):
     def closed(self) -> bool:
         return self._closed
 
-    def close(self, why: str = "the writer is draining") -> None:
+    def _closed_error(self) -> GateClosed:
+        draining = self._why_closed == DRAINING
+        return GateClosed(f"{self.group}: {self._why_closed}", draining=draining)
+
+    def close(self, why: str = DRAINING) -> None:
         """Lease nothing more; waiting consumers get :class:`GateClosed` at once."""
         self._closed = True
         self._why_closed = why

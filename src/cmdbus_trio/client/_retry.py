@@ -47,8 +47,8 @@ class Reconnect:
     """A connection's reconnect window: how long a call rides through a writer that is
     away (``seconds``; 0: it raises at once), and what that cost. Thread-safe.
 
-    What is away: a connection that cannot be made, one lost, or the answer
-    ``unavailable`` (a draining writer's, or a store's that refuses writes). What is sent
+    What is away: a connection that cannot be made, one lost, or a draining writer's
+    ``unavailable`` (with its ``retry_after_ms``; a poisoned store's is raised). What is sent
     again: a call that cannot have been carried out (no connection was made), or one that
     is safe to send again (:attr:`Call.after_loss`). The pauses are jittered, doubling
     from 50 ms to at most 1 s."""
@@ -69,7 +69,10 @@ class Reconnect:
             return False
         if isinstance(error, CannotConnect):
             return True  # nothing was sent
-        return isinstance(error, ConnectionLost | Unavailable) and call.after_loss
+        # A draining writer's `unavailable` says when to ask again; a poisoned store's
+        # does not (it refuses writes until a restart: the caller is told at once).
+        draining = isinstance(error, Unavailable) and error.retry_after_ms is not None
+        return (draining or isinstance(error, ConnectionLost)) and call.after_loss
 
     def pause(self, pauses: int) -> float:
         step = min(RECONNECT_MAX_PAUSE, RECONNECT_FIRST_PAUSE * 2.0**pauses)

@@ -24,6 +24,11 @@ T = TypeVar("T")
 P = TypeVar("P")
 
 
+DRAIN_RETRY_AFTER_MS = 1000
+"""The ``retry_after_ms`` of a draining writer's ``unavailable``: about when the next
+writer (or this one, restarted) serves."""
+
+
 class FaceError(Exception):
     """An error answer: v2 ``{"ok": false, "error": …}``, v1 as the face words it."""
 
@@ -59,7 +64,10 @@ def as_face_error(exc: Exception) -> FaceError | None:
     if isinstance(exc, DeadlineExceeded):
         return FaceError(ErrorCode.DEADLINE, "the request's budget ran out; read work stopped")
     if isinstance(exc, GateClosed):  # draining, or the consumer group was deleted
-        return FaceError(ErrorCode.UNAVAILABLE, str(exc) or "the writer is draining")
+        # A drain's answer says when to ask again: the clients take it as the writer
+        # being away for a moment (a poisoned store's, or a deleted group's, does not).
+        retry_after = DRAIN_RETRY_AFTER_MS if exc.draining else None
+        return FaceError(ErrorCode.UNAVAILABLE, str(exc) or "the writer is draining", retry_after)
     if isinstance(exc, StoreUnavailable):
         return FaceError(ErrorCode.UNAVAILABLE, str(exc))
     if isinstance(exc, VersionConflict):

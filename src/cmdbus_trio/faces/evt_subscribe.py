@@ -27,7 +27,7 @@ from cmdbus_trio.protocol import subscribe as codec
 from cmdbus_trio.protocol.subjects import matches
 
 from . import FaceContext
-from ._handler import CloseConnection, Sender, V1Reply
+from ._handler import DRAIN_RETRY_AFTER_MS, CloseConnection, Sender, V1Reply
 from ._listen import serve as serve_connections
 
 CATCH_UP_PAGE = 500
@@ -102,7 +102,13 @@ class SubscribeHandler:
         )
         if completed:  # the writer is draining
             raise CloseConnection(
-                "closed", encode_error(request_id, ErrorCode.UNAVAILABLE, "the writer is draining")
+                "closed",
+                encode_error(
+                    request_id,
+                    ErrorCode.UNAVAILABLE,
+                    "the writer is draining",
+                    retry_after_ms=DRAIN_RETRY_AFTER_MS,
+                ),
             )
         raise CloseConnection(
             "closed",
