@@ -90,6 +90,39 @@ class Reconnect:
             return ReconnectStatistics(self._pauses, self._outages, self._gave_up)
 
 
+class Outage:
+    """One call's time with the writer (``who``) away: its window runs from the first
+    time it was found away."""
+
+    def __init__(self, reconnect: Reconnect, clock: Callable[[], float], who: str) -> None:
+        self._reconnect = reconnect
+        self._clock = clock
+        self._who = who
+        self._until: float | None = None
+        self._pauses = 0
+        self.over = False
+        """The window has passed: the caller raises ``error`` (noted so)."""
+
+    def pause(self, error: ClientError, deadline: float = math.inf) -> float | None:
+        """Seconds to wait before trying again; None once the window or the caller's
+        ``deadline`` (on the clock) has passed."""
+        now = self._clock()
+        if self._until is None:
+            self._until = now + self._reconnect.seconds
+        if now >= self._until:
+            self.over = True
+            self._reconnect.gave_up()
+            seconds = self._reconnect.seconds
+            error.add_note(f"{self._who} away for the whole {seconds:g} s window")
+            return None
+        left = min(self._until, deadline) - now
+        if left <= 0:
+            return None
+        pause = min(self._reconnect.pause(self._pauses), left)
+        self._pauses += 1
+        return pause
+
+
 @attrs.frozen
 class RetryStatistics:
     requests: int
@@ -187,8 +220,7 @@ class Attempts:
         self._clock = clock
         self._attempt = 1
         self._reconnect = reconnect
-        self._away_until: float | None = None  # the window, from the first time away
-        self._away_pauses = 0
+        self._outage: Outage | None = None
         if policy is not None:
             policy.budget.record_request()
 
@@ -196,22 +228,10 @@ class Attempts:
         """Seconds to wait before trying again after ``error``; None: raise it."""
         reconnect = self._reconnect
         if reconnect is not None and reconnect.covers(self._call, error):
-            return self._away(reconnect, error)
+            if self._outage is None:
+                self._outage = Outage(reconnect, self._clock, "the writer was")
+            return self._outage.pause(error, self._deadline)
         return self._retry(error)
-
-    def _away(self, reconnect: Reconnect, error: ClientError) -> float | None:
-        now = self._clock()
-        if self._away_until is None:
-            self._away_until = now + reconnect.seconds
-        left = min(self._away_until, self._deadline) - now
-        if left <= 0:
-            if self._away_until <= now:
-                reconnect.gave_up()
-                error.add_note(f"the writer was away for the whole {reconnect.seconds:g} s window")
-            return None
-        pause = min(reconnect.pause(self._away_pauses), left)
-        self._away_pauses += 1
-        return pause
 
     def _retry(self, error: ClientError) -> float | None:
         policy = self._policy

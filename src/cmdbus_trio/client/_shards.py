@@ -13,7 +13,7 @@ from cmdbus_trio.protocol.subjects import shard_of
 from ._calls import Delivery, Record
 from ._core import split_address
 from ._errors import ClientError, ConnectionLost, DeadlineExceeded, Unavailable
-from ._retry import Reconnect
+from ._retry import Outage, Reconnect
 
 WRITERS_ENV: Mapping[str, tuple[str, ...]] = {
     "commands": ("CMDBUS_CMD_WRITERS", "NOETL_COMMAND_BUS_WRITER_ADDRS"),
@@ -140,8 +140,7 @@ class ClaimRounds:
         self._pause = 0.01
         self._failures: list[ClientError] = []
         self._reconnect = reconnect
-        self._away_until: float | None = None  # every writer away since: the window's end
-        self._away_pauses = 0
+        self._outage: Outage | None = None  # every writer away in the rounds since
 
     def round(self) -> list[int]:
         """The shards to ask this round, in order."""
@@ -156,21 +155,15 @@ class ClaimRounds:
         self._failures.append(self.shards.tag(error, shard))
 
     def _all_away(self, remaining: float) -> float | None:
-        reconnect, last = self._reconnect, self._failures[-1]
-        if reconnect is None or not reconnect.seconds:
+        last = self._failures[-1]
+        if self._reconnect is None or not self._reconnect.seconds:
             raise last
-        now = time.monotonic()
-        if self._away_until is None:
-            self._away_until = now + reconnect.seconds
-        if now >= self._away_until:
-            reconnect.gave_up()
-            last.add_note(f"every writer was away for the whole {reconnect.seconds:g} s window")
+        if self._outage is None:
+            self._outage = Outage(self._reconnect, time.monotonic, "every writer was")
+        pause = self._outage.pause(last, time.monotonic() + remaining)
+        if self._outage.over:
             raise last
-        if remaining <= 0:
-            return None
-        pause = reconnect.pause(self._away_pauses)
-        self._away_pauses += 1
-        return min(pause, remaining, self._away_until - now)
+        return pause
 
     def served(self, shard: int, delivery: Delivery) -> ShardDelivery:
         self.rotation.served(shard)
@@ -188,7 +181,7 @@ class ClaimRounds:
         longer than the reconnect window."""
         if len(self._failures) == self.shards.shard_count:
             return self._all_away(remaining)
-        self._away_until, self._away_pauses = None, 0
+        self._outage = None
         if remaining <= 0:
             return None
         pause = min(self._pause, remaining)
