@@ -53,7 +53,8 @@ ALLOWED: dict[str, set[str]] = {
     "descriptors": {"config"},
     "gates": {"admission", "config", "protocol"},
     "noetl": {"config"},
-    "commands": {"client", "config", "protocol"},
+    # The offline tools (backup, restore, check) work on the stores' files, as SQLite's.
+    "commands": {"client", "config", "protocol", "storage"},
 }
 """The rooms each room may import (beside :data:`SHARED`); the wiring (``app``, ``cli``,
 ``__main__``) may import any."""

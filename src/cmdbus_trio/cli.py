@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import logging
 import os
 import re
@@ -16,6 +17,7 @@ from . import __version__, app, descriptors, logs, noetl, spans, tracing_setup
 from .client._shards import WRITERS_ENV
 from .commands import bench, client, diagnose, import_tier
 from .commands._output import leaves
+from .commands.backups import Backup, Check, Restore
 from .commands.client import TOKEN_VARIABLE
 from .config import SETTINGS, Config, ConfigError, load, unknown_variables
 from .logs import event
@@ -39,6 +41,9 @@ _COMMANDS: dict[str, _Command] = {
     "bench": bench,
     "diagnose": diagnose,
     "import-tier": import_tier,
+    "backup": Backup(),
+    "restore": Restore(),
+    "check": Check(),
 }
 KNOWN_VARIABLES = (
     *(setting.env for setting in SETTINGS),
@@ -72,7 +77,7 @@ def _parser() -> argparse.ArgumentParser:
             commands.add_parser(
                 name,
                 help=command.HELP,
-                description=plain(command.__doc__ or ""),
+                description=plain(inspect.cleandoc(command.__doc__ or "")),
                 formatter_class=argparse.RawDescriptionHelpFormatter,
             )
         )
