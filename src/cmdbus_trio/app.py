@@ -282,6 +282,7 @@ class Writer:
                     TierStore.open,
                     path,
                     synchronous=config.sync,
+                    checkpoints=config.checkpoints,
                     pool_size=descriptors.store_pool_size(config, name),
                 ),
                 limiter=self._maintenance,

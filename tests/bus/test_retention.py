@@ -555,3 +555,32 @@ def test_trace_context_stays_with_the_records_retention_keeps(tmp_path: Path, cl
         zip(range(6, 11), contexts[5:], strict=True)
     )
     log.close()
+
+
+def test_with_litestream_checkpointing_the_store_never_checkpoints_itself(
+    tmp_path: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CMDBUS_CHECKPOINTS=litestream: no automatic checkpoint (3 MB written, the
+    database file still holds none of it: all is in the WAL, for Litestream to copy and
+    checkpoint) and no trim; its twin, the writer's own mode, does both."""
+    from cmdbus_trio.storage import _sqlite
+
+    monkeypatch.setattr(_sqlite, "WAL_TRIM_FLOOR", 0)
+    for mode, autocheckpoint in (("litestream", 0), ("writer", 1000)):
+        path = tmp_path / mode / "commands.sqlite3"
+        wal = path.with_name(path.name + "-wal")
+        log = BusLog.open(path, name="commands", wall_clock=clock, checkpoints=mode)
+        with log._connection() as connection:
+            assert connection.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == autocheckpoint
+        publish(log, 3000, size=1000)  # past an automatic checkpoint's 1,000 pages
+        checkpointed = path.stat().st_size > 1 << 20
+        assert checkpointed is (mode == "writer"), (mode, path.stat().st_size)
+        log.commit(done=Settlements(positions=[("commands", 3001)]))
+        while retain(log, keep_settled=0.0).more:  # the database shrinks below its WAL
+            pass
+        before = wal.stat().st_size
+        assert log._trim_wal() is (mode == "writer")
+        assert (wal.stat().st_size == before) is (mode == "litestream")
+        log.close()
+    with pytest.raises(ValueError, match="checkpoints must be writer or litestream"):
+        BusLog(tmp_path / "x.sqlite3", checkpoints="sometimes")

@@ -60,6 +60,7 @@ class Bus:
                 config.data_dir / f"{name}.sqlite3",
                 name=name,
                 synchronous=config.sync,
+                checkpoints=config.checkpoints,
                 dedup_window=config.dedup_window_ms / 1000,
                 pool_size=pool_size,
             ),

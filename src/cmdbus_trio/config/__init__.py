@@ -189,6 +189,11 @@ class Config:
     )
     max_reply_bytes: int = _setting(str(16 << 20), int_range(64), "largest reply frame body")
     sync: str = _setting("full", choice("full", "normal"), "SQLite synchronous mode")
+    checkpoints: str = _setting(
+        "writer",
+        choice("writer", "litestream"),
+        "who checkpoints the stores' WALs: the writer, or Litestream replicating them",
+    )
     shutdown_timeout_ms: int = _setting(
         "15000",
         int_range(0),

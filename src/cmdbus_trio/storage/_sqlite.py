@@ -63,6 +63,7 @@ class SqliteStore:
         path: Path,
         *,
         synchronous: str = "full",
+        checkpoints: str = "writer",
         pool_size: int = 4,
         contention_threshold: float = 0.1,
         contention_memory: float = 10.0,
@@ -70,8 +71,15 @@ class SqliteStore:
     ) -> None:
         if synchronous not in ("full", "normal"):
             raise ValueError(f"synchronous must be full or normal, got {synchronous!r}")
+        if checkpoints not in ("writer", "litestream"):
+            raise ValueError(f"checkpoints must be writer or litestream, got {checkpoints!r}")
         if pool_size < 1:
             raise ValueError(f"pool_size must be at least 1, got {pool_size}")
+        self.checkpoints = checkpoints
+        """``litestream``: Litestream checkpoints the WAL, and the store never does (no
+        automatic checkpoint, no trim): a checkpoint of the store's own could reset the
+        WAL under Litestream's read position, which it then recovers from with a whole
+        new snapshot of the database."""
         self.path = path
         self.pool_size = pool_size
         self._synchronous = synchronous.upper()
@@ -183,6 +191,8 @@ class SqliteStore:
             # A checkpointed WAL is cut back to this, not kept at its largest.
             connection.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT}")
             connection.execute(f"PRAGMA synchronous={self._synchronous}")
+            if self.checkpoints == "litestream":
+                connection.execute("PRAGMA wal_autocheckpoint=0")
             # Sorts and statement journals in memory, never in a temp file: no file is
             # opened after start (see the module's docstring).
             connection.execute("PRAGMA temp_store=MEMORY")
@@ -283,6 +293,8 @@ class SqliteStore:
         WAL is smaller than its database and this does nothing. A TRUNCATE checkpoint,
         holding the write lock; it waits at most :data:`WAL_TRIM_WAIT_MS` for readers still
         on the WAL (then the next pass tries again). Whether it trimmed."""
+        if self.checkpoints == "litestream":
+            return False  # Litestream's to do (see :attr:`checkpoints`)
         try:
             if self._wal_path.stat().st_size <= max(WAL_TRIM_FLOOR, self.path.stat().st_size):
                 return False
