@@ -176,6 +176,18 @@ def test_a_restore_refuses_a_data_dir_in_use_or_not_empty(
     assert lines(run("check", "--data-dir", str(data)))[0] == {"sound": str(data)}
 
 
+def test_after_litestream_refuses_a_dir_in_use_or_without_stores(
+    tmp_path: Path, a_backup: tuple[Path, Path]
+) -> None:
+    data, _ = a_backup
+    after = ("restore", "--after-litestream", "--data-dir")
+    refused(run(*after, str(tmp_path / "empty")), "no store in it")
+    with serving(tmp_path, CMDBUS_DATA_DIR=str(data)):
+        refused(run(*after, str(data)), "a writer holds it")
+    assert lines(run(*after, str(data), "--json"))[0]["key_jump"] == 1 << 40
+    refused(run("restore", "--data-dir", str(data)), "one of the arguments", code=2)
+
+
 def test_check_finds_a_damaged_store_and_a_counter_behind(a_backup: tuple[Path, Path]) -> None:
     data, _ = a_backup
     assert lines(run("check", "--data-dir", str(data))) == [{"sound": str(data)}]

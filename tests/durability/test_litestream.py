@@ -2,7 +2,8 @@
 store to a file target, with CMDBUS_CHECKPOINTS=litestream: publishes, acks and appends,
 then the writer and Litestream killed, the data directory deleted, each store restored
 from its replica, and a writer started on what came back: everything acknowledged
-before the last replicated transaction is there, and the writer serves."""
+before the last replicated transaction is there, keys move on past any the lost writer
+could have given (`cmdbus-trio restore --after-litestream`), and the writer serves."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from cmdbus_trio.client import blocking
+from cmdbus_trio.storage.backups import REPLICA_KEY_JUMP
 from cmdbus_trio.storage.datadir import STORE_FILES
 
 from ..helpers import serving
@@ -62,6 +64,11 @@ def test_a_writer_restored_from_its_litestream_replica_has_what_it_acknowledged(
         restore = [LITESTREAM, "restore", "-config", str(tmp_path / "litestream.yml")]
         done = subprocess.run([*restore, str(data / name)], capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
+    # The replica is behind the lost writer: keys move on past any it could have given.
+    after = [sys.executable, "-m", "cmdbus_trio", "restore", "--after-litestream", "--json"]
+    done = subprocess.run([*after, "--data-dir", str(data)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert f'"key_jump":{REPLICA_KEY_JUMP}' in done.stdout
     (tmp_path / "again").mkdir()
     with serving(tmp_path / "again", **settings) as (_, ports):
         with blocking.ClaimClient(ports["cmd_claim"]) as claim:
@@ -69,4 +76,5 @@ def test_a_writer_restored_from_its_litestream_replica_has_what_it_acknowledged(
         with blocking.TierClient(ports["tier"]) as tier:
             assert tier.read_execution("exec-1").record_count == 10
         with blocking.IngestClient(ports["cmd_ingest"]) as ingest:
-            assert ingest.publish({"execution_id": 1, "payload": "{}"}).sort_key > keys[-1]
+            fresh = ingest.publish({"execution_id": 1, "payload": "{}"}).sort_key
+            assert fresh >= keys[-1] + REPLICA_KEY_JUMP

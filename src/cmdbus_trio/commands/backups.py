@@ -153,13 +153,22 @@ class Restore:
     not empty (``--force`` moves it aside, never deletes it). Checks the manifest, the
     shard and every file's size and SHA-256 before it writes anything. The restored
     stores give out keys past any the lost writer could have given after the backup, so
-    a key never names two records."""
+    a key never names two records. With ``--after-litestream`` instead of ``--from``:
+    the stores ``litestream restore`` just put in the data directory are checked and
+    their keys moved on the same way."""
 
     HELP = "restore a backup as a data directory"
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--from", type=Path, required=True, dest="source", metavar="TARGET")
+        source = parser.add_mutually_exclusive_group(required=True)
+        source.add_argument("--from", type=Path, dest="source", metavar="TARGET")
+        source.add_argument(
+            "--after-litestream",
+            action="store_true",
+            help="the stores in --data-dir were just restored by `litestream restore`: "
+            "check them and move their keys on",
+        )
         parser.add_argument("--data-dir", type=Path, required=True)
         parser.add_argument(
             "--force", action="store_true", help="move a data directory that is there aside"
@@ -169,6 +178,14 @@ class Restore:
 
     @staticmethod
     def run(args: argparse.Namespace) -> int:
+        if args.after_litestream:
+            try:
+                jump = backups.after_replica_restore(args.data_dir)
+            except (BackupError, OSError) as exc:
+                return _refused("restore", str(exc))
+            text = f"{args.data_dir}: sound; new keys start {jump} past the replica's"
+            _print(args, {"restored": str(args.data_dir), "key_jump": jump}, text)
+            return 0
         try:
             shard, shard_count = _shard_of(args)
         except ConfigError as exc:

@@ -35,6 +35,11 @@ MIN_KEY_JUMP: Final = 1 << 32
 KEYS_A_SECOND: Final = 1_000_000
 """More records a second than one writer can take: with :data:`MIN_KEY_JUMP`, what a
 restore moves every key counter on by, per second of the backup's age."""
+REPLICA_KEY_JUMP: Final = 1 << 40
+"""What a store restored from a Litestream replica moves its keys on by: the replica's
+age against the lost writer is not known (its replication may have been broken a while
+before the disk went), so a jump of 2**40, past what a writer taking 50,000 records a
+second gives out in 250 days, and still below 2**53 (exact in JSON) after 8,000 of them."""
 HASH_CHUNK: Final = 1 << 20
 PARTIAL: Final = ".partial"
 """A store's copy is ``<name>.partial`` until it is checked (a progress bar may watch
@@ -246,6 +251,25 @@ def restore(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return Restored(manifest, jump, aside)
+
+
+def after_replica_restore(data_dir: Path) -> int:
+    """Move the key counters of the stores ``litestream restore`` put in ``data_dir``
+    on by :data:`REPLICA_KEY_JUMP`, once they pass the check; returns the jump.
+
+    Error handling: :class:`BackupError` when a writer holds ``data_dir``, it has no
+    store, or one is not sound (nothing is changed then)."""
+    if holder := held_by(data_dir):
+        raise BackupError(f"{data_dir}: a writer holds it (pid {holder}); stop it first")
+    stores = [data_dir / name for name in STORE_FILES if (data_dir / name).is_file()]
+    if not stores:
+        raise BackupError(f"{data_dir}: no store in it ({', '.join(STORE_FILES)})")
+    if problems := check(data_dir):
+        raise BackupError(f"{problems[0].store}: {problems[0].what}")
+    for path in stores:
+        _move_keys_on(path, REPLICA_KEY_JUMP)
+        _fsync(path)
+    return REPLICA_KEY_JUMP
 
 
 def _move_keys_on(path: Path, jump: int) -> None:
