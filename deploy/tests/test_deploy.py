@@ -84,7 +84,9 @@ def walk(value: Any) -> Iterator[tuple[str, Any]]:
 # --- Kubernetes manifests ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("source", ["raw", "example", "three-shards", "noetl", "split"])
+@pytest.mark.parametrize(
+    "source", ["raw", "example", "three-shards", "noetl", "split", "litestream"]
+)
 def test_manifests_validate_against_the_kubernetes_schemas(source: str) -> None:
     docs = raw_documents() if source == "raw" else built_documents(source)
     checked = 0
@@ -615,3 +617,43 @@ def test_the_split_overlay_runs_the_buses_and_the_tier_in_two_statefulsets() -> 
         selected(policy["spec"]["podSelector"]["matchLabels"])
         clients = policy["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"]
         assert clients == {"cmdbus-trio/client": "true"}  # the workers' label, unchanged
+
+
+def test_the_litestream_overlay_replicates_every_store_and_restores_an_empty_volume() -> None:
+    """The sidecar replicates each store with the configuration the init containers
+    restore from; the writer leaves checkpoints to it; a restore is followed by the key
+    rule before the writer starts. The configuration is read by the real Litestream."""
+    from cmdbus_trio.storage.datadir import STORE_FILES
+
+    docs = built_documents("litestream")
+    (statefulset,) = by_kind(docs, "StatefulSet")
+    pod = statefulset["spec"]["template"]["spec"]
+    containers = {c["name"]: c for c in pod["containers"]}
+    assert set(containers) == {"writer", "litestream"}
+    writer_env = {e["name"]: e.get("value") for e in containers["writer"]["env"]}
+    assert writer_env["CMDBUS_CHECKPOINTS"] == "litestream" and "CMDBUS_SHARD" in writer_env
+    assert containers["litestream"]["args"][0] == "replicate"
+    inits = [c["name"] for c in pod["initContainers"]]
+    assert inits == ["restore-replica", "keys-after-replica"]  # the keys after the restore
+    assert "--after-litestream" in " ".join(pod["initContainers"][1]["args"])
+    (config_map,) = [d for d in by_kind(docs, "ConfigMap") if "litestream" in d["metadata"]["name"]]
+    config = yaml.safe_load(config_map["data"]["litestream.yml"])
+    paths = [Path(db["path"]) for db in config["dbs"]]
+    assert [p.name for p in paths] == list(STORE_FILES)
+    mount = {m["name"]: m["mountPath"] for m in containers["writer"]["volumeMounts"]}["data"]
+    assert all(p.parent == Path(mount) for p in paths)
+    litestream = need("litestream")
+    env = {
+        **os.environ,
+        "LITESTREAM_REPLICA_URL": "s3://bucket/cmdbus",
+        "POD_NAME": "cmdbus-trio-0",
+        "LITESTREAM_ACCESS_KEY_ID": "x",
+        "LITESTREAM_SECRET_ACCESS_KEY": "y",
+    }
+    source = K8S / "overlays" / "litestream" / "litestream.yml"
+    listed = subprocess.run(
+        [litestream, "databases", "-config", str(source)],
+        capture_output=True, text=True, env=env, timeout=60,
+    )  # fmt: skip
+    assert listed.returncode == 0, listed.stderr
+    assert all(str(p) in listed.stdout for p in paths)
