@@ -115,7 +115,6 @@ def measure(rate: float, restarts: int, workdir: Path) -> dict[str, Any]:
             signalled = time.monotonic()
             process.send_signal(how)
             process.wait(timeout=60)
-            (workdir / "ports.json").unlink()  # the new writer's, once it listens
             process, _ = spawn_writer(workdir, ("cmd_ingest", "cmd_claim"), env=same_ports)
             ready(ports["control"])
             when[how.name].append((signalled, time.monotonic()))

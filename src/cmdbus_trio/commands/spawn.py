@@ -35,6 +35,7 @@ def spawn_writer(
     Error handling: raises :class:`SpawnError` (the child is killed)."""
     workdir.mkdir(parents=True, exist_ok=True)
     ports_file = workdir / "ports.json"
+    ports_file.unlink(missing_ok=True)  # an earlier writer's: this one writes its own
     environment = {k: v for k, v in os.environ.items() if not k.startswith("CMDBUS_")}
     environment.update(
         CMDBUS_DATA_DIR=str(workdir / "data"),
