@@ -20,7 +20,7 @@ import attrs
 
 from cmdbus_trio import __version__
 from cmdbus_trio.config import ConfigError, load
-from cmdbus_trio.storage import backups, datadir
+from cmdbus_trio.storage import backups
 from cmdbus_trio.storage.backups import BackupError
 
 CHECK_EXIT = {"sound": 0, "unsound": 1, "usage": 2, "held": 3}
@@ -233,7 +233,7 @@ class Check:
         if holder := backups.held_by(data_dir):
             message = f"{data_dir}: a writer holds it (pid {holder}); check it once stopped"
             return _refused("check", message, CHECK_EXIT["held"])
-        if not any((data_dir / name).is_file() for name in datadir.STORE_FILES):
+        if not backups.stores_in(data_dir):
             return _refused("check", f"{data_dir}: no store in it", CHECK_EXIT["usage"])
         problems = backups.check(data_dir)
         for problem in problems:

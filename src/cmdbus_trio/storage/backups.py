@@ -115,9 +115,7 @@ def backup(
     Error handling: :class:`BackupError` when ``data_dir`` holds no store, ``target``
     is not empty, or a copy fails its integrity check; the partial target is left for
     the operator to look at, with no manifest."""
-    stores = [name for name in STORE_FILES if (data_dir / name).is_file()]
-    if not stores:
-        raise BackupError(f"{data_dir}: no store in it ({', '.join(STORE_FILES)})")
+    stores = _stores_or_refuse(data_dir)
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise BackupError(f"{target}: exists and is not empty; a backup goes to a new place")
     target.mkdir(parents=True, exist_ok=True)
@@ -218,8 +216,7 @@ def restore(
     (:func:`keys_after_restore`), and checked (:func:`check`).
 
     Error handling: :class:`BackupError`, with nothing changed."""
-    if holder := held_by(data_dir):
-        raise BackupError(f"{data_dir}: a writer holds it (pid {holder}); stop it first")
+    _refuse_if_held(data_dir)
     occupied = data_dir.exists() and (not data_dir.is_dir() or any(data_dir.iterdir()))
     if occupied and not force:
         raise BackupError(
@@ -259,16 +256,13 @@ def after_replica_restore(data_dir: Path) -> int:
 
     Error handling: :class:`BackupError` when a writer holds ``data_dir``, it has no
     store, or one is not sound (nothing is changed then)."""
-    if holder := held_by(data_dir):
-        raise BackupError(f"{data_dir}: a writer holds it (pid {holder}); stop it first")
-    stores = [data_dir / name for name in STORE_FILES if (data_dir / name).is_file()]
-    if not stores:
-        raise BackupError(f"{data_dir}: no store in it ({', '.join(STORE_FILES)})")
+    _refuse_if_held(data_dir)
+    stores = _stores_or_refuse(data_dir)
     if problems := check(data_dir):
         raise BackupError(f"{problems[0].store}: {problems[0].what}")
-    for path in stores:
-        _move_keys_on(path, REPLICA_KEY_JUMP)
-        _fsync(path)
+    for name in stores:
+        _move_keys_on(data_dir / name, REPLICA_KEY_JUMP)
+        _fsync(data_dir / name)
     return REPLICA_KEY_JUMP
 
 
@@ -301,6 +295,22 @@ _KEYED_TABLES: Final = (
 
 
 # --- check --------------------------------------------------------------------------------
+
+
+def stores_in(data_dir: Path) -> list[str]:
+    """The names of the stores ``data_dir`` holds, in :data:`STORE_FILES` order."""
+    return [name for name in STORE_FILES if (data_dir / name).is_file()]
+
+
+def _stores_or_refuse(data_dir: Path) -> list[str]:
+    if not (stores := stores_in(data_dir)):
+        raise BackupError(f"{data_dir}: no store in it ({', '.join(STORE_FILES)})")
+    return stores
+
+
+def _refuse_if_held(data_dir: Path) -> None:
+    if holder := held_by(data_dir):
+        raise BackupError(f"{data_dir}: a writer holds it (pid {holder}); stop it first")
 
 
 def held_by(data_dir: Path) -> str | None:
