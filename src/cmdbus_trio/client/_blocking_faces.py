@@ -275,17 +275,18 @@ class SubscribeClient(Connection):
         the last record received: no gap, no repeat. Raises :class:`Busy` when the server
         cut this subscriber off as too slow."""
         after = start
+        attempts: Attempts | None = None  # since the last batch: an outage's window
         while True:
             call = calls.subscribe(after, filter)
-            attempts = Attempts(None, call, None, time.monotonic, self.reconnect)
             try:
                 for batch in self._stream_replies(call):
-                    attempts = Attempts(None, call, None, time.monotonic, self.reconnect)
+                    attempts = None
                     if batch:
                         after = batch[-1].sort_key
                     yield batch
                 return
             except ClientError as error:
+                attempts = attempts or Attempts(None, call, None, time.monotonic, self.reconnect)
                 pause = attempts.pause_after(error)
                 if pause is None:
                     raise
