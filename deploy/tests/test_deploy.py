@@ -104,6 +104,11 @@ def test_the_example_overlay_builds_everything() -> None:
         [
             "Namespace",
             "ConfigMap",
+            "ConfigMap",  # the backup CronJob's script
+            "ServiceAccount",
+            "Role",
+            "RoleBinding",
+            "CronJob",
             "Service",
             "Service",
             "Deployment",
