@@ -81,3 +81,12 @@ def crash(session: nox.Session) -> None:
     inside `tests`). Prints cycles and losses."""
     session.install(".[test]")
     session.run("pytest", "tests/durability", "-s", *(session.posargs or ["--cycles", "100"]))
+
+
+@nox.session(python=PYTHONS[0])
+def powercut(session: nox.Session) -> None:
+    """Power cuts at full length: `nox -s powercut -- --cuts 200` (CI runs 3 a mode inside
+    `tests`). Prints, per mode, cuts, requests, acknowledged, lost, duplicated and
+    recovered (tests/powercut; needs a C compiler)."""
+    session.install(".[test]")
+    session.run("pytest", "tests/powercut", "-s", *(session.posargs or ["--cuts", "200"]))

@@ -23,6 +23,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--cycles", type=int, default=3, help="crash-test cycles (tests/durability); nox -s crash"
     )
     parser.addoption(
+        "--cuts", type=int, default=3, help="power cuts a mode (tests/powercut); nox -s powercut"
+    )
+    parser.addoption(
         "--scale-records",
         type=int,
         default=6000,
@@ -34,6 +37,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def scale_records(request: pytest.FixtureRequest) -> int:
     records: int = request.config.getoption("--scale-records")
     return records
+
+
+@pytest.fixture
+def power_cuts_wanted(request: pytest.FixtureRequest) -> int:
+    cuts: int = request.config.getoption("--cuts")
+    return cuts
 
 
 @pytest.fixture

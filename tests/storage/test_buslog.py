@@ -60,19 +60,71 @@ def test_sort_keys_survive_reopen_and_are_never_reused(tmp_path: Path) -> None:
     log.close()
 
 
+@attrs.define
+class Clocks:
+    """A wall clock and a monotonic clock: time passes on both; a step moves the wall
+    clock alone; a restart may start the monotonic clock anywhere."""
+
+    wall: float = 1000.0
+    monotonic: float = 50.0
+
+    def passes(self, seconds: float) -> None:
+        self.wall += seconds
+        self.monotonic += seconds
+
+    def open(self, path: Path, window: float) -> BusLog:
+        return BusLog.open(
+            path, dedup_window=window, wall_clock=lambda: self.wall,
+            monotonic=lambda: self.monotonic,
+        )  # fmt: skip
+
+
 def test_msg_id_dedup_within_the_window_survives_restart(tmp_path: Path) -> None:
-    now = [1000.0]
-    path = tmp_path / "c.sqlite3"
-    log = BusLog.open(path, dedup_window=120.0, wall_clock=lambda: now[0])
+    clocks, path = Clocks(), tmp_path / "c.sqlite3"
+    log = clocks.open(path, 120.0)
     first = log.publish([entry(1, "m-1")])[0]
     assert log.publish([entry(1, "m-1")])[0] == Published(first.sort_key, first.subject, True)
     log.close()
-    now[0] += 60
-    log = BusLog.open(path, dedup_window=120.0, wall_clock=lambda: now[0])
+    clocks.passes(60)
+    clocks.monotonic = 7.0  # another process
+    log = clocks.open(path, 120.0)
     assert log.publish([entry(1, "m-1")])[0].duplicate  # still in the window after a restart
-    now[0] += 61  # 121 s after the first publish: out of the window
+    clocks.passes(61)  # 121 s after the first publish: out of the window
     again = log.publish([entry(1, "m-1")])[0]
     assert not again.duplicate and again.sort_key == first.sort_key + 1
+    log.close()
+
+
+@pytest.mark.parametrize("step", [86_400.0, -86_400.0])
+def test_a_wall_clock_stepped_while_the_log_is_open_changes_no_msg_ids_age(
+    tmp_path: Path, step: float
+) -> None:
+    """Forward: an id is not forgotten inside its window; back: not kept past it."""
+    clocks = Clocks()
+    log = clocks.open(tmp_path / "c.sqlite3", 120.0)
+    first = log.publish([entry(1, "m-1")])[0]
+    clocks.wall += step
+    clocks.passes(119)
+    assert log.publish([entry(1, "m-1")])[0].sort_key == first.sort_key
+    clocks.passes(2)
+    assert not log.publish([entry(1, "m-1")])[0].duplicate
+    log.close()
+
+
+def test_a_wall_clock_set_back_across_a_restart_keeps_ids_no_longer_than_their_window(
+    tmp_path: Path,
+) -> None:
+    clocks, path = Clocks(), tmp_path / "c.sqlite3"
+    log = clocks.open(path, 120.0)
+    first = log.publish([entry(1, "m-1")])[0]
+    log.close()
+    clocks.passes(30)
+    clocks.wall -= 86_400.0  # set back a day while the writer was down: counts as no time
+    log = clocks.open(path, 120.0)
+    clocks.passes(119)
+    assert log.publish([entry(1, "m-1")])[0].sort_key == first.sort_key
+    clocks.passes(2)  # 121 s of the writer's running time since the first publish
+    assert not log.publish([entry(1, "m-1")])[0].duplicate
     log.close()
 
 
@@ -82,10 +134,10 @@ def test_dedup_within_one_batch(log: BusLog) -> None:
 
 
 def test_expired_msg_ids_are_pruned(tmp_path: Path) -> None:
-    now = [0.0]
-    log = BusLog.open(tmp_path / "c.sqlite3", dedup_window=10.0, wall_clock=lambda: now[0])
+    clocks = Clocks()
+    log = clocks.open(tmp_path / "c.sqlite3", 10.0)
     log.publish([entry(i, f"m{i}") for i in range(50)])
-    now[0] = 100.0
+    clocks.passes(100)
     log.publish([entry()])
     log.close()
     count = (

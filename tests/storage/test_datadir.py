@@ -69,3 +69,33 @@ def test_a_volume_that_refuses_the_lock_file_says_why(
     monkeypatch.setattr(datadir.os, "open", refuse)
     with pytest.raises(datadir.DataDirError, match=why):
         datadir.claim(tmp_path)
+
+
+def test_the_writer_syncs_the_names_it_creates(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file's fsync does not make its name durable: the data directory (in its parent),
+    the lock and each store's files are named on disk by a directory fsync of the
+    writer's own, not left to SQLite's syncing the directory when it makes a WAL."""
+    import stat
+
+    from cmdbus_trio.storage.buslog import BusLog
+
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(datadir.os, "fsync", fsync)
+    with datadir.claim(tmp_path / "new" / "data"):
+        assert synced == [str(tmp_path / "new"), str(tmp_path / "new" / "data")]
+        synced.clear()
+        log = BusLog.open(tmp_path / "new" / "data" / "commands.sqlite3")
+        log.close()
+        assert synced == [str(tmp_path / "new" / "data")]
+    synced.clear()
+    with datadir.claim(tmp_path / "new" / "data"):  # there already: only the lock's
+        assert synced == [str(tmp_path / "new" / "data")]

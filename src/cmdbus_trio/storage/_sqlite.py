@@ -28,6 +28,7 @@ from cmdbus_trio.metrics import STORE_CONNECTION_WAITS
 
 from ._common import StoreState, StoreUnavailable
 from ._guard import refuses_loop_thread
+from .datadir import sync_directory
 
 T = TypeVar("T")
 
@@ -121,6 +122,7 @@ class SqliteStore:
             with contextlib.ExitStack() as checked_out:  # all out at once: all opened
                 for _ in range(store.pool_size):
                     checked_out.enter_context(store._connection())
+            sync_directory(path.parent)  # the file and its WAL are named on disk
         except BaseException:
             store.close()
             raise

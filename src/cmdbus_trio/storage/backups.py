@@ -123,6 +123,7 @@ def backup(
     copies = [_copy(data_dir / name, target / name, progress) for name in stores]
     manifest = Manifest(FORMAT, writer_version, created_at, shard, shard_count, tuple(copies))
     _write_durably(target / MANIFEST, manifest.to_json())
+    _fsync(target.parent)  # the backup's own name, made by the mkdir above
     return manifest
 
 

@@ -60,12 +60,15 @@ class BusLog(SqliteStore):
         name: str = "commands",
         dedup_window: float = 120.0,
         wall_clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
         **options: object,
     ) -> None:
         super().__init__(path, **options)  # type: ignore[arg-type]
         self.name = name
         self.dedup_window = dedup_window
         self._wall_clock = wall_clock  # msg_id ages must mean the same after a restart
+        self._monotonic = monotonic
+        self._dedup_epoch = (0.0, 0.0)  # the dedup clock's start: its time, monotonic's
         self._last_sort_key = 0
         self._records = 0
         self._deleted_through = 0
@@ -81,6 +84,16 @@ class BusLog(SqliteStore):
         counted = _bus_schema.create(connection, self._wall_clock())
         self._records, self._deleted_through, self._last_sort_key = counted
         self._traced = _bus_schema.traced_range(connection)
+        newest = connection.execute("SELECT max(published_at) FROM msg_ids").fetchone()[0]
+        self._dedup_epoch = (max(self._wall_clock(), newest or 0.0), self._monotonic())
+
+    def _dedup_now(self) -> float:
+        """The time msg_ids are stamped and aged by: the wall clock when the log opens
+        (but never before the newest stamp: a clock set back while the writer was down
+        keeps no id longer than its window), then the monotonic clock (a clock stepped
+        while the writer runs neither forgets ids nor keeps them)."""
+        started_at, monotonic_then = self._dedup_epoch
+        return started_at + self._monotonic() - monotonic_then
 
     def _columns(self, lowest: int, highest: int) -> str:
         """The columns to read records with sort keys from ``lowest`` to ``highest`` by."""
@@ -135,7 +148,7 @@ class BusLog(SqliteStore):
             _bus_writes.settle(connection, done, now, moved)
             if not entries:
                 return []
-            results = _bus_writes.append(connection, entries, now, self.dedup_window)
+            results = _bus_writes.append(connection, entries, self._dedup_now(), self.dedup_window)
             self._widen_traced(results, entries)  # before the COMMIT: see _select
             return results
 
