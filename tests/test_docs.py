@@ -57,3 +57,78 @@ def test_the_check_finds_a_missing_citation(tmp_path: Path) -> None:
     page = tmp_path / "page.md"
     text = "See PROTOCOL.md and docs/nowhere.md, [the runbook](runbook.md), docs/protocol.md."
     assert {c for c in cited(text) if not exists(c, page)} == {"PROTOCOL.md", "docs/nowhere.md"}
+
+
+USER_DOCS = [ROOT / "README.md", *sorted(ROOT.glob("docs/*.md"))]
+SECTION_REFERENCE = re.compile(r"([\w/.-]+\.md)(?:,|\s*\()\s*\"([^\"]+)\"")
+DATE_HEADING = re.compile(r"^#+ .*\b20\d\d-\d\d-\d\d", re.M)
+TIME_OF_DAY_HEADING = re.compile(r"^#+ .*\b(morning|afternoon|evening|night)\b", re.M | re.I)
+ISSUE_NUMBER = re.compile(r"\b[Ii]ssues? \d+\b|(?<![\w/])#\d+\b")
+COMMIT_HASH = re.compile(r"`(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}`")
+
+
+BOLD_LABEL = re.compile(r"^(?:- )?\*\*([^*]+)\*\*")
+
+
+def headings(page: Path) -> list[str]:
+    """A page's headings, and the bold labels that open a paragraph or a list item."""
+    found = []
+    for line in page.read_text().splitlines():
+        if line.startswith("#"):
+            found.append(" ".join(line.lstrip("#").split()))
+        elif label := BOLD_LABEL.match(line):
+            found.append(" ".join(label.group(1).split()).rstrip(".:"))
+    return found
+
+
+def broken_section_references(text: str, citing: Path) -> list[str]:
+    """``page.md, "A heading"`` or ``page.md ("A heading")`` whose page has no heading
+    starting so (a reference may name a heading by its first words)."""
+    broken = []
+    for page_name, section in SECTION_REFERENCE.findall(text):
+        page = next(
+            (base / page_name for base in (ROOT, citing.parent, ROOT / "docs")
+             if (base / page_name).is_file()),
+            None,
+        )  # fmt: skip
+        wanted = " ".join(section.split()).rstrip(".,")
+        if page is not None and not any(h.startswith(wanted) for h in headings(page)):
+            broken.append(f'{citing.relative_to(ROOT)}: {page_name}, "{wanted}"')
+    return broken
+
+
+def test_every_section_a_page_names_is_there() -> None:
+    texts = [*USER_DOCS, *ROOT.glob("src/**/*.py"), ROOT / "CHANGELOG.md"]
+    broken = [b for text in texts for b in broken_section_references(text.read_text(), text)]
+    assert not broken, "\n".join(broken)
+
+
+def history_in(text: str) -> list[str]:
+    """What a user doc must not carry: the project's history (it is in git and the
+    changelog), dated or timed headings, issue numbers, commit hashes."""
+    found = [f"date in a heading: {m.group(0)}" for m in DATE_HEADING.finditer(text)]
+    found += [f"time of day in a heading: {m.group(0)}" for m in TIME_OF_DAY_HEADING.finditer(text)]
+    found += [f"issue number: {m.group(0)}" for m in ISSUE_NUMBER.finditer(text)]
+    found += [f"commit hash: {m.group(0)}" for m in COMMIT_HASH.finditer(text)]
+    return found
+
+
+def test_user_docs_carry_no_history() -> None:
+    found = [
+        f"{page.relative_to(ROOT)}: {f}" for page in USER_DOCS for f in history_in(page.read_text())
+    ]
+    assert not found, "\n".join(found)
+
+
+def test_the_history_check_finds_each_kind() -> None:
+    text = (
+        "## Results (2026-12-05)\n### Runs, evening\nSince issue 48 and #12, "
+        "`3b8ffd5` beside `deadbeef1`; `abcdefa` is a word, 2026-12-05 in text is a date.\n"
+    )
+    assert [f.split(":")[0] for f in history_in(text)] == [
+        "date in a heading", "time of day in a heading", "issue number", "issue number",
+        "commit hash", "commit hash",
+    ]  # fmt: skip
+    page = ROOT / "docs" / "benchmarks.md"
+    assert broken_section_references('See benchmarks.md, "No such heading".', page)
+    assert not broken_section_references('See benchmarks.md ("The bus benchmark").', page)

@@ -35,7 +35,7 @@ def lanes_for(face: str, config: Config) -> dict[str, Gate]:
     commit, which takes every one waiting into one transaction, and deletes. One slot at
     a time runs a thread of its own (a delete): SQLite takes one writer, so a second
     writing thread only waited for the write lock, where the Gate can neither see nor
-    shed it (docs/benchmarks.md, "Two write slots for one writer")."""
+    shed it (`benchmarks/stall.py`: the appends beside the readers)."""
     if face != "tier" or config.tier_writes != "lane":
         return {}
     writes = Gate(

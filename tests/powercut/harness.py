@@ -213,13 +213,15 @@ def power_cuts(
 ) -> Tally:
     """``cuts`` power cuts under load, then everything read back: the tally. ``mode`` is
     the row's name; ``settings`` are the writer's (CMDBUS_SYNC=normal), and
-    ``POWERCUT_FAULT`` the shim's."""
+    ``POWERCUT_FAULT`` the shim's, armed once the writer has started."""
     ledger, tally = Ledger(), Tally(mode)
     data, image = workdir / "data", workdir / "image"
     data.mkdir(parents=True)
     for cycle in range(cuts):
         shimmed = {"LD_PRELOAD": str(shim), "POWERCUT_DIR": str(data), "POWERCUT_IMAGE": str(image)}
         with serving(workdir, **shimmed, **settings) as (process, ports):
+            if "POWERCUT_FAULT" in settings:
+                (image / "arm").touch()  # the writer started on a sound disk
             stop = threading.Event()
             threads = [
                 threading.Thread(

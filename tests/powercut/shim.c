@@ -6,11 +6,10 @@
  *   POWERCUT_DIR    the watched directory (absolute); only its direct children count
  *   POWERCUT_IMAGE  where the image is kept: files/<inode> (each file's synced content)
  *                   and names ("<inode> <name>" lines, as of the directory's last fsync)
- *   POWERCUT_FAULT  "lying-fsync": fsync and fdatasync answer success and do nothing (a
- *                   disk that acknowledges writes it has not stored);
- *                   "eio-fsync" or "enospc-write": once the file POWERCUT_IMAGE/arm
- *                   exists, every fsync fails with EIO, or every write that extends a
- *                   file fails with ENOSPC
+ *   POWERCUT_FAULT  once the file POWERCUT_IMAGE/arm exists: "lying-fsync": fsync and
+ *                   fdatasync answer success and do nothing (a disk that acknowledges
+ *                   writes it has not stored); "eio-fsync": every fsync fails with EIO;
+ *                   "enospc-write": every write that grows a file fails with ENOSPC
  *
  * What it sees: write, pwrite, pwrite64, writev, pwritev, ftruncate (the ranges each
  * changes, per inode, since the inode's last fsync), fsync and fdatasync (of a file:
@@ -382,7 +381,7 @@ static int sync_with(int (*real)(int), int fd) {
     if (!active) return real(fd);
     int kind = classify(fd);
     if (kind != WATCHED_FILE && kind != WATCHED_DIR) return real(fd);
-    if (lying_fsync) return 0;
+    if (lying_fsync && armed()) return 0;
     if (eio_fsync && armed()) {
         errno = EIO;
         return -1;

@@ -66,7 +66,7 @@ def test_the_checker_catches_a_writer_that_answers_before_its_data_is_on_disk(
     report(normal)
     assert normal.lost > 0, "CMDBUS_SYNC=normal lost nothing: the cuts are not cutting"
     lying = power_cuts(
-        tmp_path / "lying", shim, "lying fsync", 1, rng, POWERCUT_FAULT="lying-fsync"
+        tmp_path / "lying", shim, "lying fsync", 2, rng, POWERCUT_FAULT="lying-fsync"
     )
     report(lying)
     assert lying.lost > 0, "a disk that ignores fsync lost nothing: the checker cannot fail"

@@ -41,8 +41,7 @@ MAX_BATCHES_PER_HOP = 16
 SETTLE_STEP_COST = 16
 """What one step of settling takes on (see :func:`_settle_cost`); a costlier ticket is a
 step alone. The time bound is checked between steps. Finer steps shorten the loop's
-passes further but cost closed-loop clients throughput (docs/benchmarks.md, "Settling
-in steps")."""
+passes further but cost closed-loop clients throughput (`benchmarks/bus.py`, claim+ack x16)."""
 
 
 Committed: TypeAlias = StoredRecord

@@ -4,7 +4,7 @@ The control face shares the loop with the data plane. trio runs, in each turn, e
 task that was ready when the turn began; a probe's tasks are among them, so a probe
 waits about as many turns as its request takes steps, and each of those turns lasts as
 long as the work the data plane found ready. Under a pipelined flood that was 2-7 ms a
-turn and a `/healthz` p99 of 58-109 ms (docs/benchmarks.md, "A share of each turn").
+turn and a `/healthz` p99 of 58-109 ms (`benchmarks/bus.py`, pipelined).
 
 So the data plane's loops (each connection's reader and dispatcher, the settling steps)
 ask a :class:`TurnBudget` before each unit of work. Once this turn's data-plane work has
@@ -20,7 +20,7 @@ turns instead of ~17 full ones: under the overload soak the `/healthz` p99 went 
 37-46 ms to 12-14 ms, and under a pipelined flood from 29-37 ms to 9-13 ms (letting
 each favoured turn run one unit of the data plane still left 24-30 ms there). The
 favour is bounded: at most :data:`CONTROL_FIRST_SHARE` of the loop's busy time goes to
-turns that favour the control face (docs/benchmarks.md, "The control face first").
+turns that favour the control face (`benchmarks/soak.py`).
 
 That bounds the turns in which the data plane waits, not the control face's own work,
 which runs in every turn: 32 clients looping ``GET /metrics`` left the data plane 3% of

@@ -1,5 +1,5 @@
 """The ingest faces' requests: records, ``publish`` and ``publish_batch`` (docs/protocol.md,
-"Records and subjects" and "Ingest faces")."""
+"Command ingest (:9100)" and "Event ingest (:9103)")."""
 
 from __future__ import annotations
 

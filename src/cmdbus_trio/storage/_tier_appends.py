@@ -76,7 +76,7 @@ def append_all(
     executions' ``last_at``."""
     # The counts (each execution's, each tier's) are written once per transaction, not
     # once per request: every statement gives up the GIL and then waits to take it back
-    # from a busy loop (docs/benchmarks.md, "The tier's write lane").
+    # from a busy loop (`benchmarks/lane_gil.py`).
     executions: dict[tuple[str, str], int] = {}  # each one's count, as of this transaction
     added: Counter[tuple[str, str]] = Counter()
     tier_added: Counter[str] = Counter()

@@ -3,7 +3,7 @@ in one worker-thread call and one transaction (one fsync).
 
 Each append was a thread hop and a transaction of its own, and its statements, each
 giving up the GIL and then waiting to take it back from a busy loop, made most of its
-~2 ms of service time (docs/benchmarks.md, "The tier's write lane"). Now an append is
+~2 ms of service time (`benchmarks/lane_gil.py`). Now an append is
 queued as a :class:`AppendTicket`, and the committer takes what is queued (in arrival
 order, up to ``max_records``) into :meth:`TierStore.append_many`. A request refused
 (a bad payload, ``expected_version``) fails alone; a failure of the store fails the
