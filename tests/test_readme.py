@@ -42,7 +42,12 @@ def test_the_first_command_installs_and_starts_the_writer_in_a_fresh_venv(
     assert "nox -s tests" in second and "python3 -m venv" in second
     checkout = tmp_path / "checkout"
     tracked = (
-        subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True)
+        subprocess.run(  # what a checkout would hold, this tree's files not yet committed too
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            capture_output=True,
+            check=True,
+        )
         .stdout.decode()
         .split("\0")
     )

@@ -146,7 +146,7 @@ def test_help_documents_every_setting() -> None:
     flat = " ".join(result.stdout.split())
     for setting in SETTINGS:
         assert f"--{setting.flag}" in flat
-        assert f"env {setting.env}" in flat
+        assert f"[{setting.env}]" in flat
 
 
 def test_version() -> None:

@@ -372,7 +372,7 @@ class Writer:
             pid=os.getpid(),
             addresses=dict(self.health.addresses),
             gates={face: _limits(gate) for face, gate in self.health.gates.items()},
-            settings=self.config.redacted(),
+            settings=self.config.redacted(changed_only=self.config.log_format != "json"),
         )
 
     def _begin_drain(self, data: trio.Nursery) -> None:

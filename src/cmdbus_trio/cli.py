@@ -17,6 +17,7 @@ from . import __version__, app, descriptors, logs, noetl, spans, tracing_setup
 from .client._shards import WRITERS_ENV
 from .commands import bench, client, diagnose, import_tier
 from .commands._output import leaves
+from .commands._serve_help import add_setting_arguments
 from .commands.backups import Backup, Check, Restore
 from .commands.client import TOKEN_VARIABLE
 from .config import SETTINGS, Config, ConfigError, load, unknown_variables
@@ -60,18 +61,13 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve = commands.add_parser(
         "serve",
+        usage="cmdbus-trio serve [--SETTING VALUE ...]",
         help="run the writer",
         description="Run the writer. Every setting is a flag and a CMDBUS_* variable; "
         "a flag wins over the variable, which wins over the default.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    for setting in SETTINGS:
-        serve.add_argument(
-            f"--{setting.flag}",
-            dest=setting.name,
-            metavar="VALUE",
-            help=f"{setting.help} [env {setting.env}, default {setting.default or 'unset'!r}]",
-        )
+    add_setting_arguments(serve)
     for name, command in _COMMANDS.items():
         command.add_arguments(
             commands.add_parser(
@@ -105,13 +101,26 @@ def _whole_flags_only(parser: argparse.ArgumentParser) -> None:
                 _whole_flags_only(child)
 
 
+INTERRUPTED = 130
+"""The exit status after Ctrl-C (128 + SIGINT, as shells report it). ``serve`` takes
+SIGINT as a drain instead, and exits 0 once it is done."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    if args.command == "serve":
-        return _serve(vars(args))
-    if args.command in _COMMANDS:
-        return _COMMANDS[args.command].run(args)
-    raise AssertionError(args.command)  # argparse allows only the commands above
+    try:
+        args = _parser().parse_args(argv)
+        if args.command == "serve":
+            return _serve(vars(args))
+        if args.command in _COMMANDS:
+            return _COMMANDS[args.command].run(args)
+        raise AssertionError(args.command)  # argparse allows only the commands above
+    except KeyboardInterrupt:
+        pass
+    except BaseExceptionGroup as group:  # from inside a trio.run's nursery
+        if not all(isinstance(leaf, KeyboardInterrupt) for leaf in leaves(group)):
+            raise
+    print("cmdbus-trio: interrupted", file=sys.stderr, flush=True)
+    return INTERRUPTED
 
 
 def _serve(flags: dict[str, str | None]) -> int:

@@ -11,7 +11,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeGuard
 
 _FIELDS = "cmdbus_fields"
 
@@ -47,13 +47,23 @@ class JsonFormatter(logging.Formatter):
 
 
 class ConsoleFormatter(logging.Formatter):
+    """One line a record, ``key=value`` after its event; a field that is a table (the
+    settings, the addresses) follows on lines of its own, one entry a line."""
+
     def format(self, record: logging.LogRecord) -> str:
         fields = _render(record)
         head = f"{fields.pop('ts')} {fields.pop('level'):7} {fields.pop('event')}"
         fields.pop("logger")
         traceback = fields.pop("traceback", None)
+        tables = {key: fields.pop(key) for key, value in list(fields.items()) if _table(value)}
         line = head + "".join(f" {key}={value}" for key, value in fields.items())
+        for key, table in tables.items():
+            line += f"\n  {key}:" + "".join(f"\n    {k} = {v}" for k, v in table.items())
         return line + (f"\n{traceback}" if traceback else "")
+
+
+def _table(value: object) -> TypeGuard[dict[str, object]]:
+    return isinstance(value, dict) and len(value) > 2
 
 
 class OncePerBurst(logging.Filter):

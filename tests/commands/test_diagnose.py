@@ -21,7 +21,7 @@ from cmdbus_trio.client import Unavailable, blocking
 from cmdbus_trio.commands._scrape import Scrape, quantile
 from cmdbus_trio.commands.bench import http_get
 from cmdbus_trio.commands.client import fetch
-from cmdbus_trio.commands.diagnose import assess
+from cmdbus_trio.commands.diagnose import EXIT_CODES, SEVERITY, assess
 
 from ..helpers import background, cli, serving
 
@@ -48,12 +48,12 @@ def test_a_blocked_loop_is_stalled_not_saturated(tmp_path: Path) -> None:
             assert response.status == 202
         # While it is blocked, /healthz cannot answer.
         code, during = diagnose(ports, "--timeout", "1")
-        assert code == 1 and during[0]["verdict"] == "stalled", during
+        assert code == EXIT_CODES["stalled"] and during[0]["verdict"] == "stalled", during
         assert "did not answer" in during[0]["summary"]
         time.sleep(2.5)
         # After it, the writer's heartbeat remembers the stall for the liveness window.
         code, after = diagnose(ports)
-    assert code == 1 and after[0]["verdict"] == "stalled", after
+    assert code == EXIT_CODES["stalled"] and after[0]["verdict"] == "stalled", after
     assert any("heartbeat" in line or "stalled" in line for line in after[0]["evidence"])
     assert "saturated" not in [f["verdict"] for f in during + after]
 
@@ -70,7 +70,7 @@ def test_a_failed_write_is_poisoned(tmp_path: Path) -> None:
             else:
                 raise AssertionError("the file-size limit never failed a write")
         code, findings = diagnose(ports)
-    assert code == 1 and findings[0]["verdict"] == "poisoned", findings
+    assert code == EXIT_CODES["poisoned"] and findings[0]["verdict"] == "poisoned", findings
     assert "store tier" in findings[0]["summary"]
     assert any("poisoned_reason" in line for line in findings[0]["evidence"])
 
@@ -200,7 +200,7 @@ def test_a_pipelined_flood_fills_the_loop_and_is_not_a_stall(tmp_path: Path) -> 
             code, findings = diagnose(ports)
         finally:
             assert flood.wait(timeout=60) == 0
-    assert code == 1, findings
+    assert code == EXIT_CODES[findings[0]["verdict"]] and code > 2, findings
     verdicts = [(f["verdict"], f["summary"].split(":")[0]) for f in findings]
     assert ("saturated", "event loop") in verdicts, findings
     assert "stalled" not in [verdict for verdict, _ in verdicts]
@@ -308,3 +308,24 @@ def test_a_face_whose_waiters_stay_unanswered_is_stuck_and_a_busy_one_is_not() -
     assert face_stuck(scrape(2, 10, 0, waiting_for_bytes), scrape(2, 10, 0, waiting_for_bytes), 3)
     assert face_stuck(scrape(5, 10, 0), scrape(7, 11, 30), 3.0) == []  # one answered
     assert face_stuck(scrape(0, 10, 0), scrape(7, 10, 0), 3.0) == []  # just arrived
+
+
+def test_every_verdict_has_an_exit_code_of_its_own() -> None:
+    """A script tells the verdicts apart by the status alone; 1 (diagnose failed), 2 (bad
+    usage) and 130 (Ctrl-C) are no verdict's."""
+    assert set(EXIT_CODES) == {"healthy", *SEVERITY}
+    assert EXIT_CODES["healthy"] == 0
+    assert len(set(EXIT_CODES.values())) == len(EXIT_CODES)
+    assert not {1, 2, 130} & set(EXIT_CODES.values())
+
+
+def test_an_unreachable_writer_exits_with_its_code(tmp_path: Path) -> None:
+    with socket.socket() as unused:  # a port nobody listens on
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+    done = subprocess.run(
+        cli("diagnose", "--url", f"127.0.0.1:{port}", "--interval", "0.1", "--json"),
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == EXIT_CODES["unreachable"], done.stderr
+    assert json.loads(done.stdout.splitlines()[0])["verdict"] == "unreachable"

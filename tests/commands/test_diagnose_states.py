@@ -22,6 +22,7 @@ import attrs
 import pytest
 
 from cmdbus_trio.client import Busy, ClientError, Unavailable, blocking
+from cmdbus_trio.commands.diagnose import EXIT_CODES
 
 from ..helpers import background, cli, serving
 
@@ -205,7 +206,7 @@ def test_diagnose_names_exactly_the_state_injected(
     seen = inject(tmp_path)
     assert {f["verdict"] for f in seen.findings} == {verdict}, seen.findings
     assert concerning in seen.findings[0]["summary"], seen.findings
-    assert seen.code == (0 if verdict == "healthy" else 1)
+    assert seen.code == EXIT_CODES[verdict]
     said = [line for line in seen.human.splitlines() if not line.startswith(" ")]
     assert said[0].startswith(f"{verdict.upper()}: ") and concerning in said[0], seen.human
     assert all(line.startswith(f"also {verdict.upper()}: ") for line in said[1:]), seen.human

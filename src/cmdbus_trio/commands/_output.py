@@ -1,13 +1,32 @@
-"""How every subcommand prints: JSON lines on stdout, or a table with ``--human``, and
-errors as one line on stderr."""
+"""How every subcommand prints: for a human on a terminal (a table, or text), JSON lines
+when stdout is not a terminal; ``--human`` and ``--json`` choose either way. Errors are
+one line on stderr."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from typing import Any, TextIO
 
 import attrs
+
+
+def add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--json", action="store_true", help="JSON lines (the default when stdout is not a terminal)"
+    )
+    mode.add_argument(
+        "--human", action="store_true", help="for a human (the default on a terminal)"
+    )
+
+
+def human_wanted(args: argparse.Namespace, stream: TextIO | None = None) -> bool:
+    """``--human``, ``--json``, else whether ``stream`` (stdout) is a terminal."""
+    if getattr(args, "human", False) or getattr(args, "json", False):
+        return bool(getattr(args, "human", False))
+    return (stream or sys.stdout).isatty()
 
 
 class Output:
@@ -33,6 +52,11 @@ class Output:
 
 
 def table(rows: list[dict[str, Any]], max_cell: int = 60) -> str:
+    """A text table: a column per key, nested objects as columns of their own
+    (``reasons.0``, ``loop.turn_ms``), a list of plain values as one comma-joined cell."""
+    rows = [dict(_flat(row)) for row in rows]
+    if len(rows) == 1:  # one record: a field a line reads better than one wide line
+        rows = [{"field": key, "value": value} for key, value in rows[0].items()]
     columns = list(dict.fromkeys(key for row in rows for key in row))
     cells = [[_cell(row.get(column), max_cell) for column in columns] for row in rows]
     widths = [max(len(column), *(len(r[i]) for r in cells)) for i, column in enumerate(columns)]
@@ -42,7 +66,19 @@ def table(rows: list[dict[str, Any]], max_cell: int = 60) -> str:
     )
 
 
+def _flat(value: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    if isinstance(value, dict) and value:
+        return [pair for k, v in value.items() for pair in _flat(v, f"{prefix}{k}.")]
+    if isinstance(value, list) and any(isinstance(item, (dict, list)) for item in value):
+        return [pair for i, v in enumerate(value) for pair in _flat(v, f"{prefix}{i}.")]
+    if isinstance(value, list):
+        value = ", ".join(item if isinstance(item, str) else json.dumps(item) for item in value)
+    return [(prefix.removesuffix("."), value)]
+
+
 def _cell(value: Any, max_cell: int) -> str:
+    if value is None:
+        return ""
     text = value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
     return text if len(text) <= max_cell else text[: max_cell - 1] + "…"
 

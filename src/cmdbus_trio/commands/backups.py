@@ -23,19 +23,11 @@ from cmdbus_trio.config import ConfigError, load
 from cmdbus_trio.storage import backups
 from cmdbus_trio.storage.backups import BackupError
 
+from ._output import add_output_arguments, human_wanted
+
 CHECK_EXIT = {"sound": 0, "unsound": 1, "usage": 2, "held": 3}
 """``check``'s exit codes: sound; a problem found (each printed); bad usage or no data
 directory there; a writer holds it (not checked: stop it, or check a backup)."""
-
-
-def _mode(parser: argparse.ArgumentParser) -> None:
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--json", action="store_true", help="JSON lines (default off a terminal)")
-    mode.add_argument("--human", action="store_true", help="text (default on a terminal)")
-
-
-def _human(args: argparse.Namespace) -> bool:
-    return bool(args.human or (not args.json and sys.stdout.isatty()))
 
 
 def _shard_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,7 +48,7 @@ def _shard_of(args: argparse.Namespace) -> tuple[int, int]:
 
 
 def _print(args: argparse.Namespace, document: dict[str, Any], text: str) -> None:
-    print(text if _human(args) else json.dumps(document, separators=(",", ":")), flush=True)
+    print(text if human_wanted(args) else json.dumps(document, separators=(",", ":")), flush=True)
 
 
 def _refused(command: str, message: str, code: int = 1) -> int:
@@ -114,7 +106,7 @@ class Backup:
         parser.add_argument("--data-dir", type=Path, required=True, help="the writer's")
         parser.add_argument("--to", type=Path, required=True, dest="target", metavar="TARGET")
         _shard_arguments(parser)
-        _mode(parser)
+        add_output_arguments(parser)
 
     @staticmethod
     def run(args: argparse.Namespace) -> int:
@@ -122,7 +114,7 @@ class Backup:
             shard, shard_count = _shard_of(args)
         except ConfigError as exc:
             return _refused("backup", str(exc), 2)
-        bar = _Bar(args.target, _human(args))
+        bar = _Bar(args.target, human_wanted(args))
         watcher = threading.Thread(target=bar.watch, daemon=True)
         watcher.start()
         started = time.monotonic()
@@ -174,7 +166,7 @@ class Restore:
             "--force", action="store_true", help="move a data directory that is there aside"
         )
         _shard_arguments(parser)
-        _mode(parser)
+        add_output_arguments(parser)
 
     @staticmethod
     def run(args: argparse.Namespace) -> int:
@@ -225,7 +217,7 @@ class Check:
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--data-dir", type=Path, required=True)
-        _mode(parser)
+        add_output_arguments(parser)
 
     @staticmethod
     def run(args: argparse.Namespace) -> int:

@@ -38,9 +38,8 @@ import trio
 from cmdbus_trio.client import Busy, ClientError
 from cmdbus_trio.client.trio import ClaimClient, IngestClient, TierClient
 
-from ._addresses import default_control_url
-from ._output import Output, fail, leaves
-from ._scrape import control_url
+from ._addresses import add_control_url_arguments, default_control_url, server_of
+from ._output import Output, add_output_arguments, fail, human_wanted, leaves
 from .client import add_connection_arguments, connection_options
 from .spawn import SpawnError, spawn_writer
 
@@ -357,20 +356,14 @@ HELP = "drive a writer with a scenario and report rates and latencies"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    where = parser.add_mutually_exclusive_group()
-    where.add_argument(
-        "--url",
-        type=control_url,
-        help="control face of the writer (http:// may be left out; default :9090, or the "
-        "ports file's)",
-    )
-    where.add_argument("--spawn", action="store_true", help="start a writer on a temp dir")
+    add_control_url_arguments(parser)
+    parser.add_argument("--spawn", action="store_true", help="start a writer on a temp dir")
     parser.add_argument("--scenario", required=True, choices=SCENARIOS)
     parser.add_argument("--duration", type=float, default=10.0, help="seconds of load")
     parser.add_argument("--concurrency", type=int, default=16, help="workers")
     parser.add_argument("--events", type=int, default=20_000, help="stall: records to read")
     parser.add_argument("--plot", type=Path, help="write a PNG of latency and throughput")
-    parser.add_argument("--human", action="store_true", help="print a table, not JSON lines")
+    add_output_arguments(parser)
     add_connection_arguments(parser)
 
 
@@ -384,7 +377,11 @@ def run(args: argparse.Namespace) -> int:
             return fail("bench", "--plot needs matplotlib: pip install 'cmdbus-trio[plot]'")
     process = None
     try:
-        url = args.url or ("" if args.spawn else default_control_url(wait=0))
+        if args.spawn and (args.url or args.server):
+            raise ValueError("give --spawn, or --url / --server, not both")
+        url = args.url or (
+            "" if args.spawn else default_control_url(server=server_of(args), wait=0)
+        )
     except ValueError as exc:
         return fail("bench", str(exc))
     try:
@@ -408,7 +405,7 @@ def run(args: argparse.Namespace) -> int:
         if process is not None:
             process.send_signal(signal.SIGTERM)
             process.wait(timeout=60)
-    output = Output(human=args.human)
+    output = Output(human=human_wanted(args))
     for row in summary(recorder, args.duration):
         output.row(row)
     output.close()

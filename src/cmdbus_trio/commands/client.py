@@ -1,6 +1,6 @@
 """``cmdbus-trio client …``: one request or a loop of them from the shell, over the
-blocking client (docs/clients.md, "Command line"). Output is JSON lines, or a table with
-``--human``."""
+blocking client (docs/clients.md, "Command line"). Output is a table on a terminal and
+JSON lines otherwise (``--human``, ``--json``)."""
 
 from __future__ import annotations
 
@@ -25,9 +25,16 @@ from cmdbus_trio.client import CannotConnect, ClientError, ShardMap, blocking
 from cmdbus_trio.client._retry import RECONNECT_FOR
 from cmdbus_trio.protocol.subjects import as_i64
 
-from ._addresses import STARTING_WAIT, default_address, default_control_url
-from ._output import Output, fail
-from ._scrape import control_url
+from ._addresses import (
+    STARTING_WAIT,
+    add_control_url_arguments,
+    add_server_argument,
+    default_address,
+    default_control_url,
+    server_of,
+)
+from ._follow import add_subscribe_arguments, subscribe
+from ._output import Output, add_output_arguments, fail, human_wanted
 
 TOKEN_VARIABLE = "CMDBUS_CLIENT_TOKEN"
 CALL_TIMEOUT = 30.0
@@ -68,6 +75,10 @@ def add_arguments(client: argparse.ArgumentParser) -> None:
     claim.add_argument("--max", type=int, help="stop after this many deliveries")
     claim.add_argument("--timeout", type=float, help="stop after this many seconds with nothing")
     claim.add_argument("--no-ack", action="store_true", help="print only; leases end at exit")
+
+    add_subscribe_arguments(
+        op("subscribe", "follow the event bus: history after --after, then live records")
+    )
 
     tier = ops.add_parser("tier", help="the tier service", description="The tier service.")
     tier_ops = tier.add_subparsers(dest="tier_command", required=True, metavar="OP")
@@ -121,16 +132,13 @@ def add_arguments(client: argparse.ArgumentParser) -> None:
 
     health_help = "the writer's /healthz (exit 1 when degraded)"
     health = ops.add_parser("health", help=health_help, description=health_help)
-    health.add_argument("--human", action="store_true", help="print a table, not JSON lines")
-    health.add_argument(
-        "--url",
-        type=control_url,
-        help="control face (http:// may be left out; default :9090, or the ports file's)",
-    )
+    add_output_arguments(health)
+    add_control_url_arguments(health)
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--human", action="store_true", help="print a table, not JSON lines")
+    add_output_arguments(parser)
+    add_server_argument(parser)
     add_connection_arguments(parser)
 
 
@@ -161,7 +169,7 @@ def _connect(cls: type[Client], face: str, args: argparse.Namespace) -> Client:
     deadline = time.monotonic() + STARTING_WAIT
     options = connection_options(args)  # (reads the CA file: once, not each attempt)
     while True:
-        address = args.addr or default_address(face)
+        address = args.addr or default_address(face, server=server_of(args))
         try:
             return cls.connect(address, **options)
         except CannotConnect as exc:
@@ -186,15 +194,13 @@ def run(args: argparse.Namespace) -> int:
     command = args.client_command
     if command == "tier":
         command = f"tier {args.tier_command}"
-    output = Output(human=args.human)
+    output = Output(human=human_wanted(args))
     try:
         return _RUNNERS[command](args, output)
     except ClientError as exc:
         return fail(f"client {command}", str(exc))
     except (ValueError, OSError) as exc:  # OSError: an unreadable --tls-ca
         return fail(f"client {command}", str(exc))
-    except KeyboardInterrupt:
-        return 130
     finally:
         output.close()
 
@@ -391,7 +397,7 @@ def fetch(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
 
 
 def _health(args: argparse.Namespace, output: Output) -> int:
-    url = (args.url or default_control_url()) + "/healthz"
+    url = (args.url or default_control_url(server=server_of(args))) + "/healthz"
     try:
         status, body = fetch(url)
     except OSError as exc:
@@ -401,6 +407,12 @@ def _health(args: argparse.Namespace, output: Output) -> int:
     document = json.loads(body)
     output.row(document)
     return 0 if document.get("status") == "ok" else 1
+
+
+def _subscribe(args: argparse.Namespace, output: Output) -> int:
+    return subscribe(
+        args, output, lambda: _connect(blocking.SubscribeClient, "evt_subscribe", args)
+    )
 
 
 _RUNNERS = {
@@ -414,4 +426,5 @@ _RUNNERS = {
     "dead": _dead,
     "delete-group": _delete_group,
     "health": _health,
+    "subscribe": _subscribe,
 }

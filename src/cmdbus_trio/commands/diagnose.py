@@ -40,10 +40,10 @@ import json
 import socket
 import time
 import urllib.error
-from typing import Any
+from typing import Any, Final
 
-from ._addresses import default_control_url
-from ._output import Output, fail
+from ._addresses import add_control_url_arguments, default_control_url, server_of
+from ._output import Output, add_output_arguments, fail, human_wanted
 from ._scrape import Scrape, control_url, histogram_deltas
 from ._verdicts import (
     Finding,
@@ -258,27 +258,57 @@ def diagnose(url: str, *, interval: float, timeout: float) -> list[Finding]:
 HELP = "say whether a writer is healthy, saturated, stalled, poisoned or backlogged"
 
 
+EXIT_CODES: Final = {
+    "healthy": 0,
+    "unreachable": 3,
+    "stalled": 4,
+    "poisoned": 5,
+    "face crashed": 6,
+    "task crashed": 7,
+    "face stuck": 8,
+    "not ready": 9,
+    "disk slow": 10,
+    "saturated": 11,
+    "control face flooded": 12,
+    "contended": 13,
+    "backlog growing": 14,
+    "backlog stuck": 15,
+}
+"""The exit status for the verdict (the first finding), so that a script can tell them
+apart. 1 is diagnose's own failure (no ports file, say), 2 bad usage, 130 Ctrl-C."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_control_url_arguments(parser)
     parser.add_argument(
-        "url",
+        "url_given",
         nargs="?",
         type=control_url,
-        help="control face (http:// may be left out; default :9090, or the ports file's)",
+        metavar="URL",
+        help="the same as --url",
     )
     parser.add_argument("--interval", type=float, default=3.0, help="seconds between scrapes")
-    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait per request")
-    parser.add_argument("--human", action="store_true", help="print text, not JSON lines")
+    parser.add_argument(
+        "--request-timeout",
+        "--timeout",  # its older name
+        dest="request_timeout",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="seconds to wait for each answer (default 5)",
+    )
+    add_output_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    if not args.interval > 0 or not args.timeout > 0:
-        return fail("diagnose", "--interval and --timeout must be > 0 seconds")
+    if not args.interval > 0 or not args.request_timeout > 0:
+        return fail("diagnose", "--interval and --request-timeout must be > 0 seconds")
     try:
-        url = args.url or default_control_url()
+        url = args.url or args.url_given or default_control_url(server=server_of(args))
     except ValueError as exc:
         return fail("diagnose", str(exc))
-    findings = diagnose(url, interval=args.interval, timeout=args.timeout)
-    if args.human:
+    findings = diagnose(url, interval=args.interval, timeout=args.request_timeout)
+    if human_wanted(args):
         for index, finding in enumerate(findings):
             prefix = "" if index == 0 else "also "
             print(f"{prefix}{finding.verdict.upper()}: {finding.summary}")
@@ -288,4 +318,4 @@ def run(args: argparse.Namespace) -> int:
         output = Output(human=False)
         for finding in findings:
             output.row(finding)
-    return 0 if findings[0].verdict == "healthy" else 1
+    return EXIT_CODES[findings[0].verdict]

@@ -44,7 +44,7 @@ from cmdbus_trio.protocol import CLOSED, NEED_DATA, FrameDecoder, encode_frame
 from cmdbus_trio.protocol.tier import TIERS
 
 from ._addresses import STARTING_WAIT, default_address
-from ._output import Output, fail
+from ._output import Output, add_output_arguments, fail, human_wanted
 from .client import add_connection_arguments, connection_options
 
 HELP = "copy a running writer's tier history into this writer (resumable)"
@@ -402,12 +402,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=TIERS,
         help=f"a tier to copy (repeatable; default all: {', '.join(TIERS)})",
     )
-    parser.add_argument("--human", action="store_true", help="print a table, not JSON lines")
+    add_output_arguments(parser)
     add_connection_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    output = Output(human=args.human)
+    output = Output(human=human_wanted(args))
     try:
         source = V1TierReader(args.source)
     except ValueError as exc:  # --from is not HOST:PORT

@@ -188,7 +188,9 @@ class Config:
         "unsent reply bytes of one connection before it stops taking that client's requests",
     )
     max_reply_bytes: int = _setting(str(16 << 20), int_range(64), "largest reply frame body")
-    sync: str = _setting("full", choice("full", "normal"), "SQLite synchronous mode")
+    sync: str = _setting(
+        "full", choice("full", "normal"), "full: answer once on disk; normal: once committed"
+    )
     checkpoints: str = _setting(
         "writer",
         choice("writer", "litestream"),
@@ -323,8 +325,9 @@ class Config:
     def enabled_faces(self) -> dict[str, Bind]:
         return {face: bind for face in FACE_NAMES if (bind := self.bind(face)) is not None}
 
-    def redacted(self) -> dict[str, Any]:
-        """The effective settings as JSON values, secrets hidden (for the start-up log)."""
+    def redacted(self, *, changed_only: bool = False) -> dict[str, Any]:
+        """The effective settings as JSON values, secrets hidden (for the start-up log);
+        ``changed_only``: only those that differ from their defaults."""
         out: dict[str, Any] = {}
         for setting in SETTINGS:
             value = getattr(self, setting.name)
@@ -335,7 +338,8 @@ class Config:
             elif setting.name == "v1_cidrs":
                 value = [str(network) for network in value]
             out[setting.name] = value
-        return out
+        defaults = load({}, environ={}).redacted() if changed_only else {}
+        return {k: v for k, v in out.items() if not changed_only or defaults.get(k) != v}
 
 
 SETTINGS: tuple[Setting, ...] = tuple(
@@ -418,11 +422,8 @@ def _resolve_derived(values: dict[str, Any], cgroup_root: Path, environ: Mapping
         if bind is None or bind.port == 0:
             continue
         if bind in seen:
-            raise ConfigError(
-                SETTINGS_BY_NAME[f"{face}_bind"],
-                str(bind),
-                f"already used by the {seen[bind]} face",
-            )
+            setting = SETTINGS_BY_NAME[f"{face}_bind"]
+            raise ConfigError(setting, str(bind), f"already used by the {seen[bind]} face")
         seen[bind] = face
 
 

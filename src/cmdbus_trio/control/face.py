@@ -18,7 +18,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, MutableMapping
 from functools import partial
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Final
 
 import trio
 from hypercorn.config import Config as HypercornConfig
@@ -43,6 +43,13 @@ Send = Callable[[Message], Awaitable[None]]
 
 PROBES = frozenset({"/livez", "/readyz", "/healthz"})
 """Paths answered ahead of the others when the control face's share is spent."""
+ENDPOINTS: Final = {
+    "/livez": "200 while the event loop turns and no face or task has crashed (liveness)",
+    "/readyz": "200 when serving; 503 with the reasons while starting, draining or poisoned",
+    "/healthz": "the writer's state as JSON: loop, faces, Gates, stores",
+    "/metrics": "Prometheus metrics",
+}
+"""What ``/`` lists, for a person who opens the port in a browser or with curl."""
 REUSE_FOR = 1.0
 """Seconds a rendered exposition is served again while scrapes come faster than the
 control face's share (a render of every family takes ~6 ms of the loop); otherwise each
@@ -139,7 +146,11 @@ class ControlApp(_PlainApp):
     async def _metrics(self) -> tuple[int, bytes, bytes]:
         return self._exposition.render()
 
+    async def _index(self) -> tuple[int, bytes, bytes]:
+        return _json(200, {"service": "cmdbus-trio", "endpoints": ENDPOINTS})
+
     _GET: ClassVar = {
+        "/": _index,
         "/livez": _livez,
         "/readyz": _readyz,
         "/healthz": _healthz,

@@ -1,0 +1,171 @@
+"""The command line as an operator meets it: tables on a terminal and JSON lines in a pipe
+(a pseudo-terminal here), one server address for every face, Ctrl-C, `client subscribe`,
+`serve --help` and its yes/no flags, the settings line of the console log, and `/` on
+the control port."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import signal
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from cmdbus_trio import cli as cli_module
+from cmdbus_trio.client import blocking
+from cmdbus_trio.commands._addresses import default_address, server_host, server_of
+from cmdbus_trio.commands._output import table
+from cmdbus_trio.commands._serve_help import SECTIONS, allowed
+from cmdbus_trio.config import SETTINGS
+
+from ..helpers import cli, environment, server_log, serving
+
+pytestmark = pytest.mark.e2e
+
+
+def on_a_terminal(command: list[str], env: dict[str, str]) -> tuple[int, str]:
+    """Run ``command`` with its stdout on a pseudo-terminal: its exit status and output."""
+    leader, follower = pty.openpty()
+    process = subprocess.Popen(command, stdout=follower, stderr=subprocess.PIPE, env=env)
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(leader)
+    return process.wait(timeout=60), b"".join(chunks).decode().replace("\r\n", "\n")
+
+
+def test_a_terminal_gets_a_table_and_a_pipe_json_lines(tmp_path: Path) -> None:
+    with serving(tmp_path) as (_, ports):
+        env = environment(tmp_path)
+        health = cli("client", "health", "--url", ports["control"])
+        code, shown = on_a_terminal(health, env)
+        assert code == 0 and shown.splitlines()[0].split() == ["field", "value"], shown
+        assert any(line.split()[:2] == ["status", "ok"] for line in shown.splitlines()), shown
+        assert not shown.lstrip().startswith("{")
+        code, forced = on_a_terminal([*health, "--json"], env)
+        assert code == 0 and json.loads(forced)["status"] == "ok"
+        piped = subprocess.run(health, capture_output=True, text=True, env=env, timeout=60)
+        assert json.loads(piped.stdout)["status"] == "ok"
+        human = subprocess.run([*health, "--human"], capture_output=True, text=True, env=env)
+        assert human.stdout.splitlines()[0].split() == ["field", "value"]
+
+
+def test_a_table_reads_as_a_table() -> None:
+    rows = [
+        {"subject": "a", "lag": {"total": 3, "pending": 1}, "reasons": ["x", "y"]},
+        {"subject": "b", "lag": {"total": 0, "pending": 0}, "reasons": []},
+    ]
+    lines = table(rows).splitlines()
+    assert lines[0].split() == ["subject", "lag.total", "lag.pending", "reasons"]
+    assert lines[2].split() == ["a", "3", "1", "x,", "y"]
+    assert "{" not in table(rows)  # no JSON in a cell
+
+
+def test_one_server_address_for_every_face(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert default_address("cmd_ingest", server="10.0.0.7") == "10.0.0.7:9100"
+    assert default_address("control", server="[::1]") == "[::1]:9090"
+    assert server_host("::1") == "[::1]" and server_host(" cmdbus-0 ") == "cmdbus-0"
+    for wrong in ("cmdbus-0:9100", "http://cmdbus-0", ""):
+        with pytest.raises(ValueError, match="--server"):
+            server_host(wrong)
+    monkeypatch.setenv("CMDBUS_SERVER", "10.0.0.8")
+    assert server_of(cli_module._parser().parse_args(["client", "lag"])) == "10.0.0.8"
+    given = cli_module._parser().parse_args(["client", "lag", "--server", "10.0.0.9"])
+    assert server_of(given) == "10.0.0.9"  # the flag wins over the variable
+
+
+def test_server_reaches_every_face_at_its_default_port(tmp_path: Path) -> None:
+    env = {**environment(tmp_path), "CMDBUS_SERVER": "127.0.0.9"}  # nobody listens there
+    env.pop("CMDBUS_PORTS_FILE")
+    publish = cli("client", "publish", "--execution-id", "1", "--payload", "{}")
+    refused = subprocess.run(
+        [*publish, "--reconnect-for", "0"], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert refused.returncode == 1 and "127.0.0.9:9100" in refused.stderr, refused.stderr
+    diagnose = cli("diagnose", "--interval", "0.1", "--json")
+    unreachable = subprocess.run(diagnose, capture_output=True, text=True, env=env, timeout=60)
+    assert "127.0.0.9:9090" in unreachable.stdout, unreachable.stdout
+    with serving(tmp_path) as (_, ports):  # --addr wins over the server
+        done = subprocess.run(
+            [*publish, "--addr", ports["cmd_ingest"]], capture_output=True, text=True, env=env
+        )
+        assert done.returncode == 0, done.stderr
+
+
+def test_ctrl_c_exits_130_with_one_line(tmp_path: Path) -> None:
+    with serving(tmp_path) as (_, ports):
+        claim = cli("client", "claim", "--addr", ports["cmd_claim"], "--filter", "x.>")
+        waiting = subprocess.Popen(
+            [*claim, "--timeout", "600"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, env=environment(tmp_path),
+        )  # fmt: skip
+        time.sleep(2)  # waiting for a record that will not come
+        waiting.send_signal(signal.SIGINT)
+        _, err = waiting.communicate(timeout=60)
+    assert waiting.returncode == 130
+    assert err == "cmdbus-trio: interrupted\n", err
+
+
+def test_client_subscribe_prints_history_then_stops(tmp_path: Path) -> None:
+    with serving(tmp_path) as (_, ports):
+        with blocking.IngestClient(ports["evt_ingest"]) as events:
+            keys = [
+                events.publish(
+                    {"execution_id": n, "payload": json.dumps({"event_type": t})}
+                ).sort_key
+                for n, t in enumerate(["step.started", "step.done", "step.done"])
+            ]
+        follow = cli("client", "subscribe", "--addr", ports["evt_subscribe"], "--json")
+        env = environment(tmp_path)
+        first_two = subprocess.run([*follow, "--max", "2"], capture_output=True, text=True, env=env)
+        assert [json.loads(line)["sort_key"] for line in first_two.stdout.splitlines()] == keys[:2]
+        idle = subprocess.run(
+            [*follow, "--filter", "events.step_done", "--after", str(keys[1]), "--timeout", "1"],
+            capture_output=True, text=True, env=env, timeout=60,
+        )  # fmt: skip
+        assert idle.returncode == 0, idle.stderr
+        assert [json.loads(line)["sort_key"] for line in idle.stdout.splitlines()] == keys[2:]
+        bad = subprocess.run([*follow, "--max", "0"], capture_output=True, text=True, env=env)
+        assert bad.returncode == 1 and "--max must be at least 1" in bad.stderr
+
+
+def test_serve_help_groups_every_setting_and_shows_what_it_takes() -> None:
+    grouped = [name for names in SECTIONS.values() for name in names]
+    assert sorted(grouped) == sorted(s.name for s in SETTINGS)  # each in one section
+    assert len(grouped) == len(set(grouped))
+    text = subprocess.run(cli("serve", "--help"), capture_output=True, text=True).stdout
+    assert "--sync {full,normal}" in text and "--log-level {debug,info,warning,error}" in text
+    assert "VALUE\n" not in text and " VALUE " not in text.split("\n", 1)[1]
+    assert "storage:" in text and "retention:" in text
+    assert allowed(next(s for s in SETTINGS if s.name == "ack_wait_ms")) == "an integer >= 1"
+    flags = vars(cli_module._parser().parse_args(["serve", "--debug-hooks", "--allow-v1=false"]))
+    assert (flags["debug_hooks"], flags["allow_v1"]) == ("true", "false")
+
+
+def test_the_console_log_prints_the_changed_settings_one_a_line(tmp_path: Path) -> None:
+    settings = {"CMDBUS_LOG_FORMAT": "console", "CMDBUS_SHUTDOWN_TIMEOUT_MS": "3000"}
+    with serving(tmp_path, **settings) as (writer, ports):
+        with urllib.request.urlopen(f"http://{ports['control']}/", timeout=10) as reply:
+            index = json.loads(reply.read())
+        writer.send_signal(signal.SIGTERM)
+        assert writer.wait(timeout=30) == 0
+    assert set(index["endpoints"]) == {"/livez", "/readyz", "/healthz", "/metrics"}
+    lines = server_log(tmp_path).splitlines()
+    started = next(i for i, line in enumerate(lines) if " started " in f"{line} ")
+    block = lines[started : started + 40]
+    assert "  settings:" in block
+    assert "    shutdown_timeout_ms = 3000" in block
+    assert not any(line.strip().startswith("sync = ") for line in block)  # a default
+    assert max(len(line) for line in block) < 200
