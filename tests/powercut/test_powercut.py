@@ -10,26 +10,15 @@ long form. Each mode prints its row."""
 
 from __future__ import annotations
 
-import os
 import random
-import shutil
 import time
 from pathlib import Path
 
 import pytest
 
-from .harness import Tally, build_shim, power_cuts
+from .harness import Tally, power_cuts
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="session")
-def shim() -> Path:
-    if shutil.which("cc") is None and shutil.which("gcc") is None:
-        if os.environ.get("CI"):
-            pytest.fail("no C compiler: .ci/run installs gcc")
-        pytest.skip("no C compiler (cc) to build the power-cut shim")
-    return build_shim()
 
 
 @pytest.fixture

@@ -4,24 +4,12 @@ a power cut keeps and drops (each case has its twin), and a write around it is r
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
-import pytest
-
-from .harness import build_shim, cut
-
-
-@pytest.fixture(scope="module")
-def shim() -> Path:
-    if shutil.which("cc") is None and shutil.which("gcc") is None:
-        if os.environ.get("CI"):
-            pytest.fail("no C compiler: .ci/run installs gcc")
-        pytest.skip("no C compiler (cc) to build the power-cut shim")
-    return build_shim()
+from .harness import cut
 
 
 def under_shim(shim: Path, tmp_path: Path, program: str) -> tuple[Path, list[str]]:

@@ -8,7 +8,7 @@ import queue
 import threading
 from collections.abc import Callable
 
-from cmdbus_trio.client import ClientError, blocking
+from cmdbus_trio.client import blocking
 from cmdbus_trio.client._calls import Batch
 
 from ._output import Output
@@ -40,14 +40,15 @@ def subscribe(
         raise ValueError(f"--timeout must be >= 0, got {args.timeout}")
     if args.after < 0:
         raise ValueError(f"--after must be >= 0, got {args.after}")
-    received: queue.Queue[Batch | ClientError] = queue.Queue(maxsize=16)
+    received: queue.Queue[Batch | Exception | None] = queue.Queue(maxsize=16)
     with connect() as client:
 
-        def stream() -> None:
+        def stream() -> None:  # None: the writer ended the subscription
             try:
                 for batch in client.subscribe(args.after, filter=args.filter):
                     received.put(batch)
-            except ClientError as error:
+                received.put(None)
+            except Exception as error:  # raised again in the command's thread
                 received.put(error)
 
         threading.Thread(target=stream, name="subscribe", daemon=True).start()
@@ -57,8 +58,10 @@ def subscribe(
                 item = received.get(timeout=args.timeout)
             except queue.Empty:
                 break
-            if isinstance(item, ClientError):
+            if isinstance(item, Exception):
                 raise item
+            if item is None:
+                break
             for record in item[: None if args.max is None else args.max - printed]:
                 output.row(record)
                 printed += 1
