@@ -15,7 +15,10 @@ from cmdbus_trio.client.blocking import ClaimClient, IngestClient
 from ..helpers import serving
 
 pytestmark = pytest.mark.slow
-LIBFAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1")
+LIBFAKETIME = next(
+    iter(sorted(Path("/usr/lib").glob("*/faketime/libfaketimeMT.so.1"))),
+    Path("/usr/lib/faketime/libfaketimeMT.so.1"),
+)  # Debian's faketime, on any architecture
 WINDOW_S = 4.0
 RECORD = {"execution_id": 1, "payload": "{}"}
 
