@@ -139,6 +139,13 @@ def test_client_subscribe_prints_history_then_stops(tmp_path: Path) -> None:
         assert [json.loads(line)["sort_key"] for line in idle.stdout.splitlines()] == keys[2:]
         bad = subprocess.run([*follow, "--max", "0"], capture_output=True, text=True, env=env)
         assert bad.returncode == 1 and "--max must be at least 1" in bad.stderr
+        # On a terminal each record is shown as it comes (the command may run until
+        # Ctrl-C), as field=value pairs, not a table at the end.
+        watch = cli("client", "subscribe", "--addr", ports["evt_subscribe"], "--timeout", "1")
+        code, shown = on_a_terminal(watch, env)
+        assert code == 0, shown
+        assert [line.split()[0] for line in shown.splitlines()] == [f"sort_key={k}" for k in keys]
+        assert "subject=events.step_started" in shown.splitlines()[0]
 
 
 def test_serve_help_groups_every_setting_and_shows_what_it_takes() -> None:

@@ -33,14 +33,20 @@ class Output:
     """JSON mode prints each row at once (a long ``claim`` streams); human mode collects
     rows and prints one table when the command finishes."""
 
-    def __init__(self, *, human: bool, stream: TextIO | None = None) -> None:
+    def __init__(self, *, human: bool, stream: TextIO | None = None, follow: bool = False) -> None:
         self.human = human
         self.stream = stream or sys.stdout
+        self.follow = follow
+        """A command that may run until interrupted (``claim``, ``subscribe``): a human
+        sees each row as it comes, as ``field=value`` pairs, not a table at the end."""
         self._rows: list[dict[str, Any]] = []
 
     def row(self, value: Any) -> None:
         document = attrs.asdict(value) if attrs.has(type(value)) else value
-        if self.human:
+        if self.human and self.follow:
+            pairs = (f"{key}={_cell(value, 200)}" for key, value in _flat(document))
+            print("  ".join(pairs), file=self.stream, flush=True)
+        elif self.human:
             self._rows.append(document)
         else:
             print(json.dumps(document, separators=(",", ":")), file=self.stream, flush=True)

@@ -194,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
     command = args.client_command
     if command == "tier":
         command = f"tier {args.tier_command}"
-    output = Output(human=human_wanted(args))
+    output = Output(human=human_wanted(args), follow=command in ("claim", "subscribe"))
     try:
         return _RUNNERS[command](args, output)
     except ClientError as exc:
