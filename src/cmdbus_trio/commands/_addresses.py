@@ -52,9 +52,12 @@ def add_server_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_control_url_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--url`` (the control face) and ``--server``."""
-    parser.add_argument(
+def add_control_url_arguments(
+    parser: argparse.ArgumentParser, *, url_into: argparse._ActionsContainer | None = None
+) -> None:
+    """``--url`` (the control face; into ``url_into``, a group of the parser's, when
+    given) and ``--server``."""
+    (url_into or parser).add_argument(
         "--url",
         type=control_url,
         help="control face (http:// may be left out; default :9090 on --server)",

@@ -356,8 +356,9 @@ HELP = "drive a writer with a scenario and report rates and latencies"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_control_url_arguments(parser)
-    parser.add_argument("--spawn", action="store_true", help="start a writer on a temp dir")
+    where = parser.add_mutually_exclusive_group()
+    add_control_url_arguments(parser, url_into=where)
+    where.add_argument("--spawn", action="store_true", help="start a writer on a temp dir")
     parser.add_argument("--scenario", required=True, choices=SCENARIOS)
     parser.add_argument("--duration", type=float, default=10.0, help="seconds of load")
     parser.add_argument("--concurrency", type=int, default=16, help="workers")
@@ -377,8 +378,8 @@ def run(args: argparse.Namespace) -> int:
             return fail("bench", "--plot needs matplotlib: pip install 'cmdbus-trio[plot]'")
     process = None
     try:
-        if args.spawn and (args.url or args.server):
-            raise ValueError("give --spawn, or --url / --server, not both")
+        if args.spawn and args.server:
+            raise ValueError("give --spawn or --server, not both")
         url = args.url or (
             "" if args.spawn else default_control_url(server=server_of(args), wait=0)
         )

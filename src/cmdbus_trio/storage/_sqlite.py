@@ -28,7 +28,7 @@ from cmdbus_trio.metrics import STORE_CONNECTION_WAITS
 
 from ._common import StoreState, StoreUnavailable
 from ._guard import refuses_loop_thread
-from .datadir import sync_directory
+from .datadir import fsync_path
 
 T = TypeVar("T")
 
@@ -122,7 +122,7 @@ class SqliteStore:
             with contextlib.ExitStack() as checked_out:  # all out at once: all opened
                 for _ in range(store.pool_size):
                     checked_out.enter_context(store._connection())
-            sync_directory(path.parent)  # the file and its WAL are named on disk
+            fsync_path(path.parent)  # the file and its WAL are named on disk
         except BaseException:
             store.close()
             raise

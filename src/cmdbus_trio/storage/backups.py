@@ -26,7 +26,7 @@ from typing import Any, Final
 
 import attrs
 
-from .datadir import LOCK_NAME, STORE_FILES
+from .datadir import LOCK_NAME, STORE_FILES, fsync_path
 
 FORMAT: Final = 1
 """The manifest's format: a restore refuses a newer one."""
@@ -123,7 +123,7 @@ def backup(
     copies = [_copy(data_dir / name, target / name, progress) for name in stores]
     manifest = Manifest(FORMAT, writer_version, created_at, shard, shard_count, tuple(copies))
     _write_durably(target / MANIFEST, manifest.to_json())
-    _fsync(target.parent)  # the backup's own name, made by the mkdir above
+    fsync_path(target.parent)  # the backup's own name, made by the mkdir above
     return manifest
 
 
@@ -139,9 +139,9 @@ def _copy(source: Path, dest: Path, progress: Callable[[str, int, int], None]) -
     if problems:
         raise BackupError(f"{dest.name}: the copy fails its integrity check: {problems[0]}")
     sequences = _sequences(partial)
-    _fsync(partial)
+    fsync_path(partial)
     partial.rename(dest)
-    _fsync(dest.parent)
+    fsync_path(dest.parent)
     size = dest.stat().st_size
     progress(dest.name, size, size)
     return StoreCopy(dest.name, size, _sha256(dest), sequences)
@@ -232,10 +232,10 @@ def restore(
         for store in manifest.stores:
             shutil.copyfile(target / store.name, staging / store.name)
             _move_keys_on(staging / store.name, jump)
-            _fsync(staging / store.name)
+            fsync_path(staging / store.name)
         if problems := check(staging):
             raise BackupError(f"the restored {problems[0].store}: {problems[0].what}")
-        _fsync(staging)
+        fsync_path(staging)
         aside = None
         if occupied:
             stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now()))
@@ -244,7 +244,7 @@ def restore(
         elif data_dir.exists():
             data_dir.rmdir()  # empty
         staging.rename(data_dir)
-        _fsync(data_dir.parent)
+        fsync_path(data_dir.parent)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -263,7 +263,7 @@ def after_replica_restore(data_dir: Path) -> int:
         raise BackupError(f"{problems[0].store}: {problems[0].what}")
     for name in stores:
         _move_keys_on(data_dir / name, REPLICA_KEY_JUMP)
-        _fsync(data_dir / name)
+        fsync_path(data_dir / name)
     return REPLICA_KEY_JUMP
 
 
@@ -404,17 +404,9 @@ def _size(path: Path) -> int:
         return 0
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_durably(path: Path, text: str) -> None:
     partial = path.with_name(path.name + PARTIAL)
     partial.write_text(text)
-    _fsync(partial)
+    fsync_path(partial)
     partial.rename(path)
-    _fsync(path.parent)
+    fsync_path(path.parent)

@@ -62,7 +62,7 @@ def claim(path: Path) -> DataDirLock:
     try:
         path.mkdir(parents=True, exist_ok=True)
         if created:  # its name in its parent is durable before anything is answered
-            sync_directory(path.parent)
+            fsync_path(path.parent)
     except OSError as exc:
         raise DataDirError(path, f"cannot create it: {exc.strerror}") from None
     if not path.is_dir():
@@ -91,18 +91,19 @@ def claim(path: Path) -> DataDirLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         os.fsync(fd)
-        sync_directory(path)
+        fsync_path(path)
     except OSError as exc:
         os.close(fd)
         raise DataDirError(path, _cannot_write(exc)) from None
     return DataDirLock(path, fd)
 
 
-def sync_directory(path: Path) -> None:
-    """``fsync`` the directory ``path``: the names created or renamed in it are then on
-    disk. A file's own fsync does not make its name durable; the writer does not rely
-    on SQLite's syncing the directory when it creates a WAL to cover its other files."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+def fsync_path(path: Path) -> None:
+    """``fsync`` the file or directory ``path``. Of a directory: the names created or
+    renamed in it are then on disk (a file's own fsync does not make its name durable;
+    the writer does not rely on SQLite's syncing the directory when it creates a WAL to
+    cover its other files)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
     finally:
