@@ -137,10 +137,11 @@ async def test_a_writer_that_stays_away_is_named_once_the_window_ends() -> None:
 
 
 def test_what_is_sent_again_while_the_writer_is_away() -> None:
-    """A call is sent again after a lost connection or `unavailable` only if that is
-    safe (an append without expected_version may have been stored: it raises, as
-    before); after a connection that was never made, any call is (nothing was sent). A
-    client closed by its application, or a window of 0, sends nothing again."""
+    """A call is sent again after a lost connection only if that is safe (an append
+    without expected_version may have been stored: it raises, as before); after a
+    connection that was never made, or a draining writer's `unavailable` (it refused the
+    call unread), any call is (nothing was done). A poisoned store's `unavailable` is
+    raised. A client closed by its application, or a window of 0, sends nothing again."""
     from cmdbus_trio.client import ClientClosed, Unavailable, _calls
     from cmdbus_trio.client._retry import Reconnect
 
@@ -155,12 +156,13 @@ def test_what_is_sent_again_while_the_writer_is_away() -> None:
         _calls.subscribe(0),
     ]
     draining = Unavailable("the writer is draining", retry_after_ms=1000)
-    for error in (ConnectionLost("x"), draining):
-        assert not window.covers(unsafe, error)
+    for error in (ConnectionLost("x"), draining, CannotConnect("x")):
         assert all(window.covers(call, error) for call in safe)
-    poisoned = Unavailable("commands store is poisoned")  # refuses writes until a restart
-    assert not any(window.covers(call, poisoned) for call in safe)
+    assert not window.covers(unsafe, ConnectionLost("x"))
+    assert window.covers(unsafe, draining)
     assert window.covers(unsafe, CannotConnect("x"))
+    poisoned = Unavailable("commands store is poisoned")  # refuses writes until a restart
+    assert not any(window.covers(call, poisoned) for call in [unsafe, *safe])
     assert not window.covers(safe[0], ClientClosed("x"))
     assert not Reconnect(0).covers(safe[0], CannotConnect("x"))
 

@@ -206,12 +206,14 @@ class Connection(BaseConnection):
                 protocol.receive_data(sock.recv(RECEIVE_CHUNK))
         except (OSError, ClientError) as exc:
             self._drop()
-            if isinstance(exc, ServerError):
-                raise
-            raise ConnectionLost(f"hello with {self.address} failed: {exc!r}") from None
+            if isinstance(exc, ClientError):
+                raise  # a hello refused, or a server that is not ours: waiting won't help
+            # Until the hello is answered no request was sent: any call may be sent
+            # again, as when the connect itself fails.
+            raise CannotConnect(f"hello with {self.address} failed: {exc!r}") from None
         if not isinstance(event, ServerHello):
             self._drop()
-            raise ConnectionLost(f"{self.address} closed the connection during the hello")
+            raise CannotConnect(f"{self.address} closed the connection during the hello")
         return sock
 
     def _drop(self) -> None:

@@ -47,10 +47,11 @@ class Reconnect:
     """A connection's reconnect window: how long a call rides through a writer that is
     away (``seconds``; 0: it raises at once), and what that cost. Thread-safe.
 
-    What is away: a connection that cannot be made, one lost, or a draining writer's
-    ``unavailable`` (with its ``retry_after_ms``; a poisoned store's is raised). What is sent
-    again: a call that cannot have been carried out (no connection was made), or one that
-    is safe to send again (:attr:`Call.after_loss`). The pauses are jittered, doubling
+    What is away: a connection that cannot be made (or whose hello failed), one lost, or a
+    draining writer's ``unavailable`` (with its ``retry_after_ms``; a poisoned store's is
+    raised). What is sent again: a call that cannot have been carried out (no connection
+    was made, or the draining writer refused it unread), or one that is safe to send again
+    (:attr:`Call.after_loss`). The pauses are jittered, doubling
     from 50 ms to at most 1 s."""
 
     def __init__(self, seconds: float = RECONNECT_FOR) -> None:
@@ -67,12 +68,12 @@ class Reconnect:
         """``error`` says the writer is away, and ``call`` may be sent again for it."""
         if isinstance(error, ClientClosed) or not self.seconds:
             return False
-        if isinstance(error, CannotConnect):
-            return True  # nothing was sent
-        # A draining writer's `unavailable` says when to ask again; a poisoned store's
-        # does not (it refuses writes until a restart: the caller is told at once).
-        draining = isinstance(error, Unavailable) and error.retry_after_ms is not None
-        return (draining or isinstance(error, ConnectionLost)) and call.after_loss
+        # Nothing was done: no connection was made, or a draining writer refused the
+        # call before admitting it (its `unavailable` says when to ask again; a poisoned
+        # store's does not: it refuses writes until a restart, so the caller is told).
+        if isinstance(error, CannotConnect) or draining(error):
+            return True
+        return isinstance(error, ConnectionLost) and call.after_loss
 
     def pause(self, pauses: int) -> float:
         step = min(RECONNECT_MAX_PAUSE, RECONNECT_FIRST_PAUSE * 2.0**pauses)
@@ -88,6 +89,12 @@ class Reconnect:
     def statistics(self) -> ReconnectStatistics:
         with self._lock:
             return ReconnectStatistics(self._pauses, self._outages, self._gave_up)
+
+
+def draining(error: ClientError) -> bool:
+    """``error`` is a draining writer's refusal, made before the call was admitted: a
+    ``unavailable`` with ``retry_after_ms`` (a poisoned store's has none)."""
+    return isinstance(error, Unavailable) and error.retry_after_ms is not None
 
 
 class Outage:

@@ -61,7 +61,7 @@ class Connection(BaseConnection):
 
     @classmethod
     async def connect(cls, address: str, **options: Any) -> Self:
-        """A connected client (the hello exchanged); raises :class:`ConnectionLost`."""
+        """A connected client (the hello exchanged); raises :class:`CannotConnect`."""
         connection = cls(address, **options)
         await connection._connected()
         return connection
@@ -141,12 +141,15 @@ class Connection(BaseConnection):
                         await trio.aclose_forcefully(stream)
                         raise
             except (OSError, trio.BrokenResourceError, trio.TooSlowError) as exc:
+                # Until the hello is answered no request was sent: any call may be sent
+                # again, as when the connect itself fails. (A hello refused, or a server
+                # that is not ours, raises as it is: waiting would not change it.)
                 cause = exc.__cause__ if isinstance(exc, trio.BrokenResourceError) else None
-                failure = CannotConnect if transport is None else ConnectionLost
-                raise failure(f"cannot connect to {self.address}: {cause or exc!r}") from None
+                step = "cannot connect to" if transport is None else "hello with"
+                raise CannotConnect(f"{step} {self.address} failed: {cause or exc!r}") from None
             if not isinstance(event, ServerHello):
                 await trio.aclose_forcefully(stream)
-                raise ConnectionLost(f"{self.address} closed the connection during the hello")
+                raise CannotConnect(f"{self.address} closed the connection during the hello")
             self._stream, self._transport, self._protocol = stream, transport, protocol
             return stream
 
