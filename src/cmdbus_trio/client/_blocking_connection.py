@@ -115,7 +115,7 @@ class Connection(BaseConnection):
         self, batch: Sequence[Call[Any]], deadline: float | None
     ) -> list[dict[str, Any] | ServerError]:
         with self._lock:
-            sock = self._connected()
+            sock = self._connected(deadline)
             frames, ids = [], []
             for call in batch:
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -183,7 +183,10 @@ class Connection(BaseConnection):
                 raise ConnectionLost(f"receiving from {self.address} failed: {exc!r}") from None
             self._protocol.receive_data(data)
 
-    def _connected(self) -> socket.socket:
+    def _connected(self, deadline: float | None = None) -> socket.socket:
+        """The connection, made (and its hello exchanged) if there is none, within
+        ``connect_timeout`` and the call's ``deadline``. Raises :class:`CannotConnect`,
+        or :class:`DeadlineExceeded` when the deadline came first."""
         if self._closed:
             raise ClientClosed("the client was closed")
         if self._sock is not None:
@@ -192,8 +195,20 @@ class Connection(BaseConnection):
             self._drop()  # idled out by the server: nothing was sent on it, reconnect
         host, port = split_address(self.address)
         protocol = self._new_protocol()
+        timeout = self._connect_timeout
+        cut_short = deadline is not None and deadline - time.monotonic() < timeout
+        if deadline is not None:
+            timeout = min(timeout, deadline - time.monotonic())
+            if timeout <= 0:
+                raise DeadlineExceeded(
+                    f"the time budget ran out before connecting to {self.address}"
+                )
         try:
-            sock = socket.create_connection((host, port), timeout=self._connect_timeout)
+            sock = socket.create_connection((host, port), timeout=timeout)
+        except TimeoutError:
+            if cut_short:
+                raise DeadlineExceeded(f"no connection to {self.address} in time") from None
+            raise CannotConnect(f"cannot connect to {self.address}: timed out") from None
         except OSError as exc:
             raise CannotConnect(f"cannot connect to {self.address}: {exc!r}") from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -208,6 +223,8 @@ class Connection(BaseConnection):
             self._drop()
             if isinstance(exc, ClientError):
                 raise  # a hello refused, or a server that is not ours: waiting won't help
+            if cut_short and isinstance(exc, TimeoutError):
+                raise DeadlineExceeded(f"no hello from {self.address} in time") from None
             # Until the hello is answered no request was sent: any call may be sent
             # again, as when the connect itself fails.
             raise CannotConnect(f"hello with {self.address} failed: {exc!r}") from None

@@ -356,8 +356,12 @@ class ShardedClaimClient(_Writers[ClaimClient]):
     """Claims from several writers (one claim address per shard) fairly: round robin
     over the shards with pending work, so none is starved. When no shard has a record it
     asks again after a pause (10 ms, doubling to 250 ms) until ``wait`` passes; a
-    writer that is down is skipped (and asked again next round) while others serve, and
-    only when every one is down for the whole reconnect window does ``next`` raise."""
+    writer that is down is skipped (and asked again next round) while others serve.
+    ``wait`` bounds a call whatever a writer does: each writer has what is left of it to
+    answer (at least 0.5 s, at most 10 s), and one that does not answer in time (paused,
+    overloaded) is skipped for the rest of the call and asked last by later calls until
+    it answers. When every writer is away (unreachable or draining) a call rides through
+    the reconnect window, as a call to one writer does, and raises once it has passed."""
 
     def __init__(self, shards: ShardMap, **options: Any) -> None:
         self.shards = shards
@@ -379,15 +383,14 @@ class ShardedClaimClient(_Writers[ClaimClient]):
         call = calls.next_delivery(filter, wait=0, group=group, start=start)
         while True:
             for shard in rounds.round():
-                try:  # a writer that is away is not waited for: the others may serve
-                    delivery = self.writers[shard].call(
-                        call, timeout=timeout, reconnect=False
-                    )
+                ask = rounds.ask_timeout(deadline - time.monotonic(), timeout)
+                try:  # a writer that is away or silent is not waited for: others may serve
+                    delivery = self.writers[shard].call(call, timeout=ask, reconnect=False)
                 except ClientError as error:
                     rounds.failed(shard, error)  # raises unless the writer is down
                     continue
-                if delivery is not None:
-                    return rounds.served(shard, delivery)
+                if (claimed := rounds.answered(shard, delivery)) is not None:
+                    return claimed
             pause = rounds.pause(deadline - time.monotonic())
             if pause is None:
                 return None
@@ -420,13 +423,14 @@ class ShardedClaimClient(_Writers[ClaimClient]):
         call = calls.next_batch(filter, most, wait=0, group=group, start=start)
         while True:
             for shard in rounds.round():
+                ask = rounds.ask_timeout(deadline - time.monotonic(), timeout)
                 try:
-                    batch = self.writers[shard].call(call, timeout=timeout, reconnect=False)
+                    batch = self.writers[shard].call(call, timeout=ask, reconnect=False)
                 except ClientError as error:
                     rounds.failed(shard, error)  # raises unless the writer is down
                     continue
-                if batch:
-                    return rounds.served_many(shard, batch)
+                if claimed := rounds.answered_many(shard, batch):
+                    return claimed
             pause = rounds.pause(deadline - time.monotonic())
             if pause is None:
                 return []

@@ -109,28 +109,50 @@ def by_shard(claimed: Sequence[ShardDelivery]) -> dict[int, list[int]]:
 
 class Rotation:
     """Round robin over shards: each call starts after the shard that served the last
-    one, so a shard with pending work is asked first at least once every N calls."""
+    one, so a shard with pending work is asked first at least once every N calls. A
+    shard whose writer did not answer in time (paused, overloaded) is asked last until
+    it answers again, so it costs the others nothing while they have records."""
 
     def __init__(self, count: int) -> None:
         self.count = count
         self._next = 0
+        self._silent: set[int] = set()
 
     def order(self) -> list[int]:
-        return [(self._next + step) % self.count for step in range(self.count)]
+        order = [(self._next + step) % self.count for step in range(self.count)]
+        return sorted(order, key=self._silent.__contains__)  # stable: the rest keep theirs
 
     def served(self, shard: int) -> None:
         self._next = (shard + 1) % self.count
 
+    def answered(self, shard: int) -> None:
+        self._silent.discard(shard)
+
+    def timed_out(self, shard: int) -> None:
+        self._silent.add(shard)
+
 
 MAX_IDLE_PAUSE = 0.25
 """Seconds between rounds over the shards at most, when none had a record."""
+ASK_LEAST = 0.5
+"""Seconds a writer has to answer one ask at the least, even when the caller's wait is
+spent (it is asked with ``wait=0``: a writer that serves answers in milliseconds)."""
+ASK_MOST = 10.0
+"""Seconds a writer has to answer one ask at the most, for a caller that waits without
+end (``wait=None``): a writer that does not answer is skipped, not waited for."""
 
 
 class ClaimRounds:
     """What a sharded ``next`` decides, without I/O (the trio and blocking clients each
-    ask the writers and sleep): the order to ask the shards in, what an error from one
-    means, and how long to pause when a round found nothing (10 ms, doubling to
-    :data:`MAX_IDLE_PAUSE`). One per ``next`` call."""
+    ask the writers and sleep): the order to ask the shards in, how long each may take to
+    answer, what an error from one means, and how long to pause when a round found
+    nothing (10 ms, doubling to :data:`MAX_IDLE_PAUSE`). One per ``next`` call.
+
+    The caller's ``wait`` bounds the call whatever a writer does: each ask is bounded by
+    what is left of it (see :meth:`ask_timeout`), and a writer that did not answer in
+    time is skipped for the rest of the call. Only when every writer is away
+    (unreachable or draining) does the call ride through the reconnect window, as a
+    call to one writer does, and raise when it has passed."""
 
     def __init__(
         self, shards: ShardMap, rotation: Rotation, reconnect: Reconnect | None = None
@@ -139,50 +161,71 @@ class ClaimRounds:
         self.rotation = rotation
         self._pause = 0.01
         self._failures: list[ClientError] = []
+        self._silent: set[int] = set()  # did not answer in time during this call
         self._reconnect = reconnect
         self._outage: Outage | None = None  # every writer away in the rounds since
 
     def round(self) -> list[int]:
         """The shards to ask this round, in order."""
         self._failures = []
-        return self.rotation.order()
+        return [shard for shard in self.rotation.order() if shard not in self._silent]
+
+    def ask_timeout(self, remaining: float, timeout: float | None) -> float:
+        """Seconds one writer has to answer: what is left of the caller's wait (at
+        least :data:`ASK_LEAST`, at most :data:`ASK_MOST`), and the caller's own
+        ``timeout`` when it is shorter."""
+        bound = min(max(remaining, ASK_LEAST), ASK_MOST)
+        return bound if timeout is None else min(bound, timeout)
 
     def failed(self, shard: int, error: ClientError) -> None:
         """A writer that is down (or too slow) is skipped while others serve; any other
         error is the request's fault and is raised, tagged with its shard."""
         if not isinstance(error, (ConnectionLost, Unavailable, DeadlineExceeded)):
             raise self.shards.tag(error, shard)
+        if isinstance(error, DeadlineExceeded):
+            self._silent.add(shard)
+            self.rotation.timed_out(shard)
         self._failures.append(self.shards.tag(error, shard))
 
-    def _all_away(self, remaining: float) -> float | None:
+    def _all_away(self) -> float:
         last = self._failures[-1]
         if self._reconnect is None or not self._reconnect.seconds:
             raise last
         if self._outage is None:
             self._outage = Outage(self._reconnect, time.monotonic, "every writer was")
-        pause = self._outage.pause(last, time.monotonic() + remaining)
-        if self._outage.over:
+        pause = self._outage.pause(last)
+        if pause is None:
             raise last
         return pause
 
-    def served(self, shard: int, delivery: Delivery) -> ShardDelivery:
+    def answered(self, shard: int, delivery: Delivery | None) -> ShardDelivery | None:
+        """``shard`` answered ``next``: its delivery, if it had one."""
+        self.rotation.answered(shard)
+        if delivery is None:
+            return None
         self.rotation.served(shard)
         return ShardDelivery(shard, delivery)
 
-    def served_many(self, shard: int, batch: list[Delivery]) -> list[ShardDelivery]:
-        self.rotation.served(shard)
+    def answered_many(self, shard: int, batch: list[Delivery]) -> list[ShardDelivery]:
+        """``shard`` answered ``next_batch``: its deliveries (perhaps none)."""
+        self.rotation.answered(shard)
+        if batch:
+            self.rotation.served(shard)
         return [ShardDelivery(shard, delivery) for delivery in batch]
 
     def pause(self, remaining: float) -> float | None:
         """After a round without a record: how long to sleep before the next one, or
-        None when ``remaining`` (seconds of the caller's wait) is spent.
+        None when ``remaining`` (seconds of the caller's wait) is spent, or when no
+        writer is left to ask (each did not answer in time).
 
-        Error handling: raises the last error when every writer failed this round for
-        longer than the reconnect window."""
-        if len(self._failures) == self.shards.shard_count:
-            return self._all_away(remaining)
+        Error handling: when every writer was away this round (none of them silent),
+        the call rides through the reconnect window whatever its wait, and raises the
+        last error once the window has passed."""
+        away = len(self._failures) == self.shards.shard_count
+        if away and not self._silent:
+            return self._all_away()
         self._outage = None
-        if remaining <= 0:
+        if remaining <= 0 or len(self._silent) == self.shards.shard_count:
             return None
         pause = min(self._pause, remaining)
         self._pause = min(2 * self._pause, MAX_IDLE_PAUSE)

@@ -95,7 +95,7 @@ class Connection(BaseConnection):
                 await trio.sleep(pause)
 
     async def _attempt(self, call: Call[Any], deadline: float) -> dict[str, Any]:
-        stream = await self._connected()
+        stream = await self._connected(deadline)
         remaining = deadline - trio.current_time()
         if remaining <= 0:
             raise DeadlineExceeded(f"{call.op}: the time budget ran out before sending")
@@ -113,7 +113,10 @@ class Connection(BaseConnection):
             if self._pending.get(request_id) is slot:  # ids restart when we reconnect
                 del self._pending[request_id]
 
-    async def _connected(self) -> trio.abc.Stream:
+    async def _connected(self, deadline: float = math.inf) -> trio.abc.Stream:
+        """The connection, made (and its hello exchanged) if there is none, within
+        ``connect_timeout`` and the call's ``deadline``. Raises :class:`CannotConnect`,
+        or :class:`DeadlineExceeded` when the deadline came first."""
         async with self._connect_lock:
             if self._closed:
                 raise ClientClosed("the client was closed")
@@ -127,8 +130,9 @@ class Connection(BaseConnection):
             host, port = split_address(self.address)
             protocol = self._new_protocol()
             transport = None
+            cut_short = deadline < trio.current_time() + self._connect_timeout
             try:
-                with trio.fail_after(self._connect_timeout):
+                with trio.fail_at(min(deadline, trio.current_time() + self._connect_timeout)):
                     transport = await trio.open_tcp_stream(host, port)
                     stream: trio.abc.Stream = transport
                     if self._ssl_context is not None:
@@ -144,6 +148,8 @@ class Connection(BaseConnection):
                 # Until the hello is answered no request was sent: any call may be sent
                 # again, as when the connect itself fails. (A hello refused, or a server
                 # that is not ours, raises as it is: waiting would not change it.)
+                if cut_short and isinstance(exc, trio.TooSlowError):
+                    raise DeadlineExceeded(f"no connection to {self.address} in time") from None
                 cause = exc.__cause__ if isinstance(exc, trio.BrokenResourceError) else None
                 step = "cannot connect to" if transport is None else "hello with"
                 raise CannotConnect(f"{step} {self.address} failed: {cause or exc!r}") from None
