@@ -40,7 +40,7 @@ async def main(addr: str, filter: str) -> None:
                         continue
                     with trio.CancelScope(shield=True):  # the command in hand is finished
                         await work(delivery.record)
-                        acked = await claim.ack(delivery.sort_key)
+                        acked = await claim.ack(delivery)
                     line = {"sort_key": delivery.sort_key, "acked": acked}
                     record = {"execution_id": delivery.record["execution_id"]}
                     print(json.dumps(line | record), flush=True)

@@ -38,7 +38,7 @@ def main(addr: str, filter: str) -> None:
             if delivery is None:
                 continue
             work(delivery.record)
-            acked = claim.ack(delivery.sort_key)
+            acked = claim.ack(delivery)
             line = {"sort_key": delivery.sort_key, "acked": acked}
             print(json.dumps(line | {"execution_id": delivery.record["execution_id"]}), flush=True)
 

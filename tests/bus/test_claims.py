@@ -623,3 +623,28 @@ async def test_the_acks_of_a_batch_settle_each_record_once(
     assert not claims.holds(owner) and claims.holds(other)
     assert claims.begin_acks([1, 4], other) == [False, True]
     assert claims.begin_acks([4], owner) == [False]  # an owner holding nothing
+
+
+async def test_a_settle_naming_a_lease_settles_only_that_lease(
+    claims: Claims, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A record leased twice to one owner (the first lease lapsed): a settle naming the
+    first lease's token is refused and leaves the second alone; one naming the second,
+    or no token at all, settles it. Every delivery gets a token of its own."""
+    claims.add_many([(1, SHARED), (2, SHARED)])
+    owner = object()
+    first = claims.next_nowait(ALL, owner)
+    assert first is not None and first.lease is not None
+    await trio.sleep(31)  # past the ack wait: the lease lapses, the record comes again
+    second = claims.next_nowait(ALL, owner)
+    assert second is not None and second.sort_key == first.sort_key
+    assert second.lease not in (None, first.lease)
+    assert not claims.extend(1, owner, first.lease)
+    assert not claims.nack(1, owner, 0.0, first.lease)
+    assert claims.begin_acks([1], owner, (first.lease,)) == [False]
+    assert claims.extend(1, owner, second.lease)
+    assert claims.begin_acks([1], owner, (second.lease,)) == [True]
+    claims.finish_ack(1)
+    other = claims.next_nowait(ALL, owner)
+    assert other is not None and other.sort_key == 2 and other.lease != second.lease
+    assert claims.begin_acks([2], owner) == [True]  # no token: whatever lease it holds

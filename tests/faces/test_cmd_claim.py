@@ -89,6 +89,8 @@ async def test_deliver_ack_and_shapes(server: dict[str, str]) -> None:
     keys = await publish(server, [record(1), record(2, pool="system")])
     async with frame_client(server["cmd_claim"]) as client:
         first = await next_delivery(client)
+        lease = first.pop("lease")
+        assert isinstance(lease, int) and 0 <= lease < 1 << 53
         assert first == {
             "sort_key": keys[0],
             "subject": "commands.shared.shard.0",

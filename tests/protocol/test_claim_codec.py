@@ -66,6 +66,15 @@ def test_each_op_decodes_to_its_request() -> None:
         ("extend", {"sort_key": "1"}, "sort_key"),
         ("nack", {"sort_key": 1, "delay_ms": -1}, "delay_ms"),
         ("nack", {"sort_key": 1, "delay_ms": 1.5}, "delay_ms"),
+        ("ack", {"sort_key": 1, "lease": -1}, "lease"),
+        ("ack", {"sort_key": 1, "lease": claim.LEASE_MAX + 1}, "lease"),
+        ("nack", {"sort_key": 1, "lease": "7"}, "lease"),
+        ("extend", {"sort_key": 1, "lease": True}, "lease"),
+        ("ack", {"sort_key": 1, "leases": [1]}, "leases"),
+        ("ack", {"sort_keys": [1], "lease": 1}, "lease"),
+        ("ack", {"sort_keys": [1, 2], "leases": [1]}, "leases"),
+        ("nack", {"sort_keys": [1], "leases": 1}, "leases"),
+        ("extend", {"sort_keys": [1], "leases": [1.5]}, "leases"),
         ("lag", {"filter": ""}, "filter"),
         ("dead", {"after": -1}, "after"),
         ("dead", {"limit": "10"}, "limit"),
@@ -84,6 +93,18 @@ def test_a_bad_field_is_named(op: str, fields: dict[str, Any], field: str) -> No
         claim.decode_op(op, fields, named_groups=True)
     assert str(caught.value).startswith(field)
     assert caught.value.code is ErrorCode.INVALID
+
+
+def test_lease_tokens_are_decoded_beside_their_sort_keys() -> None:
+    """The twins of the lease errors: a token at each end of its range, a list with a
+    null (any lease of that key), and none at all."""
+    op = claim.decode_op("ack", {"sort_key": 3, "lease": claim.LEASE_MAX}, named_groups=False)
+    assert isinstance(op, claim.Ack) and (op.sort_keys, op.leases) == ((3,), (claim.LEASE_MAX,))
+    fields = {"sort_keys": [3, 4], "leases": [0, None], "delay_ms": 5}
+    op = claim.decode_op("nack", fields, named_groups=False)
+    assert isinstance(op, claim.Nack) and op.leases == (0, None) and op.many
+    op = claim.decode_op("extend", {"sort_keys": [3]}, named_groups=False)
+    assert isinstance(op, claim.Extend) and op.leases is None
 
 
 def test_sort_keys_at_the_cap_are_accepted() -> None:
@@ -184,18 +205,26 @@ def test_v1_subscribe_names_the_bad_field(frame: bytes, field: str) -> None:
     subject=st.text(max_size=40),
     redelivered=st.booleans(),
     deliveries=st.integers(1, 1 << 31),
+    lease=st.none() | st.integers(0, claim.LEASE_MAX),
     record=st.sampled_from(['{"n":1}', '{"s":"é \\u2028 \\"q\\""}', "[]", '"text"', "{}"]),
 )
 def test_a_delivery_is_the_bytes_its_dict_would_encode_to(
-    sort_key: int, subject: str, redelivered: bool, deliveries: int, record: str
+    sort_key: int,
+    subject: str,
+    redelivered: bool,
+    deliveries: int,
+    lease: int | None,
+    record: str,
 ) -> None:
     """``delivery`` builds its head by hand (it runs once per record handed out): the
     bytes are those of encoding the dict, lone surrogates in the subject included."""
-    handed = claim.Delivery(sort_key, subject, redelivered, deliveries)
-    head = {
+    handed = claim.Delivery(sort_key, subject, redelivered, deliveries, lease=lease)
+    head: dict[str, Any] = {
         "sort_key": sort_key,
         "subject": subject,
         "redelivered": redelivered,
         "deliveries": deliveries,
     }
+    if lease is not None:
+        head["lease"] = lease
     assert claim.delivery(handed, record) == claim.with_record(head, record)

@@ -4,13 +4,25 @@ deadline, or nacked with a delay until they may be delivered again."""
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
+import secrets
 from collections.abc import Iterator, Sequence
 
 import attrs
 import trio
 
-from cmdbus_trio.protocol.claim import Delivery
+from cmdbus_trio.protocol.claim import LEASE_MAX, Delivery
+
+_TOKENS = itertools.count(secrets.randbelow(LEASE_MAX // 2))
+"""Lease tokens: counted from a random start in each process, so a token of a writer
+before its restart names no lease of the writer after it (the odds that two starts'
+ranges meet are the grants over 2^52)."""
+
+
+def new_token() -> int:
+    """The token of a new lease (:attr:`Delivery.lease`)."""
+    return next(_TOKENS)
 
 
 @attrs.define
@@ -18,6 +30,12 @@ class Lease:
     owner: object
     subject: str
     deadline: float
+    token: int | None = None
+
+
+def _held(lease: Lease | None, owner: object, token: int | None) -> bool:
+    """``lease`` is ``owner``'s, and the one named by ``token`` if one is given."""
+    return lease is not None and lease.owner is owner and (token is None or token == lease.token)
 
 
 class Leases:
@@ -45,7 +63,7 @@ class Leases:
         them all (a batch of ``next`` shares its deadline)."""
         by_key = self.by_key
         for delivery in leased:
-            by_key[delivery.sort_key] = Lease(owner, delivery.subject, deadline)
+            by_key[delivery.sort_key] = Lease(owner, delivery.subject, deadline, delivery.lease)
         keys = [delivery.sort_key for delivery in leased]
         self._owned.setdefault(owner, set()).update(keys)
         heapq.heappush(self._expiries, (deadline, tuple(keys)))
@@ -56,10 +74,13 @@ class Leases:
         heapq.heappush(self.delayed, (ready_at, sort_key, subject))
         self._timer_added(ready_at)
 
-    def end(self, sort_key: int, owner: object | None = None) -> Lease | None:
-        """Remove the record's lease (only if ``owner`` holds it, when given)."""
+    def end(
+        self, sort_key: int, owner: object | None = None, token: int | None = None
+    ) -> Lease | None:
+        """Remove the record's lease (only if ``owner`` holds it, when given, and only
+        the lease ``token`` names, when given)."""
         lease = self.by_key.get(sort_key)
-        if lease is None or (owner is not None and lease.owner is not owner):
+        if lease is None or (owner is not None and not _held(lease, owner, token)):
             return None
         del self.by_key[sort_key]
         owned = self._owned[lease.owner]
@@ -68,16 +89,23 @@ class Leases:
             del self._owned[lease.owner]
         return lease
 
-    def end_many(self, sort_keys: Sequence[int], owner: object) -> list[Lease | None]:
-        """:meth:`end` of each record that ``owner`` holds, in order (None: not held)."""
+    def end_many(
+        self,
+        sort_keys: Sequence[int],
+        owner: object,
+        tokens: Sequence[int | None] | None = None,
+    ) -> list[Lease | None]:
+        """:meth:`end` of each record that ``owner`` holds (by the lease of its token in
+        ``tokens``, where one is given), in order (None: not held)."""
         owned = self._owned.get(owner)
         if owned is None:
             return [None for _ in sort_keys]
         by_key = self.by_key
         ended: list[Lease | None] = []
-        for sort_key in sort_keys:
+        named = [None] * len(sort_keys) if tokens is None else tokens
+        for sort_key, token in zip(sort_keys, named, strict=True):
             lease = by_key.get(sort_key)
-            if lease is not None and lease.owner is owner:
+            if lease is not None and _held(lease, owner, token):
                 del by_key[sort_key]
                 owned.discard(sort_key)
                 ended.append(lease)
@@ -90,9 +118,11 @@ class Leases:
     def holds(self, owner: object) -> bool:
         return owner in self._owned
 
-    def extend(self, sort_key: int, owner: object, deadline: float) -> bool:
+    def extend(
+        self, sort_key: int, owner: object, deadline: float, token: int | None = None
+    ) -> bool:
         lease = self.by_key.get(sort_key)
-        if lease is None or lease.owner is not owner:
+        if lease is None or not _held(lease, owner, token):
             return False
         lease.deadline = deadline  # its one timer entry stays (see the class)
         return True

@@ -16,7 +16,7 @@ task's; ``ack`` completes when its commit is settled, by the committer's callbac
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeAlias
 
 import trio
@@ -25,6 +25,7 @@ from cmdbus_trio import metrics, spans
 from cmdbus_trio.admission import Gate, Shed, Slot
 from cmdbus_trio.logs import event
 from cmdbus_trio.loop.deferred import Deferred
+from cmdbus_trio.protocol.claim import LeaseTokens
 from cmdbus_trio.protocol.trace import TraceContext
 from cmdbus_trio.storage.buslog import StoredRecord
 
@@ -199,7 +200,11 @@ class Consumer:
             claims.give_back(delivery.sort_key, self)
 
     def ack(
-        self, group: Any, sort_keys: Sequence[int], trace: TraceContext | None = None
+        self,
+        group: Any,
+        sort_keys: Sequence[int],
+        trace: TraceContext | None = None,
+        leases: LeaseTokens = None,
     ) -> Deferred[list[bool]]:
         """Make the acks of records this connection holds durable, in one group commit
         (with the publishes and acks queued meanwhile). For each key in order: True once
@@ -207,13 +212,18 @@ class Consumer:
         (answered at once when it holds none). Once the commit settles, the claim index
         forgets the records, or, if the commit failed, redelivers them and the outcome
         is the error. ``trace``: the acking worker's context, the parent of the ``ack``
-        span.
+        span. ``leases``: the token of the lease to settle for each key, where given (a
+        key held by another lease of this connection is then False).
 
         Error handling: :class:`FieldError` naming the group field (raised)."""
         claims = self.groups.known(group)
         group_name = _group_name(claims, group)
         span = spans.settling("ack", self.face, group_name, len(sort_keys), trace)
-        begun = [False] * len(sort_keys) if claims is None else claims.begin_acks(sort_keys, self)
+        begun = (
+            [False] * len(sort_keys)
+            if claims is None
+            else claims.begin_acks(sort_keys, self, leases)
+        )
         if claims is None or not any(begun):
             spans.settled(span, begun)
             return Deferred.of(begun)
@@ -240,6 +250,7 @@ class Consumer:
         sort_keys: Sequence[int],
         delay: float | None = None,
         trace: TraceContext | None = None,
+        leases: LeaseTokens = None,
     ) -> list[bool]:
         """End this connection's leases of the records: each redelivers after ``delay``
         seconds (None: the group's ``ack_wait``). For each key: False when the
@@ -253,7 +264,8 @@ class Consumer:
             nacked = [False] * len(sort_keys)
         else:
             wait = claims.ack_wait if delay is None else delay
-            nacked = [claims.nack(key, self, wait) for key in sort_keys]
+            named = _tokens(sort_keys, leases)
+            nacked = [claims.nack(key, self, wait, token) for key, token in named]
         spans.settled(span, nacked)
         return nacked
 
@@ -261,18 +273,27 @@ class Consumer:
         """v1's ``Nack`` naming no group: in whichever group this connection holds it."""
         return any(claims.nack(sort_key, self, claims.ack_wait) for claims in self._used.values())
 
-    def extend(self, group: Any, sort_keys: Sequence[int]) -> list[bool]:
+    def extend(
+        self, group: Any, sort_keys: Sequence[int], leases: LeaseTokens = None
+    ) -> list[bool]:
         """Renew this connection's leases of the records for :attr:`lease_seconds`. For
         each key: False when the connection holds no record by it.
 
         Error handling: :class:`FieldError` naming the group field."""
         claims = self.groups.known(group)
-        return [claims is not None and claims.extend(key, self) for key in sort_keys]
+        if claims is None:
+            return [False] * len(sort_keys)
+        return [claims.extend(key, self, token) for key, token in _tokens(sort_keys, leases)]
 
     @property
     def lease_seconds(self) -> float:
         """How long a lease lasts (``CMDBUS_ACK_WAIT_MS``), from its delivery or renewal."""
         return self.groups.ack_wait
+
+
+def _tokens(sort_keys: Sequence[int], leases: LeaseTokens) -> Iterable[tuple[int, int | None]]:
+    """Each key with the lease token named for it (None: none named)."""
+    return zip(sort_keys, leases or [None] * len(sort_keys), strict=True)
 
 
 def _group_name(claims: Claims | None, group: Any) -> str:

@@ -122,6 +122,7 @@ def delivery(value: dict[str, Any]) -> Delivery:
         value["record"],
         value.get("traceparent"),
         value.get("tracestate"),
+        lease=value.get("lease"),
     )
 
 
@@ -239,14 +240,46 @@ def _next(
     return Call("next", fields, parse, idempotent=False, wait=wait, after_loss=True)
 
 
+Settled = int | claim.Delivery
+"""What a settle names: a :class:`Delivery` (its lease: a settle sent late, or again
+after a reconnect, cannot settle a later lease of the record, another task's say), or
+a sort key (whatever lease of it this connection holds)."""
+
+
+def _lease(one: Settled) -> tuple[int, int | None]:
+    """The sort key and lease token (None: any) that ``one`` names."""
+    if isinstance(one, claim.Delivery):
+        return one.sort_key, one.lease
+    return one, None
+
+
 def _settling(
-    op: str, sort_keys: Sequence[int], group: str | None, **fields: Any
+    op: str, settled: Sequence[Settled], group: str | None, **fields: Any
 ) -> Call[list[bool]]:
     name = {"ack": "acked", "nack": "nacked", "extend": "extended"}[op]
+    named = [_lease(one) for one in settled]
+    leases = [lease for _, lease in named]
     return Call(
         op,
-        _options(sort_keys=list(sort_keys), group=group, **fields) | _worker_trace(op),
+        _options(
+            sort_keys=[key for key, _ in named],
+            leases=leases if any(lease is not None for lease in leases) else None,
+            group=group,
+            **fields,
+        )
+        | _worker_trace(op),
         lambda reply: [bool(outcome) for outcome in reply[name]],
+        idempotent=True,
+    )
+
+
+def _settle_one(op: str, one: Settled, group: str | None, **fields: Any) -> Call[bool]:
+    name = {"ack": "acked", "nack": "nacked", "extend": "extended"}[op]
+    sort_key, lease = _lease(one)
+    return Call(
+        op,
+        _options(sort_key=sort_key, lease=lease, group=group, **fields) | _worker_trace(op),
+        lambda reply: bool(reply[name]),
         idempotent=True,
     )
 
@@ -256,41 +289,36 @@ def _worker_trace(op: str) -> dict[str, str]:
     return {} if op == "extend" else current_fields()
 
 
-def ack_many(sort_keys: Sequence[int], group: str | None = None) -> Call[list[bool]]:
+def ack_many(settled: Sequence[Settled], group: str | None = None) -> Call[list[bool]]:
     """Ack up to 1,000 records in one request (one group commit): for each, in order,
-    whether this connection held it."""
-    return _settling("ack", sort_keys, group)
+    whether this connection held it (by that lease, for a :class:`Delivery`)."""
+    return _settling("ack", settled, group)
 
 
 def nack_many(
-    sort_keys: Sequence[int], group: str | None = None, delay: float | None = None
+    settled: Sequence[Settled], group: str | None = None, delay: float | None = None
 ) -> Call[list[bool]]:
-    delay_ms = None if delay is None else max(0, round(delay * 1000))
-    return _settling("nack", sort_keys, group, delay_ms=delay_ms)
+    return _settling("nack", settled, group, delay_ms=_delay_ms(delay))
 
 
-def extend_many(sort_keys: Sequence[int], group: str | None = None) -> Call[list[bool]]:
-    return _settling("extend", sort_keys, group)
+def extend_many(settled: Sequence[Settled], group: str | None = None) -> Call[list[bool]]:
+    return _settling("extend", settled, group)
 
 
-def ack(sort_key: int, group: str | None = None) -> Call[bool]:
-    fields = _options(sort_key=sort_key, group=group) | current_fields()
-    return Call("ack", fields, lambda r: bool(r["acked"]), idempotent=True)
+def ack(settled: Settled, group: str | None = None) -> Call[bool]:
+    return _settle_one("ack", settled, group)
 
 
-def nack(sort_key: int, group: str | None = None, delay: float | None = None) -> Call[bool]:
-    delay_ms = None if delay is None else max(0, round(delay * 1000))
-    fields = _options(sort_key=sort_key, group=group, delay_ms=delay_ms) | current_fields()
-    return Call("nack", fields, lambda r: bool(r["nacked"]), idempotent=True)
+def nack(settled: Settled, group: str | None = None, delay: float | None = None) -> Call[bool]:
+    return _settle_one("nack", settled, group, delay_ms=_delay_ms(delay))
 
 
-def extend(sort_key: int, group: str | None = None) -> Call[bool]:
-    return Call(
-        "extend",
-        _options(sort_key=sort_key, group=group),
-        lambda r: bool(r["extended"]),
-        idempotent=True,
-    )
+def extend(settled: Settled, group: str | None = None) -> Call[bool]:
+    return _settle_one("extend", settled, group)
+
+
+def _delay_ms(delay: float | None) -> int | None:
+    return None if delay is None else max(0, round(delay * 1000))
 
 
 def lag(filter: str | None = None, group: str | None = None) -> Call[Lag]:

@@ -99,12 +99,12 @@ class ShardDelivery:
     delivery: Delivery
 
 
-def by_shard(claimed: Sequence[ShardDelivery]) -> dict[int, list[int]]:
-    """The sort keys of ``claimed`` per shard, in order (one request to each writer)."""
-    keys: dict[int, list[int]] = {}
+def by_shard(claimed: Sequence[ShardDelivery]) -> dict[int, list[Delivery]]:
+    """The deliveries of ``claimed`` per shard, in order (one request to each writer)."""
+    deliveries: dict[int, list[Delivery]] = {}
     for one in claimed:
-        keys.setdefault(one.shard, []).append(one.delivery.sort_key)
-    return keys
+        deliveries.setdefault(one.shard, []).append(one.delivery)
+    return deliveries
 
 
 class Rotation:

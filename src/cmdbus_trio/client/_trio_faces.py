@@ -26,6 +26,7 @@ from ._calls import (
     Lag,
     Page,
     Record,
+    Settled,
 )
 from ._errors import ClientError
 from ._retry import RECONNECT_FOR, Attempts, Reconnect
@@ -93,46 +94,62 @@ class ClaimClient(Connection):
         return await self.call(call, timeout=timeout)
 
     async def ack(
-        self, sort_key: int, *, group: str | None = None, timeout: float | None = None
+        self, delivery: Settled, *, group: str | None = None, timeout: float | None = None
     ) -> bool:
-        return await self.call(calls.ack(sort_key, group), timeout=timeout)
+        """Ack ``delivery`` (a :class:`Delivery`, or a sort key): True once it is durable,
+        False when this connection does not hold that lease: it ended (it expired, the
+        connection that took it was lost, or it was settled already) and the record
+        comes again, if it was not acked. Pass the delivery, not its sort key, when
+        tasks share a client: an ack sent late, or again after a reconnect, must not ack
+        the record's later lease (another task's)."""
+        return await self.call(calls.ack(delivery, group), timeout=timeout)
 
     async def ack_many(
-        self, sort_keys: Sequence[int], *, group: str | None = None, timeout: float | None = None
+        self,
+        deliveries: Sequence[Settled],
+        *,
+        group: str | None = None,
+        timeout: float | None = None,
     ) -> list[bool]:
         """Ack up to 1,000 records in one request, durable in one group commit: for
-        each, in order, whether this connection held it."""
-        return await self.call(calls.ack_many(sort_keys, group), timeout=timeout)
+        each, in order, whether this connection held its lease (as :meth:`ack`)."""
+        return await self.call(calls.ack_many(deliveries, group), timeout=timeout)
 
     async def nack_many(
         self,
-        sort_keys: Sequence[int],
+        deliveries: Sequence[Settled],
         *,
         group: str | None = None,
         delay: float | None = None,
         timeout: float | None = None,
     ) -> list[bool]:
-        return await self.call(calls.nack_many(sort_keys, group, delay), timeout=timeout)
+        return await self.call(calls.nack_many(deliveries, group, delay), timeout=timeout)
 
     async def extend_many(
-        self, sort_keys: Sequence[int], *, group: str | None = None, timeout: float | None = None
+        self,
+        deliveries: Sequence[Settled],
+        *,
+        group: str | None = None,
+        timeout: float | None = None,
     ) -> list[bool]:
-        return await self.call(calls.extend_many(sort_keys, group), timeout=timeout)
+        return await self.call(calls.extend_many(deliveries, group), timeout=timeout)
 
     async def nack(
         self,
-        sort_key: int,
+        delivery: Settled,
         *,
         group: str | None = None,
         delay: float | None = None,
         timeout: float | None = None,
     ) -> bool:
-        return await self.call(calls.nack(sort_key, group, delay), timeout=timeout)
+        """Give ``delivery`` back, to come again after ``delay`` seconds (default: the
+        writer's ack wait); False as for :meth:`ack`, and then nothing is given back."""
+        return await self.call(calls.nack(delivery, group, delay), timeout=timeout)
 
     async def extend(
-        self, sort_key: int, *, group: str | None = None, timeout: float | None = None
+        self, delivery: Settled, *, group: str | None = None, timeout: float | None = None
     ) -> bool:
-        return await self.call(calls.extend(sort_key, group), timeout=timeout)
+        return await self.call(calls.extend(delivery, group), timeout=timeout)
 
     async def lag(
         self, filter: str | None = None, *, group: str | None = None, timeout: float | None = None
@@ -401,7 +418,7 @@ class ShardedClaimClient(_Writers[ClaimClient]):
     ) -> bool:
         try:
             return await self.writers[claimed.shard].ack(
-                claimed.delivery.sort_key, group=group, timeout=timeout
+                claimed.delivery, group=group, timeout=timeout
             )
         except ClientError as error:
             raise self.shards.tag(error, claimed.shard) from None
@@ -445,10 +462,11 @@ class ShardedClaimClient(_Writers[ClaimClient]):
     ) -> list[bool]:
         """Each shard's records acked in one request to it; the outcomes in order."""
         outcomes: dict[tuple[int, int], bool] = {}
-        for shard, keys in by_shard(claimed).items():
+        for shard, deliveries in by_shard(claimed).items():
             try:
-                acked = await self.writers[shard].ack_many(keys, group=group, timeout=timeout)
+                acked = await self.writers[shard].ack_many(deliveries, group=group, timeout=timeout)
             except ClientError as error:
                 raise self.shards.tag(error, shard) from None
+            keys = [delivery.sort_key for delivery in deliveries]
             outcomes.update(((shard, key), ok) for key, ok in zip(keys, acked, strict=True))
         return [outcomes[c.shard, c.delivery.sort_key] for c in claimed]

@@ -293,8 +293,7 @@ def _claim(args: argparse.Namespace, output: Output) -> int:
                 output.row(delivery)
             claimed += len(batch)
             if not args.no_ack:
-                keys = [delivery.sort_key for delivery in batch]
-                claim.ack_many(keys, group=args.group, timeout=CALL_TIMEOUT)
+                claim.ack_many(batch, group=args.group, timeout=CALL_TIMEOUT)
     return 0
 
 

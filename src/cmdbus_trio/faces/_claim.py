@@ -101,13 +101,14 @@ class ClaimHandler:
     def v2(self, request: Request, arrival: float) -> Awaitable[bytes] | Deferred[bytes]:
         op = codec.decode_op(request.op, request.fields, named_groups=self.groups.named)
         if isinstance(op, codec.Ack):
-            acking = self.consumer.ack(op.group, op.sort_keys, op.trace)
+            acking = self.consumer.ack(op.group, op.sort_keys, op.trace, op.leases)
             return acking.map(partial(codec.settled_reply, request.id, "acked", many=op.many))
         if isinstance(op, codec.Nack):
-            nacked = self.consumer.nack(op.group, op.sort_keys, op.delay_ms / 1000, op.trace)
+            delay = op.delay_ms / 1000
+            nacked = self.consumer.nack(op.group, op.sort_keys, delay, op.trace, op.leases)
             return Deferred.of(codec.settled_reply(request.id, "nacked", nacked, op.many))
         if isinstance(op, codec.Extend):
-            extended = self.consumer.extend(op.group, op.sort_keys)
+            extended = self.consumer.extend(op.group, op.sort_keys, op.leases)
             lease_ms = round(self.consumer.lease_seconds * 1000)
             reply = codec.settled_reply(
                 request.id, "extended", extended, op.many, lease_ms=lease_ms

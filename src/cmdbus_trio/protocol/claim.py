@@ -33,12 +33,17 @@ MAX_CLAIM_BATCH: Final = 1000
 """Records one ``next`` may take (``max``), and sort keys one ``ack``, ``nack`` or
 ``extend`` may settle (``sort_keys``)."""
 
+LEASE_MAX: Final = (1 << 53) - 1
+"""Lease tokens stay within what every JSON reader holds exactly."""
+_SETTLING: Final = frozenset({"sort_key", "sort_keys", "lease", "leases", "group"})
 _FIELDS: Final[Mapping[str, frozenset[str]]] = {
     "next": frozenset({"filter", "group", "from", "member", "timeout_ms", "max"}),
     # The settling worker's trace context: the writer's ack or nack span is its child.
-    "ack": frozenset({"sort_key", "sort_keys", "group", "traceparent", "tracestate"}),
-    "nack": frozenset({"sort_key", "sort_keys", "group", "delay_ms", "traceparent", "tracestate"}),
-    "extend": frozenset({"sort_key", "sort_keys", "group"}),
+    # `lease` / `leases`: the token each delivery came with, so that a settle sent late
+    # (or again, after a reconnect) cannot settle a later lease of the same record.
+    "ack": frozenset({*_SETTLING, "traceparent", "tracestate"}),
+    "nack": frozenset({*_SETTLING, "delay_ms", "traceparent", "tracestate"}),
+    "extend": _SETTLING,
     "lag": frozenset({"filter", "group"}),
     "dead": frozenset({"filter", "group", "after", "limit"}),
     "requeue": frozenset({"sort_keys", "filter", "group"}),
@@ -56,6 +61,11 @@ class Delivery:
     redelivered: bool
     deliveries: int
     """Times it was handed out, this time included."""
+    lease: int | None = attrs.field(default=None, kw_only=True, eq=False)
+    """The token of this delivery's lease, unique in the writer's life (and, being
+    random, across its restarts): a settle that names it settles this lease only. None
+    where none is given (v1, dead letters). Not compared: two deliveries are equal when
+    they hand out the same record the same way, whatever their random tokens."""
 
 
 @attrs.frozen
@@ -71,6 +81,11 @@ class Next:
     op = "next"
 
 
+LeaseTokens = tuple[int | None, ...] | None
+"""The lease token a settle names for each of its sort keys (None: any lease this
+connection holds), or None when it names none."""
+
+
 @attrs.frozen
 class Ack:
     group: Any
@@ -79,6 +94,7 @@ class Ack:
     """Named by ``sort_keys`` (the reply is a list, in their order), not ``sort_key``."""
     trace: TraceContext | None = None
     """The acking worker's context (its span is the parent of the writer's)."""
+    leases: LeaseTokens = None
     op = "ack"
 
 
@@ -89,6 +105,7 @@ class Nack:
     delay_ms: int
     many: bool = False
     trace: TraceContext | None = None
+    leases: LeaseTokens = None
     op = "nack"
 
 
@@ -97,6 +114,7 @@ class Extend:
     group: Any
     sort_keys: tuple[int, ...]
     many: bool = False
+    leases: LeaseTokens = None
     op = "extend"
 
 
@@ -158,15 +176,15 @@ def decode_op(op: str, fields: Mapping[str, Any], *, named_groups: bool) -> Clai
         tokens = parse_filter(fields.get("filter"))
         return Next(group, fields.get("from"), tokens, _timeout(fields), _max(fields))
     if op == "ack":
-        keys, many = _settling(fields)
-        return Ack(group, keys, many, decode_trace(fields))
+        keys, many, leases = _settling(fields)
+        return Ack(group, keys, many, decode_trace(fields), leases)
     if op == "extend":
-        keys, many = _settling(fields)
-        return Extend(group, keys, many)
+        keys, many, leases = _settling(fields)
+        return Extend(group, keys, many, leases)
     if op == "nack":
-        keys, many = _settling(fields)
+        keys, many, leases = _settling(fields)
         delay_ms = whole_number(fields.get("delay_ms", 0), "delay_ms")
-        return Nack(group, keys, delay_ms, many, decode_trace(fields))
+        return Nack(group, keys, delay_ms, many, decode_trace(fields), leases)
     if op == "lag":
         return Lag(group, None if fields.get("filter") is None else parse_filter(fields["filter"]))
     if op == "dead":
@@ -240,15 +258,33 @@ def _max(fields: Mapping[str, Any]) -> int | None:
     return int(value)
 
 
-def _settling(fields: Mapping[str, Any]) -> tuple[tuple[int, ...], bool]:
-    """The records an ``ack``, ``nack`` or ``extend`` names: ``sort_key``, or a list in
-    ``sort_keys`` (then True: the reply is a list)."""
+def _settling(fields: Mapping[str, Any]) -> tuple[tuple[int, ...], bool, LeaseTokens]:
+    """The records an ``ack``, ``nack`` or ``extend`` names: ``sort_key`` (with its
+    ``lease``), or a list in ``sort_keys`` (then True: the reply is a list; with
+    ``leases``, a token or null for each, in order)."""
     keys = fields.get("sort_keys")
     if keys is None:
-        return (sort_key(fields),), False
+        if "leases" in fields:
+            raise FieldError("leases", "goes with sort_keys; with sort_key, name its lease")
+        lease = fields.get("lease")
+        return (sort_key(fields),), False, None if lease is None else (_lease(lease, "lease"),)
     if "sort_key" in fields:
         raise FieldError("sort_keys", "name either sort_key or sort_keys, not both")
-    return _key_list(keys, 1, MAX_CLAIM_BATCH), True
+    if "lease" in fields:
+        raise FieldError("lease", "goes with sort_key; with sort_keys, name leases")
+    sort_keys = _key_list(keys, 1, MAX_CLAIM_BATCH)
+    leases = fields.get("leases")
+    if leases is None:
+        return sort_keys, True, None
+    if not (isinstance(leases, list) and len(leases) == len(sort_keys)):
+        raise FieldError("leases", "expected a list as long as sort_keys")
+    return sort_keys, True, tuple(None if one is None else _lease(one, "leases") for one in leases)
+
+
+def _lease(value: Any, field: str) -> int:
+    if not (is_int(value) and 0 <= value <= LEASE_MAX):
+        raise FieldError(field, f"expected a lease token, an integer in 0..{LEASE_MAX}")
+    return int(value)
 
 
 def _timeout(fields: Mapping[str, Any]) -> int | None:
@@ -307,6 +343,8 @@ def delivery(handed: Delivery, record: str, trace: TraceContext | None = None) -
         f'{{"sort_key":{int(handed.sort_key)},"subject":{dumps_str(handed.subject)},'
         f'"redelivered":{redelivered},"deliveries":{int(handed.deliveries)}'
     )
+    if handed.lease is not None:
+        head += f',"lease":{int(handed.lease)}'
     members = b"" if trace is None else trace.json_members()
     return b"".join(
         (head.encode("utf-8", "backslashreplace"), members, b',"record":', record.encode(), b"}")
