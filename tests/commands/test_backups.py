@@ -11,6 +11,7 @@ import sqlite3
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -170,6 +171,7 @@ def test_a_restore_refuses_a_data_dir_in_use_or_not_empty(
         refused(done, "a writer holds it")
         refused(run("check", "--data-dir", str(data)), "a writer holds it", code=3)
     before = snapshot(data)
+    del before["writer.lock"]  # the lock stays: the restore holds it meanwhile
     moved = lines(run("restore", "--from", str(target), "--data-dir", str(data), "--force"))
     aside = Path(moved[0]["moved_aside"])
     assert snapshot(aside) == before  # moved, never deleted
@@ -203,3 +205,53 @@ def test_check_finds_a_damaged_store_and_a_counter_behind(a_backup: tuple[Path, 
     done = run("check", "--data-dir", str(data), "--human")
     assert done.returncode == 1 and "tier.sqlite3:" in done.stdout, done.stdout
     refused(run("check", "--data-dir", str(data.parent / "empty")), "no store in it", code=2)
+
+
+@pytest.fixture
+def a_volume(tmp_path: Path) -> Iterator[Path]:
+    """A mount point, as a Kubernetes volume or a new disk is: a tmpfs the test mounts,
+    with a new ext4's `lost+found` in it; skipped where mounting is not allowed."""
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(volume)],
+        capture_output=True,
+        text=True,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        (volume / "lost+found").mkdir()
+        yield volume
+    finally:
+        subprocess.run(["umount", "-l", str(volume)], check=False)
+
+
+def test_a_restore_onto_a_mount_point(
+    tmp_path: Path, a_backup: tuple[Path, Path], a_volume: Path
+) -> None:
+    """Onto a new volume (empty but for `lost+found`), then with --force onto the same
+    volume that a writer has since served: the directory itself is never renamed (a
+    mount point cannot be: EBUSY), what was there is moved aside inside it, and a writer
+    serves the restored stores."""
+    _, target = a_backup
+    done = lines(run("restore", "--from", str(target), "--data-dir", str(a_volume), "--json"))
+    assert done[0]["moved_aside"] is None
+    assert (a_volume / "lost+found").is_dir()  # left where it was
+    assert lines(run("check", "--data-dir", str(a_volume)))[0] == {"sound": str(a_volume)}
+    with serving(tmp_path, CMDBUS_DATA_DIR=str(a_volume)) as (writer, ports):
+        with blocking.IngestClient(ports["cmd_ingest"]) as ingest:
+            assert ingest.publish({"execution_id": 2, "payload": "{}"}).sort_key > MIN_KEY_JUMP
+        writer.send_signal(signal.SIGTERM)
+        assert writer.wait(timeout=30) == 0
+    before = {
+        name: data
+        for name, data in snapshot(a_volume).items()
+        if not name.startswith(("lost+found", "writer.lock"))
+    }
+    again = "restore", "--from", str(target), "--data-dir", str(a_volume), "--force", "--json"
+    aside = Path(lines(run(*again))[0]["moved_aside"])
+    assert aside.parent == a_volume and aside.name.startswith(".replaced-")
+    assert snapshot(aside) == before  # moved, never deleted
+    assert lines(run("check", "--data-dir", str(a_volume)))[0] == {"sound": str(a_volume)}
+    assert not list(a_volume.glob(".restoring-*"))

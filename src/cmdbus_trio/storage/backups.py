@@ -5,8 +5,9 @@ A backup copies each store from one read snapshot with SQLite's online backup AP
 writer serving the directory goes on meanwhile; every copy passes ``PRAGMA
 integrity_check`` and its size and SHA-256 go into the manifest, written last (a target
 without one is an unfinished backup). A restore checks the manifest and every file
-before it writes anything, builds the new directory beside the old one and swaps it in
-with a rename, and moves the keys on (:func:`keys_after_restore`).
+before it writes anything, builds the stores inside the data directory and renames them
+into place (never the directory itself: it may be a volume's mount point), and moves the
+keys on (:func:`keys_after_restore`).
 """
 
 from __future__ import annotations
@@ -199,6 +200,13 @@ def verify(target: Path, *, shard: int | None = None, shard_count: int | None = 
     return manifest
 
 
+NOT_DATA: Final = frozenset({"lost+found", LOCK_NAME})
+"""What a data directory may hold and still count as empty: a new ext4 volume's
+``lost+found`` (the directory may be a mount point), and the writer's lock file."""
+RESTORING: Final = ".restoring-"
+REPLACED: Final = ".replaced-"
+
+
 def restore(
     target: Path,
     data_dir: Path,
@@ -208,26 +216,55 @@ def restore(
     force: bool = False,
     now: Callable[[], float] = time.time,
 ) -> Restored:
-    """Restore the backup in ``target`` as ``data_dir``.
+    """Restore the backup in ``target`` into ``data_dir``.
 
-    ``data_dir`` must not exist or be empty, and no writer may hold it; with ``force``,
-    one that is not empty is moved aside (``<dir>.replaced-<time>``), never deleted.
-    Nothing is written before the backup is verified (:func:`verify`); the new directory
-    is built beside the old one and renamed into place, its key counters moved on
-    (:func:`keys_after_restore`), and checked (:func:`check`).
+    ``data_dir`` must not exist or be empty (bar :data:`NOT_DATA`), and no writer may hold
+    it: the restore holds the writer's lock itself, so none starts meanwhile. With
+    ``force``, what is there is moved aside into ``<data_dir>/.replaced-<time>``, never
+    deleted. Nothing is written before the backup is verified (:func:`verify`); the
+    stores are built in ``<data_dir>/.restoring-<pid>``, their key counters moved on
+    (:func:`keys_after_restore`) and checked (:func:`check`), then renamed into place.
+    Only entries move, never ``data_dir`` itself, and all within it: it may be a mount
+    point (a volume), where renaming it fails (EBUSY) and so does a rename to a place
+    beside it on another file system (EXDEV).
 
     Error handling: :class:`BackupError`, with nothing changed."""
-    _refuse_if_held(data_dir)
-    occupied = data_dir.exists() and (not data_dir.is_dir() or any(data_dir.iterdir()))
-    if occupied and not force:
+    if data_dir.exists() and not data_dir.is_dir():
+        raise BackupError(f"{data_dir}: not a directory")
+    old = _contents(data_dir)
+    if old and not force:
+        _refuse_if_held(data_dir)
         raise BackupError(
             f"{data_dir}: exists and is not empty; --force moves it aside (never deletes it)"
         )
     manifest = verify(target, shard=shard, shard_count=shard_count)
     jump = keys_after_restore(now() - manifest.created_at)
-    staging = data_dir.with_name(f".{data_dir.name}.restoring-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)  # an earlier restore's, interrupted
-    staging.mkdir(parents=True)
+    created = not data_dir.exists()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        with _holding(data_dir):
+            if created:
+                fsync_path(data_dir.parent)
+            aside = _restore_into(target, manifest, jump, data_dir, old, now)
+    except BaseException:
+        if created:
+            shutil.rmtree(data_dir, ignore_errors=True)
+        raise
+    return Restored(manifest, jump, aside)
+
+
+def _restore_into(
+    target: Path,
+    manifest: Manifest,
+    jump: int,
+    data_dir: Path,
+    old: list[Path],
+    now: Callable[[], float],
+) -> Path | None:
+    for leftover in data_dir.glob(f"{RESTORING}*"):  # an earlier restore's, interrupted
+        shutil.rmtree(leftover, ignore_errors=True)
+    staging = data_dir / f"{RESTORING}{os.getpid()}"
+    staging.mkdir()
     try:
         for store in manifest.stores:
             shutil.copyfile(target / store.name, staging / store.name)
@@ -237,18 +274,51 @@ def restore(
             raise BackupError(f"the restored {problems[0].store}: {problems[0].what}")
         fsync_path(staging)
         aside = None
-        if occupied:
+        if old:
             stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now()))
-            aside = data_dir.with_name(f"{data_dir.name}.replaced-{stamp}")
-            data_dir.rename(aside)
-        elif data_dir.exists():
-            data_dir.rmdir()  # empty
-        staging.rename(data_dir)
-        fsync_path(data_dir.parent)
+            aside = data_dir / f"{REPLACED}{stamp}"
+            aside.mkdir()
+            for entry in old:
+                entry.rename(aside / entry.name)
+            fsync_path(aside)
+        for store in manifest.stores:
+            (staging / store.name).rename(data_dir / store.name)
+        staging.rmdir()
+        fsync_path(data_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return Restored(manifest, jump, aside)
+    return aside
+
+
+def _contents(data_dir: Path) -> list[Path]:
+    """What ``data_dir`` holds that is data (all but :data:`NOT_DATA` and an interrupted
+    restore's staging), sorted; none when it does not exist."""
+    if not data_dir.is_dir():
+        return []
+    return sorted(
+        entry
+        for entry in data_dir.iterdir()
+        if entry.name not in NOT_DATA and not entry.name.startswith(RESTORING)
+    )
+
+
+@contextlib.contextmanager
+def _holding(data_dir: Path) -> Iterator[None]:
+    """Hold ``data_dir``'s writer lock, as a writer would: no writer starts on a
+    directory being restored.
+
+    Error handling: :class:`BackupError` when a writer holds it."""
+    fd = os.open(data_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _refuse_if_held(data_dir)
+            raise BackupError(f"{data_dir}: a writer holds it; stop it first") from None
+        yield
+    finally:
+        os.close(fd)
 
 
 def after_replica_restore(data_dir: Path) -> int:
