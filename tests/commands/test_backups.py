@@ -255,3 +255,39 @@ def test_a_restore_onto_a_mount_point(
     assert snapshot(aside) == before  # moved, never deleted
     assert lines(run("check", "--data-dir", str(a_volume)))[0] == {"sound": str(a_volume)}
     assert not list(a_volume.glob(".restoring-*"))
+
+
+def test_a_store_the_backup_lacks_starts_past_every_key_the_lost_writer_gave(
+    tmp_path: Path, a_backup: tuple[Path, Path]
+) -> None:
+    """The backup holds the command store only (the tier store was made after it): on
+    the restored writer the tier's sequences start past the jump too, as do the keys of
+    the stores it holds, and a second restore from a backup of the restored writer moves
+    them on again from there, though that backup lacks the tier store as well."""
+    data, _ = a_backup
+    for name in ("events.sqlite3", "tier.sqlite3"):
+        for suffix in ("", "-wal", "-shm"):
+            (data / f"{name}{suffix}").unlink(missing_ok=True)
+    partial = tmp_path / "partial-backup"
+    lines(run("backup", "--data-dir", str(data), "--to", str(partial), "--json"))
+    restored = tmp_path / "restored"
+    lines(run("restore", "--from", str(partial), "--data-dir", str(restored), "--json"))
+    with serving(tmp_path, CMDBUS_DATA_DIR=str(restored)) as (writer, ports):
+        with blocking.TierClient(ports["tier"]) as tier:
+            first = tier.append("exec-1", "{}").global_sequence
+        with blocking.IngestClient(ports["evt_ingest"]) as ingest:
+            event = ingest.publish({"execution_id": 1, "payload": '{"event_type": "e"}'})
+        writer.send_signal(signal.SIGTERM)
+        assert writer.wait(timeout=30) == 0
+    assert first > MIN_KEY_JUMP and event.sort_key > MIN_KEY_JUMP
+    for suffix in ("", "-wal", "-shm"):  # again a backup without the tier store
+        (restored / f"tier.sqlite3{suffix}").unlink(missing_ok=True)
+    again = tmp_path / "again"
+    lines(run("backup", "--data-dir", str(restored), "--to", str(again), "--json"))
+    twice = tmp_path / "twice"
+    lines(run("restore", "--from", str(again), "--data-dir", str(twice), "--json"))
+    with (
+        serving(tmp_path, CMDBUS_DATA_DIR=str(twice)) as (_, ports),
+        blocking.TierClient(ports["tier"]) as tier,
+    ):
+        assert tier.append("exec-2", "{}").global_sequence >= first + MIN_KEY_JUMP

@@ -99,3 +99,46 @@ def test_the_writer_syncs_the_names_it_creates(
     synced.clear()
     with datadir.claim(tmp_path / "new" / "data"):  # there already: only the lock's
         assert synced == [str(tmp_path / "new" / "data")]
+
+
+def test_a_key_floor_is_read_written_and_never_lowered(tmp_path: Path) -> None:
+    from cmdbus_trio.storage.datadir import KEY_FLOOR_NAME, read_key_floor, write_key_floor
+
+    assert read_key_floor(tmp_path) == 0  # none: nothing restored here
+    write_key_floor(tmp_path, 1 << 40)
+    write_key_floor(tmp_path, 5)  # never lower
+    assert read_key_floor(tmp_path) == 1 << 40
+    (tmp_path / KEY_FLOOR_NAME).write_text("12x\n")
+    with pytest.raises(datadir.DataDirError, match=r"keys\.floor: '12x' is not a whole number"):
+        read_key_floor(tmp_path)
+
+
+def test_every_key_counter_of_every_store_starts_at_the_floor(tmp_path: Path) -> None:
+    """A data dir with only a key floor (a restore whose backup held none of these
+    stores): each store the writer makes gives keys past the floor, in every keyed
+    table (found by SQLite's own list of them, so a table or store added later is held
+    to it too), and reopening changes nothing."""
+    import sqlite3
+
+    from cmdbus_trio.storage._sqlite import KEYED_TABLES
+    from cmdbus_trio.storage.buslog import BusLog
+    from cmdbus_trio.storage.datadir import STORE_FILES, write_key_floor
+    from cmdbus_trio.storage.tier import TierStore
+
+    floor = 1 << 41
+    write_key_floor(tmp_path, floor)
+    opened = {
+        "commands.sqlite3": BusLog,
+        "events.sqlite3": BusLog,
+        "tier.sqlite3": TierStore,
+    }
+    assert set(opened) == set(STORE_FILES)  # a new store: say here how it opens
+    for _ in range(2):
+        for name, store_class in opened.items():
+            store_class.open(tmp_path / name).close()
+        for name in STORE_FILES:
+            with sqlite3.connect(tmp_path / name) as connection:
+                tables = [table for (table,) in connection.execute(KEYED_TABLES)]
+                counters = dict(connection.execute("SELECT name, seq FROM sqlite_sequence"))
+            assert tables, name
+            assert all(counters.get(table) == floor for table in tables), (name, counters)

@@ -28,7 +28,7 @@ from cmdbus_trio.metrics import STORE_CONNECTION_WAITS
 
 from ._common import StoreState, StoreUnavailable
 from ._guard import refuses_loop_thread
-from .datadir import fsync_path
+from .datadir import fsync_path, read_key_floor
 
 T = TypeVar("T")
 
@@ -51,6 +51,41 @@ WAL_TRIM_FLOOR: Final = 1 << 20
 than its database."""
 WAL_TRIM_WAIT_MS: Final = 100
 """How long a trim waits for readers still on the WAL before it gives up, until the next."""
+
+
+KEYED_TABLES: Final = (
+    "SELECT name FROM sqlite_master WHERE type = 'table' AND sql LIKE '%AUTOINCREMENT%'"
+)
+"""The tables whose keys a counter (``sqlite_sequence``) gives out."""
+
+
+def raise_key_counters(connection: sqlite3.Connection, floor: int) -> bool:
+    """Every key counter of the store at ``floor`` at least, a table's that never counted
+    too (:func:`read_key_floor`): so a keyed table or a store made after a restore starts
+    past every key the lost writer gave. True when a counter moved."""
+    if floor <= 0:
+        return False
+    tables = [name for (name,) in connection.execute(KEYED_TABLES)]
+    if not tables:
+        return False
+    moved = 0
+    connection.execute("BEGIN IMMEDIATE")
+    try:
+        for table in tables:
+            moved += connection.execute(
+                "UPDATE sqlite_sequence SET seq = ? WHERE name = ? AND seq < ?",
+                (floor, table, floor),
+            ).rowcount
+            moved += connection.execute(
+                "INSERT INTO sqlite_sequence (name, seq) SELECT ?, ? "
+                "WHERE NOT EXISTS (SELECT 1 FROM sqlite_sequence WHERE name = ?)",
+                (table, floor, table),
+            ).rowcount
+        connection.execute("COMMIT")
+    except BaseException:
+        connection.execute("ROLLBACK")
+        raise
+    return moved > 0
 
 
 class SqliteStore:
@@ -118,6 +153,8 @@ class SqliteStore:
         try:
             with store._connection() as connection:
                 store._setup(connection)
+                if raise_key_counters(connection, read_key_floor(path.parent)):
+                    store._setup(connection)  # what it loaded of the counters is stale
                 store.returns_space = connection.execute("PRAGMA auto_vacuum").fetchone()[0] == 2
             with contextlib.ExitStack() as checked_out:  # all out at once: all opened
                 for _ in range(store.pool_size):

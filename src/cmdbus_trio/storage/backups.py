@@ -27,7 +27,15 @@ from typing import Any, Final
 
 import attrs
 
-from .datadir import LOCK_NAME, STORE_FILES, fsync_path
+from ._sqlite import KEYED_TABLES
+from .datadir import (
+    KEY_FLOOR_NAME,
+    LOCK_NAME,
+    STORE_FILES,
+    fsync_path,
+    read_key_floor,
+    write_key_floor,
+)
 
 FORMAT: Final = 1
 """The manifest's format: a restore refuses a newer one."""
@@ -72,6 +80,8 @@ class Manifest:
     shard: int
     shard_count: int
     stores: tuple[StoreCopy, ...]
+    key_floor: int = 0
+    """The data directory's key floor when it was backed up (``keys.floor``; 0: none)."""
 
     def to_json(self) -> str:
         return json.dumps(attrs.asdict(self), indent=2) + "\n"
@@ -122,7 +132,10 @@ def backup(
     target.mkdir(parents=True, exist_ok=True)
     created_at = time.time()
     copies = [_copy(data_dir / name, target / name, progress) for name in stores]
-    manifest = Manifest(FORMAT, writer_version, created_at, shard, shard_count, tuple(copies))
+    floor = read_key_floor(data_dir)
+    manifest = Manifest(
+        FORMAT, writer_version, created_at, shard, shard_count, tuple(copies), floor
+    )
     _write_durably(target / MANIFEST, manifest.to_json())
     fsync_path(target.parent)  # the backup's own name, made by the mkdir above
     return manifest
@@ -272,7 +285,7 @@ def _restore_into(
             fsync_path(staging / store.name)
         if problems := check(staging):
             raise BackupError(f"the restored {problems[0].store}: {problems[0].what}")
-        fsync_path(staging)
+        write_key_floor(staging, key_floor(manifest) + jump)
         aside = None
         if old:
             stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now()))
@@ -281,8 +294,9 @@ def _restore_into(
             for entry in old:
                 entry.rename(aside / entry.name)
             fsync_path(aside)
-        for store in manifest.stores:
-            (staging / store.name).rename(data_dir / store.name)
+        # The floor first: stores in place without it would let a new table start at 1.
+        for name in (KEY_FLOOR_NAME, *(store.name for store in manifest.stores)):
+            (staging / name).rename(data_dir / name)
         staging.rmdir()
         fsync_path(data_dir)
     except BaseException:
@@ -331,16 +345,31 @@ def after_replica_restore(data_dir: Path) -> int:
     stores = _stores_or_refuse(data_dir)
     if problems := check(data_dir):
         raise BackupError(f"{problems[0].store}: {problems[0].what}")
+    floor = max([read_key_floor(data_dir), *_highest_keys(data_dir, stores)])
+    write_key_floor(data_dir, floor + REPLICA_KEY_JUMP)
     for name in stores:
         _move_keys_on(data_dir / name, REPLICA_KEY_JUMP)
         fsync_path(data_dir / name)
     return REPLICA_KEY_JUMP
 
 
+def key_floor(manifest: Manifest) -> int:
+    """The highest key the backed-up writer could have given out in a table the backup
+    does not hold, as of the backup: its own floor, or a key of any table it holds (each
+    counter starts at the floor at least)."""
+    counters = (seq for store in manifest.stores for seq in store.sequences.values())
+    return max([manifest.key_floor, *counters])
+
+
+def _highest_keys(data_dir: Path, stores: list[str]) -> Iterator[int]:
+    for name in stores:
+        yield from _sequences(data_dir / name).values()
+
+
 def _move_keys_on(path: Path, jump: int) -> None:
     """Every key counter of the store past what the lost writer could have given out;
     a counter that never counted starts there too."""
-    tables = [name for (name,) in _query(path, _KEYED_TABLES)]
+    tables = [name for (name,) in _query(path, KEYED_TABLES)]
     with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as connection:
         connection.execute("BEGIN IMMEDIATE")
         for table in tables:
@@ -358,9 +387,6 @@ def _move_keys_on(path: Path, jump: int) -> None:
         connection.execute("COMMIT")
 
 
-_KEYED_TABLES: Final = (
-    "SELECT name FROM sqlite_master WHERE type = 'table' AND sql LIKE '%AUTOINCREMENT%'"
-)
 """The tables whose keys are never reused: the bus log's ``records``, the tier's
 ``<tier>_records``."""
 
@@ -427,7 +453,7 @@ def integrity(path: Path) -> list[str]:
 
 def _counters_behind(path: Path) -> Iterator[str]:
     sequences = _sequences(path)
-    for (table,) in _query(path, _KEYED_TABLES):
+    for (table,) in _query(path, KEYED_TABLES):
         key = "sort_key" if table == "records" else "global_sequence"
         ((highest,),) = _query(path, f"SELECT max({key}) FROM {table}")
         if highest is not None and highest > sequences.get(table, 0):
