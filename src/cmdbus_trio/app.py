@@ -47,7 +47,7 @@ from .logs import event
 from .loop.heartbeat import Heartbeat
 from .loop.interpreter import collector_tuned, switch_interval
 from .protocol.bus import BusKind
-from .storage import Store
+from .storage import CheckpointWatch, Store
 from .storage.datadir import DataDirError
 from .storage.tier import TierStore
 from .tier.committer import Tier
@@ -88,17 +88,42 @@ async def _measure_stores(
     stores: Mapping[str, Store],
     data_dir: Path,
     period: float,
+    wal_ceiling: int,
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """``cmdbus_store_bytes`` of every store and the data dir's free and total bytes,
-    every ``period`` (stat calls: in a thread, never on the loop)."""
+    """``cmdbus_store_bytes`` of every store, its WAL's size and checkpoint age (and a
+    checkpoint of a WAL past ``wal_ceiling``), and the data dir's free and total bytes,
+    every ``period`` (file calls: in a thread, never on the loop)."""
     limiter = trio.CapacityLimiter(1)
+    watches: dict[str, CheckpointWatch] = {}
+    metrics.STORE_WAL_CEILING.set(wal_ceiling)
     task_status.started()
     while True:
         for name, store in list(stores.items()):
             size = await run_in_thread(store.disk_bytes, limiter=limiter)
             metrics.STORE_BYTES.labels(store=name).set(size)
+            wal = await run_in_thread(store.wal, limiter=limiter)
+            metrics.STORE_WAL_BYTES.labels(store=name).set(wal.bytes)
+            watch = watches.setdefault(name, CheckpointWatch(trio.current_time()))
+            age = watch.seen(wal, trio.current_time())
+            metrics.STORE_CHECKPOINT_AGE.labels(store=name).set(age)
+            if wal.bytes > wal_ceiling:
+                checkpointed = await run_in_thread(
+                    store.checkpoint_past, wal_ceiling, limiter=limiter
+                )
+                metrics.WAL_CEILING_CHECKPOINTS.labels(store=name).inc(checkpointed)
+                event(
+                    log,
+                    logging.WARNING,
+                    "wal_ceiling_checkpoint" if checkpointed else "wal_ceiling_checkpoint_busy",
+                    store=name,
+                    wal_bytes=wal.bytes,
+                    ceiling=wal_ceiling,
+                    checkpoint_age_s=round(age, 1),
+                    why="the WAL outgrew CMDBUS_WAL_CEILING_BYTES: nothing else checkpoints "
+                    "it (with CMDBUS_CHECKPOINTS=litestream: is Litestream running?)",
+                )
         volume = await run_in_thread(os.statvfs, data_dir, limiter=limiter)
         metrics.DATA_DIR_FREE.set(volume.f_bavail * volume.f_frsize)
         metrics.DATA_DIR_CAPACITY.set(volume.f_blocks * volume.f_frsize)
@@ -221,7 +246,13 @@ class Writer:
             retain_tier = partial(run_tier_retention, tier.store, windows, interval)
             await self._start_task(background, "tier.retention", retain_tier)
         if self._stores:  # else there is no data dir to measure
-            measure = partial(_measure_stores, self.health.stores, config.data_dir, interval)
+            measure = partial(
+                _measure_stores,
+                self.health.stores,
+                config.data_dir,
+                interval,
+                config.wal_ceiling_bytes,
+            )
             await self._start_task(background, "store_sizes", measure)
 
     async def _start(self, nursery: trio.Nursery, face: str, bind: Bind, serve: StartFn) -> None:

@@ -251,6 +251,33 @@ STORE_BYTES = Gauge(
     ["store"],
     registry=REGISTRY,
 )
+STORE_WAL_BYTES = Gauge(
+    "cmdbus_store_wal_bytes",
+    "Bytes of the store's WAL file, measured with the store sizes.",
+    ["store"],
+    registry=REGISTRY,
+)
+STORE_CHECKPOINT_AGE = Gauge(
+    "cmdbus_store_checkpoint_age_seconds",
+    "Seconds since the store's WAL was last checkpointed in full (by the writer or by "
+    "Litestream: its header's checkpoint number moved, or it was truncated), or since "
+    "the writer started; measured with the store sizes. It grows while the store takes "
+    "no writes, and also while nothing checkpoints a WAL that grows.",
+    ["store"],
+    registry=REGISTRY,
+)
+STORE_WAL_CEILING = Gauge(
+    "cmdbus_store_wal_ceiling_bytes",
+    "CMDBUS_WAL_CEILING_BYTES: a WAL past it is checkpointed by the writer.",
+    registry=REGISTRY,
+)
+WAL_CEILING_CHECKPOINTS = Counter(
+    "cmdbus_store_wal_ceiling_checkpoints_total",
+    "Checkpoints the writer made because a store's WAL was past CMDBUS_WAL_CEILING_BYTES "
+    "(with CMDBUS_CHECKPOINTS=litestream: Litestream is not checkpointing).",
+    ["store"],
+    registry=REGISTRY,
+)
 DATA_DIR_FREE = Gauge(
     "cmdbus_data_dir_free_bytes",
     "Bytes free for the writer on the data dir's file system (its volume), measured with "

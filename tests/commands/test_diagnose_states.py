@@ -1,4 +1,4 @@
-"""`cmdbus-trio diagnose` proved in ten states: each injected into a real writer in a
+"""`cmdbus-trio diagnose` proved in eleven states: each injected into a real writer in a
 subprocess as the fault itself would strike (a hook where nothing else can make it: a
 blocked loop, a failing or slow disk, a crashed face; real clients for floods and
 backlogs). Its verdict, in JSON and with ``--human`` (both run over the same window),
@@ -74,7 +74,7 @@ def publishing(ports: Ports, pool: str, pause: float) -> Callable[[threading.Eve
     return publish
 
 
-# --- the ten states: each sets its writer up, injects its fault, and looks -----------
+# --- the eleven states: each sets its writer up, injects its fault, and looks -----------
 
 
 def healthy(tmp_path: Path) -> Look:
@@ -181,6 +181,27 @@ def backlog_stuck(tmp_path: Path) -> Look:
         return look(ports)
 
 
+def no_checkpointer(tmp_path: Path) -> Look:
+    """Litestream's checkpoints asked for and no Litestream: a tier history written
+    (no backlog) takes its WAL past a 1 MiB ceiling, again and again, and the writer
+    checkpoints it itself."""
+    env = {
+        "CMDBUS_CHECKPOINTS": "litestream",
+        "CMDBUS_WAL_CEILING_BYTES": str(1 << 20),
+        "CMDBUS_RETENTION_INTERVAL_MS": "200",
+    }
+    with serving(tmp_path, **env) as (_, ports):
+
+        def append(stop: threading.Event) -> None:
+            payload = json.dumps({"padding": "x" * 1000})
+            with blocking.TierClient.connect(ports["tier"]) as tier:
+                while not stop.is_set():
+                    tier.append_batch("history", [payload] * 50, timeout=10)
+
+        with background(append):
+            return look(ports)
+
+
 STATES: list[tuple[Callable[[Path], Look], str, str]] = [
     (healthy, "healthy", "no shedding, no stall"),
     (stalled, "stalled", "did not answer"),
@@ -192,6 +213,7 @@ STATES: list[tuple[Callable[[Path], Look], str, str]] = [
     (control_face_flooded, "control face flooded", "connection cap on port control"),
     (backlog_growing, "backlog growing", "subject commands.system.shard.0 (pool system)"),
     (backlog_stuck, "backlog stuck", "subject commands.reports.shard.0 (pool reports)"),
+    (no_checkpointer, "no checkpointer", "store tier"),
 ]
 
 

@@ -10,7 +10,7 @@ from typing import Final
 from cmdbus_trio.config import SETTINGS, Setting
 
 SECTIONS: Final = {
-    "storage": ("data_dir", "sync", "checkpoints"),
+    "storage": ("data_dir", "sync", "checkpoints", "wal_ceiling_bytes"),
     "listening": (
         "bind_host", "control_bind", "cmd_ingest_bind", "cmd_claim_bind", "evt_ingest_bind",
         "evt_claim_bind", "evt_subscribe_bind", "tier_bind", "cmd_lag_bind", "evt_lag_bind",

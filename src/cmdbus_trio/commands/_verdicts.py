@@ -23,6 +23,11 @@ CONTROL_FLOODED = 0.15
 a kubelet's and a Prometheus's requests take ~0.1%; the favour is capped at 25% of the
 loop's busy time."""
 
+NO_CHECKPOINT_AGE = 60.0
+"""Seconds without a full checkpoint after which a WAL past half its ceiling counts as
+one nothing checkpoints (Litestream, running, checkpoints every few seconds under
+writes, and keeps a WAL at a few MiB)."""
+
 
 CROWDED_OUT = "cmdbus_control_connections_crowded_out_total"
 
@@ -152,6 +157,37 @@ def disk_slow(before: Scrape, after: Scrape, interval: float) -> list[Finding]:
                 (
                     f'cmdbus_commit_seconds{{store="{store}"}} p99 {p99 * 1000:.1f} ms over '
                     f"{commits:.0f} commits in {interval:.1f} s",
+                ),
+            )
+        )
+    return findings
+
+
+def no_checkpointer(before: Scrape, after: Scrape, interval: float) -> list[Finding]:
+    """A store's WAL that nothing checkpoints: the writer had to (its ceiling), or it is
+    past half the ceiling and went a minute without a full checkpoint. With
+    ``CMDBUS_CHECKPOINTS=litestream``: Litestream is not running, or not on this store."""
+    ceiling = max(after.series("cmdbus_store_wal_ceiling_bytes").values(), default=0.0)
+    ages = after.series("cmdbus_store_checkpoint_age_seconds")
+    forced = delta(before, after, "cmdbus_store_wal_ceiling_checkpoints_total")
+    findings = []
+    for labels, wal in sorted(after.series("cmdbus_store_wal_bytes").items()):
+        age, store = ages.get(labels, 0.0), label(labels, "store")
+        by_writer = forced.get(labels, 0.0)
+        grown = ceiling > 0 and wal >= ceiling / 2 and age >= NO_CHECKPOINT_AGE
+        if by_writer <= 0 and not grown:
+            continue
+        findings.append(
+            Finding(
+                "no checkpointer",
+                f"store {store}: its WAL is not checkpointed (with "
+                "CMDBUS_CHECKPOINTS=litestream: is Litestream running and replicating it?); "
+                "the writer checkpoints it at CMDBUS_WAL_CEILING_BYTES",
+                (
+                    f"{show('cmdbus_store_wal_bytes', labels)} {wal:.0f} (ceiling {ceiling:.0f})",
+                    f"{show('cmdbus_store_checkpoint_age_seconds', labels)} {age:.0f}",
+                    f"{show('cmdbus_store_wal_ceiling_checkpoints_total', labels)} "
+                    f"+{by_writer:.0f} in {interval:.1f} s",
                 ),
             )
         )

@@ -15,6 +15,9 @@ and says which of these holds, worst first, each with the evidence lines that sh
 - **not ready**: `/readyz` fails for another reason (starting, draining);
 - **disk slow**: a store's group commits (fsync included) took long: p99 over the interval
   from ``cmdbus_commit_seconds``, the same for every request of the store;
+- **no checkpointer**: a store's WAL is not checkpointed (the writer had to, at its
+  ceiling, or it is past half the ceiling a minute after its last checkpoint): with
+  ``CMDBUS_CHECKPOINTS=litestream``, Litestream is not running;
 - **saturated**: the loop is fine but a face sheds requests or queues them long: it
   has more work than its Gate admits (which face, which op, shed rate, queue wait); or
   the loop turns but is busy over 75% of the time, client work waiting for turns: the
@@ -53,6 +56,7 @@ from ._verdicts import (
     face_stuck,
     loop_busy,
     loop_saturated,
+    no_checkpointer,
     saturated,
 )
 from .client import fetch
@@ -66,6 +70,7 @@ SEVERITY = [
     "face stuck",
     "not ready",
     "disk slow",
+    "no checkpointer",
     "saturated",
     "control face flooded",
     "contended",
@@ -89,6 +94,7 @@ def assess(
         *_not_ready(health[1] or health[0] or {}),
         *face_stuck(before, after, interval),
         *disk_slow(before, after, interval),
+        *no_checkpointer(before, after, interval),
         *saturated(before, after, interval),
         *loop_saturated(before, after, interval),
         *control_flooded(before, after, interval),
@@ -273,6 +279,7 @@ EXIT_CODES: Final = {
     "contended": 13,
     "backlog growing": 14,
     "backlog stuck": 15,
+    "no checkpointer": 16,
 }
 """The exit status for the verdict (the first finding), so that a script can tell them
 apart. 1 is diagnose's own failure (no ports file, say), 2 bad usage, 130 Ctrl-C."""

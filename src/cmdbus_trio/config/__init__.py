@@ -196,6 +196,13 @@ class Config:
         choice("writer", "litestream"),
         "who checkpoints the stores' WALs: the writer, or Litestream replicating them",
     )
+    wal_ceiling_bytes: int = _setting(
+        str(256 << 20),
+        int_range(1 << 20),
+        "a store's WAL past this many bytes is checkpointed by the writer whoever "
+        "checkpoints it otherwise (with checkpoints=litestream and no Litestream, the WAL "
+        "would grow without end), and a log line says so",
+    )
     shutdown_timeout_ms: int = _setting(
         "15000",
         int_range(0),

@@ -4,6 +4,8 @@ import enum
 from collections.abc import Callable
 from typing import Final, Protocol
 
+import attrs
+
 VACUUM_PAGES: Final = 2048
 """Free pages (8 MiB of 4 KiB pages) one retention step gives back to the file system at
 most."""
@@ -22,6 +24,33 @@ class StoreUnavailable(Exception):
     """The store refuses writes: it is poisoned (or closed)."""
 
 
+@attrs.frozen
+class WalState:
+    bytes: int
+    """The WAL file's size (0: none)."""
+    checkpoints: int | None
+    """Its header's checkpoint sequence number, which moves each time a checkpoint
+    copied the whole WAL back and the WAL starts again (None: no header yet)."""
+
+
+class CheckpointWatch:
+    """When a store's WAL was last checkpointed in full, from its :class:`WalState` seen
+    now and then: its checkpoint number moved, or the WAL shrank (truncated). Until the
+    first is seen, since the watch began (the writer's start)."""
+
+    def __init__(self, now: float) -> None:
+        self._last: WalState | None = None
+        self.checkpointed_at = now
+
+    def seen(self, state: WalState, now: float) -> float:
+        """Note ``state``; the seconds since the last full checkpoint."""
+        last = self._last
+        if last is not None and (state.checkpoints != last.checkpoints or state.bytes < last.bytes):
+            self.checkpointed_at = now
+        self._last = state
+        return now - self.checkpointed_at
+
+
 class Store(Protocol):
     """What the writer needs of every store to report on it, without blocking."""
 
@@ -38,6 +67,14 @@ class Store(Protocol):
 
     def disk_bytes(self) -> int:
         """Bytes of the store's files (blocking: call it in a worker thread)."""
+        ...
+
+    def wal(self) -> WalState:
+        """The WAL's size and checkpoint count (blocking: in a worker thread)."""
+        ...
+
+    def checkpoint_past(self, ceiling: int) -> bool:
+        """Checkpoint the WAL if it is over ``ceiling`` bytes (blocking)."""
         ...
 
     before_commit: Callable[[], None] | None

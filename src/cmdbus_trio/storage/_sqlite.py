@@ -16,6 +16,7 @@ cleanly.
 from __future__ import annotations
 
 import contextlib
+import os
 import sqlite3
 import threading
 import time
@@ -26,7 +27,7 @@ from typing import Final, Self, TypeVar
 
 from cmdbus_trio.metrics import STORE_CONNECTION_WAITS
 
-from ._common import StoreState, StoreUnavailable
+from ._common import StoreState, StoreUnavailable, WalState
 from ._guard import refuses_loop_thread
 from .datadir import fsync_path, read_key_floor
 
@@ -49,6 +50,8 @@ BUSY_TIMEOUT_MS: Final = 30_000
 WAL_TRIM_FLOOR: Final = 1 << 20
 """A WAL is trimmed (see :meth:`SqliteStore.vacuum_step`) only when larger than this and
 than its database."""
+WAL_HEADER_BYTES: Final = 32
+"""A WAL file's header (sqlite.org/fileformat.html, "WAL File Format")."""
 WAL_TRIM_WAIT_MS: Final = 100
 """How long a trim waits for readers still on the WAL before it gives up, until the next."""
 
@@ -339,7 +342,9 @@ class SqliteStore:
                 return False
         except FileNotFoundError:
             return False
+        return self._truncate_wal()
 
+    def _truncate_wal(self) -> bool:
         def checkpoint(connection: sqlite3.Connection) -> bool:
             connection.execute(f"PRAGMA busy_timeout={WAL_TRIM_WAIT_MS}")
             try:
@@ -349,6 +354,37 @@ class SqliteStore:
             return not busy
 
         return self._write(checkpoint, transaction=False)
+
+    @refuses_loop_thread
+    def wal(self) -> WalState:
+        """The WAL's size and its header's checkpoint sequence number: a checkpoint that
+        copied the whole WAL back (the writer's, or Litestream's) starts it again with
+        the number moved on, so a number that stays while the WAL grows means nothing
+        checkpoints it."""
+        try:
+            with self._wal_path.open("rb") as wal:
+                size = os.fstat(wal.fileno()).st_size
+                header = wal.read(WAL_HEADER_BYTES)
+        except FileNotFoundError:
+            return WalState(0, None)
+        if len(header) < WAL_HEADER_BYTES:
+            return WalState(size, None)
+        return WalState(size, int.from_bytes(header[12:16], "big"))
+
+    @refuses_loop_thread
+    def checkpoint_past(self, ceiling: int) -> bool:
+        """Checkpoint the WAL back to nothing if it is over ``ceiling`` bytes, whoever
+        checkpoints it otherwise (``CMDBUS_WAL_CEILING_BYTES``: with
+        ``checkpoints=litestream`` and no Litestream the WAL would grow without end; a
+        checkpoint of ours costs Litestream a new snapshot, never data). Waits
+        :data:`WAL_TRIM_WAIT_MS` at most for readers still on the WAL (the next pass
+        tries again). Whether it checkpointed."""
+        try:
+            if self._wal_path.stat().st_size <= ceiling:
+                return False
+        except FileNotFoundError:
+            return False
+        return self._truncate_wal()
 
     @property
     def _wal_path(self) -> Path:
