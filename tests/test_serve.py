@@ -136,6 +136,7 @@ def test_an_address_in_use_exits_1_naming_the_face(tmp_path: Path) -> None:
     assert result.returncode == 1
     assert f"cmdbus-trio: cannot start the control face on {address}:" in result.stderr
     assert "in use" in result.stderr
+    assert "choose another address with CMDBUS_CONTROL_BIND (--control-bind)" in result.stderr
 
 
 def test_help_documents_every_setting() -> None:

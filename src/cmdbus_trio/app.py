@@ -73,7 +73,11 @@ class StartupError(Exception):
     """A face could not start (typically: its address is in use)."""
 
     def __init__(self, face: str, bind: Bind, cause: BaseException) -> None:
-        super().__init__(f"cannot start the {face} face on {bind}: {_leaf(cause)}")
+        setting = f"CMDBUS_{face.upper()}_BIND (--{face.replace('_', '-')}-bind)"
+        super().__init__(
+            f"cannot start the {face} face on {bind}: {_leaf(cause)}; choose another "
+            f"address with {setting}"
+        )
         self.face = face
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import inspect
 import logging
 import os
@@ -55,7 +56,9 @@ KNOWN_VARIABLES = (
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="cmdbus-trio", description="Durable command bus, event bus and tier service."
+        prog="cmdbus-trio",
+        description="Durable command bus, event bus and tier service.",
+        epilog=f"{', '.join(SHARED_FLAGS)} may come before the command as well as after it.",
     )
     parser.add_argument("--version", action="version", version=f"cmdbus-trio {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -101,14 +104,65 @@ def _whole_flags_only(parser: argparse.ArgumentParser) -> None:
                 _whole_flags_only(child)
 
 
+def _refuse_unknown(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, unknown: list[str]
+) -> None:
+    """Exit 2 with the usage of the (sub)command that was given, not the top level's,
+    and the flag it has that is nearest to each unknown one."""
+    chosen = parser
+    while True:  # down the subcommands named in ``args``
+        for action in chosen._actions:
+            if isinstance(action, argparse._SubParsersAction) and action.dest:
+                name = getattr(args, action.dest, None)
+                if name in action.choices:
+                    chosen = action.choices[name]
+                    break
+        else:
+            break
+    flags = [flag for action in chosen._actions for flag in action.option_strings]
+    said = []
+    for word in unknown:
+        near = difflib.get_close_matches(word.split("=", 1)[0], flags, n=1, cutoff=0.75)
+        said.append(f"{word} (did you mean {near[0]}?)" if near else word)
+    chosen.error(f"unrecognized arguments: {' '.join(said)}")
+
+
 INTERRUPTED = 130
 """The exit status after Ctrl-C (128 + SIGINT, as shells report it). ``serve`` takes
 SIGINT as a drain instead, and exits 0 once it is done."""
 
 
+SHARED_FLAGS: dict[str, int] = {
+    "--server": 1,
+    "--token": 1,
+    "--tls-ca": 1,
+    "--reconnect-for": 1,
+    "--json": 0,
+    "--human": 0,
+}
+"""Flags many commands take, with the values each takes: a person may put them before
+the command too (``cmdbus-trio --server X client lag``)."""
+
+
+def hoisted(argv: Sequence[str]) -> list[str]:
+    """``argv`` with the :data:`SHARED_FLAGS` given before the command moved after it,
+    where argparse reads them (a subcommand's defaults would otherwise overwrite the
+    top-level parser's values). A command that does not take one refuses it by name."""
+    i = 0
+    moved: list[str] = []
+    while i < len(argv) and (name := argv[i].split("=", 1)[0]) in SHARED_FLAGS:
+        width = 1 + (0 if "=" in argv[i] else SHARED_FLAGS[name])
+        moved += argv[i : i + width]
+        i += width
+    return [*argv[i:], *moved]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        args = _parser().parse_args(argv)
+        parser = _parser()
+        args, unknown = parser.parse_known_args(hoisted(sys.argv[1:] if argv is None else argv))
+        if unknown:
+            _refuse_unknown(parser, args, unknown)
         if args.command == "serve":
             return _serve(vars(args))
         if args.command in _COMMANDS:

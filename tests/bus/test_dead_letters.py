@@ -201,7 +201,7 @@ def test_the_cli_lists_requeues_and_purges(tmp_path: Path) -> None:
              "--purge"],
             env=environment(tmp_path), capture_output=True, text=True, timeout=60,
         )  # fmt: skip
-        assert refused.returncode == 1
+        assert refused.returncode == 2  # a usage error
         assert "--purge: name --filter F or --sort-key K, or --all" in refused.stderr
         assert len(client()) == 1
         assert client("--requeue", "--all") == [{"requeued": 1}]

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -130,6 +131,33 @@ def test_claim_errors(server: dict[str, str]) -> None:
     for bad in ("-1", "inf"):
         failed = run("client", "claim", *claim, "--filter", ">", "--reconnect-for", bad)
         assert_fails(failed, "--reconnect-for must be >= 0 seconds")
+        assert failed.returncode == 2
+
+
+def test_flags_that_do_not_go_together_exit_2(server: dict[str, str]) -> None:
+    ingest = ("--addr", server["cmd_ingest"])
+    for flags, message in (
+        (("--execution-id", "7"), "--payload is required with --execution-id"),
+        (("--payload", "{}"), "--payload and --msg-id need --execution-id"),
+        (("--writers", f"0@{server['cmd_ingest']}", "--execution-id", "7", "--payload", "{}"),
+         "give --addr or --writers, not both"),
+    ):  # fmt: skip
+        failed = run("client", "publish", *ingest, *flags)
+        assert_fails(failed, message)
+        assert failed.returncode == 2
+
+
+def test_no_writer_with_no_reconnect_window_fails_at_once_in_a_sentence(tmp_path: Path) -> None:
+    """`--reconnect-for 0` waits for nothing (not the 5 s a starting writer is given),
+    and the error names the address and what to check, not a Python repr."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{free.getsockname()[1]}"
+    failed = run("client", "lag", "--addr", address, "--reconnect-for", "0")
+    assert "waited" not in failed.stderr  # (a window of 5 s says "(waited 5 s)")
+    assert_fails(failed, f"cannot connect to {address}: connection refused")
+    assert "is a writer running there" in failed.stderr
+    assert "Error(" not in failed.stderr and "(111" not in failed.stderr
 
 
 def test_a_claiming_worker_goes_on_through_a_writer_restart(tmp_path: Path) -> None:

@@ -73,6 +73,26 @@ def test_a_table_reads_as_a_table() -> None:
     assert "{" not in table(rows)  # no JSON in a cell
 
 
+def test_a_person_sees_no_empty_fields_and_a_pipe_sees_every_field() -> None:
+    """A delivery without trace context: no empty `traceparent=`/`tracestate=` columns on a
+    terminal (followed or tabled); JSON keeps every key, null ones too."""
+    import io
+
+    from cmdbus_trio.client._calls import Delivery
+    from cmdbus_trio.commands._output import Output
+
+    delivery = Delivery(7, "commands.a", False, 1, {"execution_id": 1, "payload": "{}"})
+    for follow in (True, False):
+        shown = io.StringIO()
+        output = Output(human=True, stream=shown, follow=follow)
+        output.row(delivery)
+        output.close()
+        assert "sort_key" in shown.getvalue() and "trace" not in shown.getvalue()
+    piped = io.StringIO()
+    Output(human=False, stream=piped).row(delivery)
+    assert json.loads(piped.getvalue())["traceparent"] is None
+
+
 def test_one_server_address_for_every_face(monkeypatch: pytest.MonkeyPatch) -> None:
     assert default_address("cmd_ingest", server="10.0.0.7") == "10.0.0.7:9100"
     assert default_address("control", server="[::1]") == "[::1]:9090"
@@ -138,7 +158,7 @@ def test_client_subscribe_prints_history_then_stops(tmp_path: Path) -> None:
         assert idle.returncode == 0, idle.stderr
         assert [json.loads(line)["sort_key"] for line in idle.stdout.splitlines()] == keys[2:]
         bad = subprocess.run([*follow, "--max", "0"], capture_output=True, text=True, env=env)
-        assert bad.returncode == 1 and "--max must be at least 1" in bad.stderr
+        assert bad.returncode == 2 and "--max must be at least 1" in bad.stderr
         # On a terminal each record is shown as it comes (the command may run until
         # Ctrl-C), as field=value pairs, not a table at the end.
         watch = cli("client", "subscribe", "--addr", ports["evt_subscribe"], "--timeout", "1")
@@ -176,3 +196,39 @@ def test_the_console_log_prints_the_changed_settings_one_a_line(tmp_path: Path) 
     assert "    shutdown_timeout_ms = 3000" in block
     assert not any(line.strip().startswith("sync = ") for line in block)  # a default
     assert max(len(line) for line in block) < 200
+
+
+def test_shared_flags_may_come_before_the_command() -> None:
+    from cmdbus_trio.cli import hoisted
+
+    assert hoisted(["--server", "h", "--json", "client", "lag"]) == [
+        "client", "lag", "--server", "h", "--json"
+    ]  # fmt: skip
+    assert hoisted(["--reconnect-for=0", "client", "lag"]) == ["client", "lag", "--reconnect-for=0"]
+    assert hoisted(["client", "lag", "--server", "h"]) == ["client", "lag", "--server", "h"]
+    assert hoisted(["--version"]) == ["--version"]  # not a shared flag: left where it is
+
+
+@pytest.mark.parametrize(
+    ("argv", "usage", "said"),
+    [
+        (["client", "lag", "--serverr", "h"], "usage: cmdbus-trio client lag ",
+         "unrecognized arguments: --serverr (did you mean --server?) h"),
+        (["serve", "--ack-wait", "5"], "usage: cmdbus-trio serve ",
+         "--ack-wait (did you mean --ack-wait-ms?)"),
+        (["--token", "t", "check", "--data-dir", "d"], "usage: cmdbus-trio check ",
+         "unrecognized arguments: --token t"),
+        (["client", "tier", "read", "--execution-id", "1", "--zzz"],
+         "usage: cmdbus-trio client tier read ", "unrecognized arguments: --zzz"),
+    ],
+)  # fmt: skip
+def test_an_unknown_flag_shows_its_commands_usage_and_the_nearest_flag(
+    argv: list[str], usage: str, said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cmdbus_trio.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(usage) and said in err, err

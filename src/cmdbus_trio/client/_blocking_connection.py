@@ -16,7 +16,14 @@ from cmdbus_trio.protocol import NEED_DATA
 from ._calls import (
     Call,
 )
-from ._core import LOCAL_GRACE, BaseConnection, Reply, ServerHello, split_address
+from ._core import (
+    LOCAL_GRACE,
+    BaseConnection,
+    Reply,
+    ServerHello,
+    cannot_connect,
+    split_address,
+)
 from ._errors import (
     CannotConnect,
     ClientClosed,
@@ -208,9 +215,9 @@ class Connection(BaseConnection):
         except TimeoutError:
             if cut_short:
                 raise DeadlineExceeded(f"no connection to {self.address} in time") from None
-            raise CannotConnect(f"cannot connect to {self.address}: timed out") from None
+            raise CannotConnect(cannot_connect(self.address, TimeoutError())) from None
         except OSError as exc:
-            raise CannotConnect(f"cannot connect to {self.address}: {exc!r}") from None
+            raise CannotConnect(cannot_connect(self.address, exc)) from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock, self._protocol = sock, protocol
         try:

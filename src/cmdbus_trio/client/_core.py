@@ -6,6 +6,7 @@ No I/O and no trio here, so the blocking client shares it."""
 from __future__ import annotations
 
 import math
+import os
 import ssl
 from typing import Any, Final
 
@@ -144,6 +145,31 @@ class ClientProtocol:
         except (KeyError, TypeError, ValueError):
             raise ConnectionLost(f"not a cmdbus-trio v2 hello reply: {value!r}") from None
         return self.hello
+
+
+def cannot_connect(address: str, exc: BaseException) -> str:
+    """Why no connection to ``address`` could be made, as a sentence a person can act
+    on (not the exception's repr)."""
+    reason = _first_strerror(exc)
+    if isinstance(exc, TimeoutError) or type(exc).__name__ == "TooSlowError":
+        why = "no answer in time"
+    elif reason:
+        why = reason[0].lower() + reason[1:]
+    else:
+        why = str(exc) or type(exc).__name__
+    return f"cannot connect to {address}: {why}: is a writer running there, at that address?"
+
+
+def _first_strerror(exc: BaseException | None) -> str | None:
+    """The OS's words for the first failure in ``exc``, its causes and its groups (trio
+    raises "all attempts to connect … failed" from a group of the real errors)."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return os.strerror(exc.errno) if exc.errno else exc.strerror
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            if found := _first_strerror(inner):
+                return found
+    return None if exc is None else _first_strerror(exc.__cause__)
 
 
 def split_address(address: str) -> tuple[str, int]:

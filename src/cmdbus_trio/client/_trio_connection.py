@@ -16,7 +16,14 @@ from cmdbus_trio.protocol import NEED_DATA
 from ._calls import (
     Call,
 )
-from ._core import LOCAL_GRACE, BaseConnection, Reply, ServerHello, split_address
+from ._core import (
+    LOCAL_GRACE,
+    BaseConnection,
+    Reply,
+    ServerHello,
+    cannot_connect,
+    split_address,
+)
 from ._errors import CannotConnect, ClientClosed, ClientError, ConnectionLost, DeadlineExceeded
 from ._retry import Attempts
 from ._sockets import closed_by_peer
@@ -150,9 +157,10 @@ class Connection(BaseConnection):
                 # that is not ours, raises as it is: waiting would not change it.)
                 if cut_short and isinstance(exc, trio.TooSlowError):
                     raise DeadlineExceeded(f"no connection to {self.address} in time") from None
+                if transport is None:
+                    raise CannotConnect(cannot_connect(self.address, exc)) from None
                 cause = exc.__cause__ if isinstance(exc, trio.BrokenResourceError) else None
-                step = "cannot connect to" if transport is None else "hello with"
-                raise CannotConnect(f"{step} {self.address} failed: {cause or exc!r}") from None
+                raise CannotConnect(f"hello with {self.address} failed: {cause or exc!r}") from None
             if not isinstance(event, ServerHello):
                 await trio.aclose_forcefully(stream)
                 raise CannotConnect(f"{self.address} closed the connection during the hello")

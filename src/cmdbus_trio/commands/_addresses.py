@@ -13,6 +13,7 @@ from typing import Final
 
 from cmdbus_trio.config import DEFAULT_PORTS, SETTINGS_BY_NAME
 
+from ._output import UsageError
 from ._scrape import control_url
 
 PORTS_FILE: Final = SETTINGS_BY_NAME["ports_file"].env
@@ -32,7 +33,7 @@ def server_host(text: str) -> str:
     Error handling: :class:`ValueError` naming what is wrong (a port, a scheme)."""
     host = text.strip()
     if not host or "://" in host or "/" in host:
-        raise ValueError(f"--server {text!r}: expected a host, like 10.0.0.7 or cmdbus-0")
+        raise UsageError(f"--server {text!r}: expected a host, like 10.0.0.7 or cmdbus-0")
     if host.startswith("[") and host.endswith("]"):
         return host
     if host.count(":") == 1:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from cmdbus_trio.client import blocking
 from cmdbus_trio.client._calls import Batch
 
-from ._output import Output
+from ._output import Output, UsageError
 
 
 def add_subscribe_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,11 +35,11 @@ def subscribe(
     of its own, so that this one can stop after ``--timeout`` seconds without a record
     (the stream has no end of its own: it waits for the next event)."""
     if args.max is not None and args.max < 1:
-        raise ValueError(f"--max must be at least 1, got {args.max}")
+        raise UsageError(f"--max must be at least 1, got {args.max}")
     if args.timeout is not None and args.timeout < 0:
-        raise ValueError(f"--timeout must be >= 0, got {args.timeout}")
+        raise UsageError(f"--timeout must be >= 0, got {args.timeout}")
     if args.after < 0:
-        raise ValueError(f"--after must be >= 0, got {args.after}")
+        raise UsageError(f"--after must be >= 0, got {args.after}")
     received: queue.Queue[Batch | Exception | None] = queue.Queue(maxsize=16)
     with connect() as client:
 

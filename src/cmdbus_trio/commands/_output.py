@@ -43,6 +43,8 @@ class Output:
 
     def row(self, value: Any) -> None:
         document = attrs.asdict(value) if attrs.has(type(value)) else value
+        if self.human and isinstance(document, dict):  # no empty columns for a person
+            document = {key: item for key, item in document.items() if item not in (None, "")}
         if self.human and self.follow:
             pairs = (f"{key}={_cell(value, 200)}" for key, value in _flat(document))
             print("  ".join(pairs), file=self.stream, flush=True)
@@ -89,9 +91,13 @@ def _cell(value: Any, max_cell: int) -> str:
     return text if len(text) <= max_cell else text[: max_cell - 1] + "…"
 
 
-def fail(command: str, message: str) -> int:
+class UsageError(ValueError):
+    """The command's flags do not go together: exit 2, as argparse's own errors do."""
+
+
+def fail(command: str, message: str, *, code: int = 1) -> int:
     print(f"cmdbus-trio {command}: {message}", file=sys.stderr, flush=True)
-    return 1
+    return code
 
 
 def leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:

@@ -34,7 +34,7 @@ from ._addresses import (
     server_of,
 )
 from ._follow import add_subscribe_arguments, subscribe
-from ._output import Output, add_output_arguments, fail, human_wanted
+from ._output import Output, UsageError, add_output_arguments, fail, human_wanted
 
 TOKEN_VARIABLE = "CMDBUS_CLIENT_TOKEN"
 CALL_TIMEOUT = 30.0
@@ -165,16 +165,19 @@ Client = TypeVar("Client", bound=blocking.Connection)
 
 def _connect(cls: type[Client], face: str, args: argparse.Namespace) -> Client:
     """A client of ``face`` (``--addr``, else :func:`default_address`), waiting up to
-    :data:`STARTING_WAIT` for a writer that is starting."""
-    deadline = time.monotonic() + STARTING_WAIT
+    :data:`STARTING_WAIT` for a writer that is starting (no longer than
+    ``--reconnect-for``: 0 fails at once)."""
     options = connection_options(args)  # (reads the CA file: once, not each attempt)
+    deadline = time.monotonic() + min(STARTING_WAIT, options["reconnect_for"])
     while True:
         address = args.addr or default_address(face, server=server_of(args))
         try:
             return cls.connect(address, **options)
         except CannotConnect as exc:
             if time.monotonic() >= deadline:
-                raise CannotConnect(f"{exc} (waited {STARTING_WAIT:g} s)") from None
+                waited = options["reconnect_for"] and min(STARTING_WAIT, options["reconnect_for"])
+                said = f" (waited {waited:g} s)" if waited else ""
+                raise CannotConnect(f"{exc}{said}") from None
             time.sleep(0.1)
 
 
@@ -185,7 +188,7 @@ def connection_options(args: argparse.Namespace) -> dict[str, Any]:
     context = None if tls_ca is None else ssl.create_default_context(cafile=str(tls_ca))
     reconnect_for = getattr(args, "reconnect_for", RECONNECT_FOR)
     if not 0 <= reconnect_for < math.inf:
-        raise ValueError(f"--reconnect-for must be >= 0 seconds and finite, got {reconnect_for}")
+        raise UsageError(f"--reconnect-for must be >= 0 seconds and finite, got {reconnect_for}")
     token = getattr(args, "token", None)
     return {"token": token, "ssl_context": context, "reconnect_for": reconnect_for}
 
@@ -199,6 +202,8 @@ def run(args: argparse.Namespace) -> int:
         return _RUNNERS[command](args, output)
     except ClientError as exc:
         return fail(f"client {command}", str(exc))
+    except UsageError as exc:
+        return fail(f"client {command}", str(exc), code=2)
     except (ValueError, OSError) as exc:  # OSError: an unreadable --tls-ca
         return fail(f"client {command}", str(exc))
     finally:
@@ -218,11 +223,11 @@ def _execution_id(text: str) -> str | int:
 def _records(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     if args.execution_id is not None:
         if args.payload is None:
-            raise ValueError("--payload is required with --execution-id")
+            raise UsageError("--payload is required with --execution-id")
         yield {"execution_id": _execution_id(args.execution_id), "payload": args.payload}
         return
     if args.payload is not None or args.msg_id is not None:
-        raise ValueError("--payload and --msg-id need --execution-id")
+        raise UsageError("--payload and --msg-id need --execution-id")
     for number, line in enumerate(sys.stdin, 1):
         if not line.strip():
             continue
@@ -238,7 +243,7 @@ def _records(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
 def _publish(args: argparse.Namespace, output: Output) -> int:
     face = "evt_ingest" if args.events else "cmd_ingest"
     if args.writers and args.addr:
-        raise ValueError("give --addr or --writers, not both")
+        raise UsageError("give --addr or --writers, not both")
     shards = ShardMap.parse(args.writers) if args.writers else None
     if shards is None and not args.addr:  # CMDBUS_*_WRITERS, or NoETL's *_WRITER_ADDRS
         shards = ShardMap.from_environ("events" if args.events else "commands")
@@ -260,11 +265,11 @@ def _publish(args: argparse.Namespace, output: Output) -> int:
 
 def _claim(args: argparse.Namespace, output: Output) -> int:
     if args.max is not None and args.max < 1:
-        raise ValueError(f"--max must be at least 1, got {args.max}")
+        raise UsageError(f"--max must be at least 1, got {args.max}")
     if args.timeout is not None and args.timeout < 0:
-        raise ValueError(f"--timeout must be >= 0, got {args.timeout}")
+        raise UsageError(f"--timeout must be >= 0, got {args.timeout}")
     if args.writers and args.addr:
-        raise ValueError("give --addr or --writers, not both")
+        raise UsageError("give --addr or --writers, not both")
     options = {"wait": args.timeout, "group": args.group, "timeout": CALL_TIMEOUT}
     claimed = 0
     if args.writers:  # round robin over the shards' claim faces
@@ -326,7 +331,7 @@ def _tier_delete(args: argparse.Namespace, output: Output) -> int:
 
 def _tier_scan(args: argparse.Namespace, output: Output) -> int:
     if args.limit is not None and args.limit < 1:
-        raise ValueError(f"--limit must be at least 1, got {args.limit}")
+        raise UsageError(f"--limit must be at least 1, got {args.limit}")
     remaining = args.limit
     after = args.after
     with _connect(blocking.TierClient, "tier", args) as tier:
@@ -353,11 +358,11 @@ def _dead(args: argparse.Namespace, output: Output) -> int:
     """List every dead letter (all pages), or requeue or purge them."""
     moving = args.requeue or args.purge
     if (args.sort_keys or args.all) and not moving:
-        raise ValueError("--sort-key and --all go with --requeue or --purge")
+        raise UsageError("--sort-key and --all go with --requeue or --purge")
     if moving and not (args.filter or args.sort_keys or args.all):
         # Every dead letter, without a word, was one flag away: say which ones.
         flag = "--requeue" if args.requeue else "--purge"
-        raise ValueError(f"{flag}: name --filter F or --sort-key K, or --all for every one")
+        raise UsageError(f"{flag}: name --filter F or --sort-key K, or --all for every one")
     with _connect(blocking.ClaimClient, _claim_face(args), args) as claim:
         if moving:
             move = claim.requeue if args.requeue else claim.purge
