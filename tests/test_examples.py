@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -32,10 +33,15 @@ def start(name: str, *args: str) -> subprocess.Popen[str]:
     )
 
 
-def finish(program: subprocess.Popen[str]) -> list[dict[str, int]]:
-    """The program's JSON lines, once it exited 0 with nothing on stderr."""
+def finish(program: subprocess.Popen[str], signalled: str | None = None) -> list[dict[str, int]]:
+    """The program's JSON lines, once it exited 0 with nothing on stderr, or, stopped by
+    ``signalled``, with its status (128 + the signal) and one line saying so."""
     out, err = program.communicate(timeout=60)
-    assert program.returncode == 0 and not err, err
+    if signalled is None:
+        assert program.returncode == 0 and not err, err
+    else:
+        assert program.returncode == 128 + signal.Signals[signalled], (program.returncode, err)
+        assert err.endswith(f": stopped by {signalled}\n") and err.count("\n") == 1, err
     return [json.loads(line) for line in out.splitlines()]
 
 
@@ -65,7 +71,32 @@ def test_the_examples_ride_through_a_drain_and_a_kill(tmp_path: Path) -> None:
                 time.sleep(0.2)  # until every record is acked
         for worker in workers:
             worker.send_signal(signal.SIGTERM)
-        ran = [line for worker in workers for line in finish(worker)]
+        ran = [line for worker in workers for line in finish(worker, "SIGTERM")]
     processed = {line["sort_key"] for line in ran}
     assert processed == keys, (sorted(keys - processed)[:10], sorted(processed - keys)[:10])
     assert all(line["execution_id"] is not None for line in ran)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT"])
+def test_the_examples_stop_at_once_while_the_writer_is_away(tmp_path: Path, how: str) -> None:
+    """No writer at their addresses: each example waits for one (its reconnect window is
+    a minute), and SIGTERM or Ctrl-C (SIGINT) stops it at once, with one line and the
+    status of the signal, not a minute later with a traceback."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        away = f"127.0.0.1:{free.getsockname()[1]}"
+    programs = [
+        start("publisher.py", "--addr", away, "--count", "5"),
+        start("worker.py", "--addr", away),
+        start("worker_blocking.py", "--addr", away),
+    ]
+    try:
+        time.sleep(1.5)  # started, and waiting for the writer
+        for program in programs:
+            program.send_signal(signal.Signals[how])
+        for program in programs:
+            assert finish(program, how) == []
+    finally:
+        for program in programs:
+            program.kill()
