@@ -181,6 +181,33 @@ def test_serve_help_groups_every_setting_and_shows_what_it_takes() -> None:
     assert (flags["debug_hooks"], flags["allow_v1"]) == ("true", "false")
 
 
+def test_serve_help_cannot_drift_from_what_the_settings_take() -> None:
+    """What `serve --help` says a setting takes is its parser's own refusal, so it holds:
+    each integer bound it names is taken and the value past it refused. The help line
+    does not say again what that text says, and the debug hooks named are those the
+    control face has."""
+    import re
+
+    from cmdbus_trio.control._debug import HOOKS
+
+    for setting in SETTINGS:
+        takes = allowed(setting)
+        for low in map(int, re.findall(r"an integer >= (\d+)", takes)):
+            setting.parse(str(low)), setting.parse(str(low + 1))
+            with pytest.raises(ValueError):
+                setting.parse(str(low - 1))
+        for low, high in re.findall(r"an integer in (\d+)\.\.(\d+)", takes):
+            setting.parse(low), setting.parse(high)
+            with pytest.raises(ValueError):
+                setting.parse(str(int(high) + 1))
+        if takes.startswith("0 "):
+            setting.parse("0")
+        for said in ("HOST:PORT", "no cap", "empty"):
+            assert not (said in takes and said in setting.help), (setting.name, setting.help)
+    debug = next(setting for setting in SETTINGS if setting.name == "debug_hooks")
+    assert set(re.findall(r"/debug/[a-z-]+", debug.help)) == set(HOOKS)
+
+
 def test_the_console_log_prints_the_changed_settings_one_a_line(tmp_path: Path) -> None:
     settings = {"CMDBUS_LOG_FORMAT": "console", "CMDBUS_SHUTDOWN_TIMEOUT_MS": "3000"}
     with serving(tmp_path, **settings) as (writer, ports):

@@ -79,7 +79,7 @@ def _face_bind(face: str) -> Any:
     return _setting(
         f"127.0.0.1:{DEFAULT_PORTS[face]}",
         parse_bind,
-        f"address of the {face} face, HOST:PORT; empty disables it; port 0 picks a free port",
+        f"address of the {face} face; port 0 picks a free port",
     )
 
 
@@ -88,7 +88,7 @@ def _lag_bind(what: str, port: int) -> Any:
         "",
         parse_bind,
         f"address serving NoETL's {what} lag series at /metrics (the NoETL writer's "
-        f":{port}), HOST:PORT; empty: off",
+        f":{port})",
     )
 
 
@@ -235,8 +235,7 @@ class Config:
         "0",
         byte_cap,
         "the event log's pages in use are kept under this many bytes by evicting the oldest "
-        "events, whatever the groups did (counted in cmdbus_evicted_unconsumed_total); "
-        "0: no cap",
+        "events, whatever the groups did (counted in cmdbus_evicted_unconsumed_total)",
     )
     dead_retention_ms: int = _setting(
         str(7 * 86_400_000),
@@ -319,9 +318,9 @@ class Config:
     debug_hooks: bool = _setting(
         "false",
         boolean,
-        "enable POST /debug/block-loop, /debug/fail-writes, /debug/slow-commits and "
-        "/debug/loop-census on the control face (for tests, drills and benchmarks; never in "
-        "prod); with an auth token set they "
+        "enable POST /debug/block-loop, /debug/fail-writes, /debug/slow-commits, "
+        "/debug/crash-face, /debug/hold-bytes and /debug/loop-census on the control face "
+        "(for tests, drills and benchmarks; never in prod); with an auth token set they "
         "need 'Authorization: Bearer <token>', and a control bind beyond loopback needs one",
     )
 

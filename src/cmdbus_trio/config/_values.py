@@ -123,9 +123,13 @@ a cap near that would evict every event as soon as it is published."""
 
 def byte_cap(text: str) -> int:
     """0 (no cap), or a cap of at least :data:`MIN_EVT_MAX_BYTES`."""
-    value = int_range(0)(text)
+    allowed = f"expected 0 (no cap) or an integer >= {MIN_EVT_MAX_BYTES} (1 MiB)"
+    try:
+        value = int_range(0)(text)
+    except ValueError:
+        raise ValueError(allowed) from None
     if 0 < value < MIN_EVT_MAX_BYTES:
-        raise ValueError(f"expected 0 (no cap) or an integer >= {MIN_EVT_MAX_BYTES} (1 MiB)")
+        raise ValueError(allowed)
     return value
 
 
