@@ -113,7 +113,7 @@ def test_bind_str_round_trips() -> None:
         ("CMDBUS_SWITCH_INTERVAL_MS", "0", "a positive number"),
         ("CMDBUS_SWITCH_INTERVAL_MS", "nan", "a positive number"),
         ("CMDBUS_EVT_MAX_BYTES", "1048575", "0 (no cap) or an integer >= 1048576"),
-        ("CMDBUS_EVT_MAX_BYTES", "-1", "an integer >= 0"),
+        ("CMDBUS_EVT_MAX_BYTES", "-1", "0 (no cap) or an integer >= 1048576"),
     ],
 )
 def test_bad_values_name_the_setting_the_value_and_what_is_allowed(
