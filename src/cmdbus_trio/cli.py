@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 from typing import Protocol
 
+import attrs
 import trio
 
 from . import __version__, app, descriptors, logs, noetl, spans, tracing_setup
@@ -198,6 +199,7 @@ def _serve(flags: dict[str, str | None]) -> int:
 
 
 def _run(config: Config, translated: noetl.Translation) -> int:
+    config = attrs.evolve(config, log_format=logs.resolved(config.log_format, sys.stderr))
     logs.configure(config.log_format, config.log_level)
     for alias, setting in translated.used:
         event(log, logging.INFO, "noetl_alias", variable=alias, read_as=setting)

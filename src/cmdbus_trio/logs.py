@@ -11,7 +11,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable
-from typing import Any, TypeGuard
+from typing import Any, TextIO, TypeGuard
 
 _FIELDS = "cmdbus_fields"
 
@@ -88,6 +88,14 @@ class OncePerBurst(logging.Filter):
             record.msg = f"{record.msg} (and {self.dropped} more like it, not logged)"
             self.dropped = 0
         return True
+
+
+def resolved(log_format: str, stream: TextIO) -> str:
+    """``auto`` as ``console`` on a terminal and ``json`` elsewhere (a pipe, a file, a
+    container's log); any other format as it is."""
+    if log_format != "auto":
+        return log_format
+    return "console" if stream.isatty() else "json"
 
 
 def configure(log_format: str, level: str) -> None:

@@ -259,3 +259,29 @@ def test_an_unknown_flag_shows_its_commands_usage_and_the_nearest_flag(
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith(usage) and said in err, err
+
+
+def test_serve_logs_short_lines_on_a_terminal_and_json_elsewhere(tmp_path: Path) -> None:
+    """`CMDBUS_LOG_FORMAT` unset (`auto`): a person running `serve` in a terminal reads
+    one short line an event; the same writer logging to a file (a container's log)
+    writes JSON lines."""
+    env = environment(tmp_path, CMDBUS_SHUTDOWN_TIMEOUT_MS="1000")
+    leader, follower = pty.openpty()
+    writer = subprocess.Popen(cli("serve"), stdout=subprocess.DEVNULL, stderr=follower, env=env)
+    os.close(follower)
+    shown = b""
+    try:
+        deadline = time.monotonic() + 30
+        while b" started" not in shown and time.monotonic() < deadline:
+            shown += os.read(leader, 65536)
+    finally:
+        writer.send_signal(signal.SIGTERM)
+        writer.wait(timeout=30)
+        os.close(leader)
+    first = shown.decode().splitlines()[0]
+    assert not first.startswith("{") and len(first) < 200, first
+    piped = tmp_path / "piped"
+    piped.mkdir()
+    with serving(piped):
+        pass
+    assert server_log(piped).lstrip().startswith("{")

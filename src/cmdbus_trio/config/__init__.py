@@ -87,8 +87,7 @@ def _lag_bind(what: str, port: int) -> Any:
     return _setting(
         "",
         parse_bind,
-        f"address serving NoETL's {what} lag series at /metrics (the NoETL writer's "
-        f":{port})",
+        f"address serving NoETL's {what} lag series at /metrics (the NoETL writer's :{port})",
     )
 
 
@@ -311,7 +310,12 @@ class Config:
     tls_key: Path | None = _setting(
         "", optional_path, "TLS private key for the data faces (unset: off)"
     )
-    log_format: str = _setting("json", choice("json", "console"), "log line format")
+    log_format: str = _setting(
+        "auto",
+        choice("auto", "json", "console"),
+        "log line format; auto: console (one short line an event) when stderr is a "
+        "terminal, else json",
+    )
     log_level: str = _setting(
         "info", choice("debug", "info", "warning", "error"), "lowest level logged"
     )
