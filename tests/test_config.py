@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import pytest
@@ -42,7 +43,13 @@ def test_defaults_follow_the_design(tmp_path: Path) -> None:
     assert config.subscriber_buffer == 10000
     assert config.control_keepalive_ms == 5000
     assert config.auth_token is None and config.tls_cert is None and config.ports_file is None
-    assert (config.log_format, config.log_level) == ("json", "info")
+    assert (config.log_format, config.log_level) == ("auto", "info")
+    # auto is the design's json wherever the log is read by a machine (not a terminal)
+    from cmdbus_trio.logs import resolved
+
+    assert resolved(config.log_format, io.StringIO()) == "json"
+    assert resolved("json", _Terminal()) == "json"
+    assert resolved("auto", _Terminal()) == "console"
 
 
 def test_every_setting_has_one_env_name_and_one_flag() -> None:
@@ -105,7 +112,7 @@ def test_bind_str_round_trips() -> None:
         ("CMDBUS_TIER_MAX_WAITERS", "-3", "an integer >= 0"),
         ("CMDBUS_MAX_REQUEST_BYTES", "10", "an integer >= 64"),
         ("CMDBUS_SYNC", "off", "one of full, normal"),
-        ("CMDBUS_LOG_FORMAT", "xml", "one of json, console"),
+        ("CMDBUS_LOG_FORMAT", "xml", "one of auto, json, console"),
         ("CMDBUS_LOG_LEVEL", "loud", "one of debug, info, warning, error"),
         ("CMDBUS_EVT_GROUPS", "a,b c", "group 'b c'"),
         ("CMDBUS_EVT_GROUPS", "a,a", "unique"),
@@ -228,3 +235,8 @@ def test_docs_list_every_setting() -> None:
 @pytest.mark.parametrize(("value", "cap"), [("0", 0), ("1048576", 1 << 20), ("5000000", 5_000_000)])
 def test_the_event_log_cap_is_off_or_at_least_a_mebibyte(value: str, cap: int) -> None:
     assert load({}, environ={"CMDBUS_EVT_MAX_BYTES": value}).evt_max_bytes == cap
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
