@@ -18,7 +18,7 @@ import trio
 from . import __version__, app, descriptors, logs, noetl, spans, tracing_setup
 from .client._shards import WRITERS_ENV
 from .commands import bench, client, diagnose, import_tier
-from .commands._output import leaves
+from .commands._output import INTERRUPTED, leaves
 from .commands._serve_help import add_setting_arguments
 from .commands.backups import Backup, Check, Restore
 from .commands.client import TOKEN_VARIABLE
@@ -126,11 +126,6 @@ def _refuse_unknown(
         near = difflib.get_close_matches(word.split("=", 1)[0], flags, n=1, cutoff=0.75)
         said.append(f"{word} (did you mean {near[0]}?)" if near else word)
     chosen.error(f"unrecognized arguments: {' '.join(said)}")
-
-
-INTERRUPTED = 130
-"""The exit status after Ctrl-C (128 + SIGINT, as shells report it). ``serve`` takes
-SIGINT as a drain instead, and exits 0 once it is done."""
 
 
 SHARED_FLAGS: dict[str, int] = {

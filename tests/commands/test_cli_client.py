@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -287,6 +289,26 @@ def test_bench_stall_against_a_running_writer(server: dict[str, str]) -> None:
     header, _, *rows = result.stdout.splitlines()
     assert header.split()[:3] == ["op", "ok", "rate_per_s"]
     assert {row.split()[0] for row in rows} == {"append", "healthz", "read_page"}
+
+
+def test_bench_interrupted_prints_what_it_measured(server: dict[str, str]) -> None:
+    """Ctrl-C two seconds into a 60 s run: the rows measured so far (rates over the time
+    it ran), then the interrupted line, and status 130."""
+    command = cli(
+        "bench", "--url", f"http://{server['control']}", "--scenario", "publish",
+        "--duration", "60", "--concurrency", "2",
+    )  # fmt: skip
+    bench = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(3.0)
+        bench.send_signal(signal.SIGINT)
+        out, err = bench.communicate(timeout=30)
+    finally:
+        bench.kill()
+    assert bench.returncode == 130, err
+    assert err.rstrip().endswith("cmdbus-trio: interrupted"), err
+    rows = {row["op"]: row for row in map(json.loads, out.splitlines())}
+    assert rows["publish"]["ok"] > 0 and rows["publish"]["rate_per_s"] > 0, rows
 
 
 def test_bench_errors() -> None:

@@ -91,6 +91,11 @@ def _cell(value: Any, max_cell: int) -> str:
     return text if len(text) <= max_cell else text[: max_cell - 1] + "…"
 
 
+INTERRUPTED = 130
+"""The exit status after Ctrl-C (128 + SIGINT, as shells report it). ``serve`` takes
+SIGINT as a drain instead, and exits 0 once it is done."""
+
+
 class UsageError(ValueError):
     """The command's flags do not go together: exit 2, as argparse's own errors do."""
 

@@ -39,7 +39,7 @@ from cmdbus_trio.client import Busy, ClientError
 from cmdbus_trio.client.trio import ClaimClient, IngestClient, TierClient
 
 from ._addresses import add_control_url_arguments, default_control_url, server_of
-from ._output import Output, add_output_arguments, fail, human_wanted, leaves
+from ._output import INTERRUPTED, Output, add_output_arguments, fail, human_wanted, leaves
 from .client import add_connection_arguments, connection_options
 from .spawn import SpawnError, spawn_writer
 
@@ -331,7 +331,11 @@ async def bench(
     workers: int,
     events: int,
     options: Mapping[str, Any] | None = None,
+    recorder: Recorder | None = None,
 ) -> Recorder:
+    """Run ``scenario`` against the writer at ``url``; what it measured goes into
+    ``recorder`` (a new one if None), which the caller keeps if the run is
+    interrupted."""
     faces = _addresses(url, await _health(url))
     needed = {"publish": ["cmd_ingest"], "claim": ["cmd_ingest", "cmd_claim"]}.get(
         scenario,
@@ -343,7 +347,8 @@ async def bench(
         raise ClientError(
             f"scenario {scenario} needs the faces {', '.join(missing)}, which are off"
         )
-    recorder = Recorder(time.perf_counter())
+    recorder = recorder or Recorder(time.perf_counter())
+    recorder.started = time.perf_counter()
     end = trio.current_time() + duration
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_probe, url, recorder, end)
@@ -377,6 +382,7 @@ def run(args: argparse.Namespace) -> int:
         except ImportError:
             return fail("bench", "--plot needs matplotlib: pip install 'cmdbus-trio[plot]'")
     process = None
+    recorder: Recorder | None = None
     try:
         if args.spawn and args.server:
             raise ValueError("give --spawn or --server, not both")
@@ -390,12 +396,24 @@ def run(args: argparse.Namespace) -> int:
             process, ports = spawn_writer(Path(tempfile.mkdtemp(prefix="cmdbus-bench-")))
             url = f"http://{ports['control']}"
         options = connection_options(args)
-        recorder = trio.run(
-            bench, url, args.scenario, args.duration, args.concurrency, args.events, options
+        recorder = Recorder(time.perf_counter())
+        trio.run(
+            bench,
+            url,
+            args.scenario,
+            args.duration,
+            args.concurrency,
+            args.events,
+            options,
+            recorder,
         )
+    except KeyboardInterrupt:
+        return _interrupted(args, recorder)
     except (ClientError, SpawnError) as exc:
         return fail("bench", str(exc))
     except BaseExceptionGroup as group:
+        if all(isinstance(leaf, KeyboardInterrupt) for leaf in leaves(group)):
+            return _interrupted(args, recorder)
         errors, rest = group.split((ClientError, OSError))
         if errors is None or rest is not None:
             raise
@@ -406,11 +424,24 @@ def run(args: argparse.Namespace) -> int:
         if process is not None:
             process.send_signal(signal.SIGTERM)
             process.wait(timeout=60)
-    output = Output(human=human_wanted(args))
-    for row in summary(recorder, args.duration):
-        output.row(row)
-    output.close()
+    _report(args, recorder, args.duration)
     if args.plot is not None:
         title = f"cmdbus-trio bench {args.scenario}, {args.concurrency} workers"
         plot(recorder, args.plot, title, args.duration)
     return 0
+
+
+def _report(args: argparse.Namespace, recorder: Recorder, duration: float) -> None:
+    output = Output(human=human_wanted(args))
+    for row in summary(recorder, duration):
+        output.row(row)
+    output.close()
+
+
+def _interrupted(args: argparse.Namespace, recorder: Recorder | None) -> int:
+    """Ctrl-C: what was measured until then (its rates over the time it ran), then the
+    interrupted line and status the command line gives."""
+    if recorder is not None and recorder.ops():
+        _report(args, recorder, max(time.perf_counter() - recorder.started, 1e-3))
+    print("cmdbus-trio: interrupted", file=sys.stderr, flush=True)
+    return INTERRUPTED
