@@ -58,7 +58,8 @@ class Program:
             self.lines.append((time.monotonic(), json.loads(line)))
 
     def stop(self) -> str:
-        """SIGTERM, then its stderr once it exited (a program that hangs is killed)."""
+        """SIGTERM, then its stderr once it exited (a program that hangs is killed),
+        but for the one line a program stopped by it says."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
         try:
@@ -68,7 +69,11 @@ class Program:
             _, err = self.process.communicate()
             err += "\n(did not stop on SIGTERM)"
         self._reader.join(timeout=5)
-        return err
+        return "\n".join(line for line in err.splitlines() if not line.endswith(STOPPED))
+
+
+STOPPED = ": stopped by SIGTERM"
+"""What an example says on stderr when SIGTERM stops it."""
 
 
 def ready(control: str, timeout: float = 60) -> None:
