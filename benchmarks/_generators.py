@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import resource
 import struct
 import sys
@@ -29,8 +30,13 @@ SUBJECT = "commands.shared.shard.0"
 HEADER = struct.Struct(">I")
 
 
+PAD_VARIABLE = "CMDBUS_BENCH_PAD_BYTES"
+PAD = "x" * int(os.environ.get(PAD_VARIABLE, "200"))
+"""Each record's padding (bus.py's --pad-bytes sets it for every generator)."""
+
+
 def body(n: int, sent_at: float | None = None) -> dict[str, Any]:
-    payload: dict[str, Any] = {"n": n, "pad": "x" * 200}
+    payload: dict[str, Any] = {"n": n, "pad": PAD}
     if sent_at is not None:
         payload["ts"] = sent_at
     return {"execution_id": n, "payload": json.dumps(payload)}

@@ -81,6 +81,7 @@ import attrs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _client import percentiles
+from _generators import PAD_VARIABLE
 
 HERE = Path(__file__).resolve()
 PIPELINE = 32
@@ -99,7 +100,8 @@ BATCHED_CONSUMERS = 16
 
 
 def body(n: int) -> dict[str, Any]:
-    return {"execution_id": n, "payload": json.dumps({"n": n, "pad": "x" * 200})}
+    pad = "x" * int(os.environ.get(PAD_VARIABLE, "200"))
+    return {"execution_id": n, "payload": json.dumps({"n": n, "pad": pad})}
 
 
 def subject_of(n: int) -> str:
@@ -617,6 +619,12 @@ def main() -> None:
         "--traced", action="store_true", help="also the writer with every span exported"
     )
     parser.add_argument(
+        "--pad-bytes",
+        type=int,
+        default=200,
+        help="each record's padding, for every workload (default 200: records of ~250 bytes)",
+    )
+    parser.add_argument(
         "--rounds",
         type=int,
         default=1,
@@ -637,6 +645,9 @@ def main() -> None:
         )
     if args.quick:
         args.duration, args.backlog = 3.0, 10_000
+    if args.pad_bytes < 0:
+        parser.error(f"--pad-bytes must be >= 0, not {args.pad_bytes}")
+    os.environ[PAD_VARIABLE] = str(args.pad_bytes)  # the generators' records (_generators.py)
     workdir = Path(tempfile.mkdtemp(prefix="cmdbus-bus-"))
     print(f"machine: {os.cpu_count()} CPUs; python {sys.version.split()[0]}")
     if args.memory:

@@ -61,6 +61,9 @@ def test_the_check_finds_a_missing_citation(tmp_path: Path) -> None:
 
 USER_DOCS = [ROOT / "README.md", *sorted(ROOT.glob("docs/*.md"))]
 SECTION_REFERENCE = re.compile(r"([\w/.-]+\.md)(?:,|\s*\()\s*\"([^\"]+)\"")
+SECTION_IN_PAGE = re.compile(r"\"([^\"]+)\"\s+in\s+([\w/.-]+\.md)\b")
+"""The same reference the other way round: ``"A heading" in page.md``."""
+ANCHOR_LINK = re.compile(r"\]\(([^)#\s]*)#([^)\s]+)\)")
 DATE_HEADING = re.compile(r"^#+ .*\b20\d\d-\d\d-\d\d", re.M)
 TIME_OF_DAY_HEADING = re.compile(r"^#+ .*\b(morning|afternoon|evening|night)\b", re.M | re.I)
 ISSUE_NUMBER = re.compile(r"\b[Ii]ssues? \d+\b|(?<![\w/])#\d+\b")
@@ -81,11 +84,52 @@ def headings(page: Path) -> list[str]:
     return found
 
 
-def broken_section_references(text: str, citing: Path) -> list[str]:
-    """``page.md, "A heading"`` or ``page.md ("A heading")`` whose page has no heading
-    starting so (a reference may name a heading by its first words)."""
+def slug(heading: str) -> str:
+    """A heading's anchor as GitHub makes it: lower case, punctuation dropped, spaces to
+    hyphens."""
+    kept = "".join(c for c in heading.lower() if c.isalnum() or c in " -_")
+    return kept.replace(" ", "-")
+
+
+def broken_anchors(text: str, citing: Path) -> list[str]:
+    """``[text](page.md#anchor)`` and ``[text](#anchor)`` whose page has no heading with
+    that anchor."""
     broken = []
-    for page_name, section in SECTION_REFERENCE.findall(text):
+    for page_name, anchor in ANCHOR_LINK.findall(text):
+        page = citing if not page_name else citing.parent / page_name
+        if page.suffix != ".md" or not page.is_file():
+            continue  # a missing page is the citation check's
+        anchors = {
+            slug(" ".join(line.lstrip("#").split()))
+            for line in page.read_text().splitlines()
+            if line.startswith("#")
+        }
+        if anchor not in anchors:
+            shown = citing.relative_to(ROOT) if citing.is_relative_to(ROOT) else citing.name
+            broken.append(f"{shown}: {page_name}#{anchor}")
+    return broken
+
+
+def test_every_anchor_a_link_names_is_there() -> None:
+    broken = [b for text in USER_DOCS for b in broken_anchors(text.read_text(), text)]
+    assert not broken, "\n".join(broken)
+
+
+def test_the_anchor_check_finds_a_missing_one(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text("# Top\n## The WAL is not checkpointed\n")
+    text = "[a](#the-wal-is-not-checkpointed) [b](page.md#top) [c](#nowhere) [d](page.md#gone)"
+    assert [b.split(": ")[1] for b in broken_anchors(text, page)] == ["#nowhere", "page.md#gone"]
+
+
+def broken_section_references(text: str, citing: Path) -> list[str]:
+    """``page.md, "A heading"``, ``page.md ("A heading")`` or ``"A heading" in page.md``
+    whose page has no heading starting so (a reference may name a heading by its first
+    words)."""
+    broken = []
+    references = SECTION_REFERENCE.findall(text)
+    references += [(page, section) for section, page in SECTION_IN_PAGE.findall(text)]
+    for page_name, section in references:
         page = next(
             (base / page_name for base in (ROOT, citing.parent, ROOT / "docs")
              if (base / page_name).is_file()),
@@ -132,3 +176,12 @@ def test_the_history_check_finds_each_kind() -> None:
     page = ROOT / "docs" / "benchmarks.md"
     assert broken_section_references('See benchmarks.md, "No such heading".', page)
     assert not broken_section_references('See benchmarks.md ("The bus benchmark").', page)
+
+
+def test_the_section_check_reads_a_reference_either_way_round() -> None:
+    page = ROOT / "docs" / "scale-out.md"
+    found = broken_section_references(
+        'See "CPU and latency at a\nrate" in sizing.md and "Sizing a writer" in sizing.md.',
+        page,
+    )
+    assert found == ['docs/scale-out.md: sizing.md, "Sizing a writer"']
