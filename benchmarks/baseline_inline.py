@@ -22,7 +22,7 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
 from cmdbus_trio import metrics
-from cmdbus_trio.app import write_ports_file
+from cmdbus_trio.commands._addresses import write_ports_file
 from cmdbus_trio.protocol import (
     NEED_DATA,
     FrameDecoder,

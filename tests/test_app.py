@@ -10,7 +10,8 @@ import trio
 import trio.testing
 
 from cmdbus_trio import metrics
-from cmdbus_trio.app import StartupError, Writer, write_ports_file
+from cmdbus_trio.app import StartupError, Writer
+from cmdbus_trio.commands._addresses import write_ports_file
 from cmdbus_trio.config import Config
 from cmdbus_trio.faces import FaceContext
 

@@ -144,7 +144,7 @@ def test_only_the_trio_client_imports_trio_in_the_client_package() -> None:
     users = sorted(
         path.name for path in (SRC / "client").glob("*.py") if "trio" in imported_modules(path)
     )
-    assert users == ["_trio_connection.py", "_trio_faces.py"]
+    assert users == ["_trio_connection.py", "_trio_faces.py", "_trio_sharded.py"]
 
 
 def test_only_the_offload_helper_enters_a_thread() -> None:

@@ -18,7 +18,7 @@ from typing import Any
 from test_deploy import built_documents, by_kind, need, running_image_entrypoint
 
 from cmdbus_trio.client.blocking import ClaimClient, IngestClient, TierClient
-from cmdbus_trio.storage.backups import REPLICA_KEY_JUMP
+from cmdbus_trio.storage.restores import REPLICA_KEY_JUMP
 
 BIN = Path(sys.executable).parent  # cmdbus-trio and litestream, as the images have them
 

@@ -12,12 +12,10 @@
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import os
 import signal
 import sqlite3
-import tempfile
 from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
 from pathlib import Path
@@ -29,6 +27,7 @@ from . import __version__, control, descriptors, metrics
 from .admission import ByteBudget, Gate, run_in_thread
 from .bus import Bus
 from .bus.retention import Eviction, retention_for, run_retention
+from .commands._addresses import write_ports_file
 from .config import DATA_FACE_NAMES, LAG_PORT_NAMES, Bind, Config
 from .control import _debug
 from .control.health import FaceState, Health
@@ -74,10 +73,8 @@ class StartupError(Exception):
 
     def __init__(self, face: str, bind: Bind, cause: BaseException) -> None:
         setting = f"CMDBUS_{face.upper()}_BIND (--{face.replace('_', '-')}-bind)"
-        super().__init__(
-            f"cannot start the {face} face on {bind}: {_leaf(cause)}; choose another "
-            f"address with {setting}"
-        )
+        why = f"{_leaf(cause)}; choose another address with {setting}"
+        super().__init__(f"cannot start the {face} face on {bind}: {why}")
         self.face = face
 
 
@@ -96,11 +93,10 @@ async def _measure_stores(
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """``cmdbus_store_bytes`` of every store, its WAL's size and checkpoint age (and a
-    checkpoint of a WAL past ``wal_ceiling``), and the data dir's free and total bytes,
-    every ``period`` (file calls: in a thread, never on the loop)."""
+    """Every store's bytes, WAL and checkpoint age (its WAL checkpointed past ``wal_ceiling``),
+    the data dir's free and total bytes, every ``period`` (in a thread, never on the loop)."""
     limiter = trio.CapacityLimiter(1)
-    watches: dict[str, CheckpointWatch] = {}
+    checkpoints = CheckpointWatch(trio.current_time())
     metrics.STORE_WAL_CEILING.set(wal_ceiling)
     task_status.started()
     while True:
@@ -109,44 +105,14 @@ async def _measure_stores(
             metrics.STORE_BYTES.labels(store=name).set(size)
             wal = await run_in_thread(store.wal, limiter=limiter)
             metrics.STORE_WAL_BYTES.labels(store=name).set(wal.bytes)
-            watch = watches.setdefault(name, CheckpointWatch(trio.current_time()))
-            age = watch.seen(wal, trio.current_time())
+            age = checkpoints.seen(name, wal, trio.current_time())
             metrics.STORE_CHECKPOINT_AGE.labels(store=name).set(age)
-            if wal.bytes > wal_ceiling:
-                checkpointed = await run_in_thread(
-                    store.checkpoint_past, wal_ceiling, limiter=limiter
-                )
-                metrics.WAL_CEILING_CHECKPOINTS.labels(store=name).inc(checkpointed)
-                event(
-                    log,
-                    logging.WARNING,
-                    "wal_ceiling_checkpoint" if checkpointed else "wal_ceiling_checkpoint_busy",
-                    store=name,
-                    wal_bytes=wal.bytes,
-                    ceiling=wal_ceiling,
-                    checkpoint_age_s=round(age, 1),
-                    why="the WAL outgrew CMDBUS_WAL_CEILING_BYTES: nothing else checkpoints "
-                    "it (with CMDBUS_CHECKPOINTS=litestream: is Litestream running?)",
-                )
+            if wal.bytes > wal_ceiling:  # (it logs why)
+                await run_in_thread(store.checkpoint_past, wal_ceiling, age, limiter=limiter)
         volume = await run_in_thread(os.statvfs, data_dir, limiter=limiter)
         metrics.DATA_DIR_FREE.set(volume.f_bavail * volume.f_frsize)
         metrics.DATA_DIR_CAPACITY.set(volume.f_blocks * volume.f_frsize)
         await trio.sleep(period)
-
-
-def write_ports_file(path: Path, addresses: Mapping[str, str]) -> None:
-    """Write ``{face: "host:port"}`` atomically: readers see the whole file or none."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as out:
-            json.dump(dict(addresses), out, sort_keys=True)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 class Writer:

@@ -24,7 +24,7 @@ def _value(family: Any, subject: str) -> float:
 async def test_ten_thousand_pools_grow_the_scrape_by_at_most_200_kb(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    series = metrics.SubjectSeries(500)
+    series = metrics.series_of_subjects(500)
     monkeypatch.setattr(metrics, "SUBJECTS", series)
     before = len(metrics.exposition()[0])
     folds = metrics.SUBJECT_FOLDS._value.get()
@@ -47,7 +47,7 @@ async def test_ten_thousand_pools_grow_the_scrape_by_at_most_200_kb(
 
 
 def test_the_first_subjects_keep_their_own_series() -> None:
-    series = metrics.SubjectSeries(2)
+    series = metrics.series_of_subjects(2)
     assert [series.label(s) for s in ("a", "b", "c", "a", "d", "b")] == [
         "a",
         "b",

@@ -5,6 +5,7 @@ methods, parameters and docstrings."""
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 
 import pytest
 
@@ -12,11 +13,15 @@ from cmdbus_trio.client import _unasync, blocking
 from cmdbus_trio.client import trio as trio_client
 
 
-def test_the_blocking_faces_are_generated_from_the_trio_faces() -> None:
-    generated = _unasync.unasync(_unasync.SOURCE.read_text())
-    assert _unasync.TARGET.read_text() == generated, (
-        "src/cmdbus_trio/client/_blocking_faces.py is stale: "
-        "run python -m cmdbus_trio.client._unasync"
+@pytest.mark.parametrize(
+    ("source", "target", "what"), _unasync.PAIRS, ids=[pair[1].name for pair in _unasync.PAIRS]
+)
+def test_the_blocking_modules_are_generated_from_the_trio_ones(
+    source: Path, target: Path, what: str
+) -> None:
+    generated = _unasync.unasync(source.read_text(), source.stem, what)
+    assert target.read_text() == generated, (
+        f"src/cmdbus_trio/client/{target.name} is stale: run python -m cmdbus_trio.client._unasync"
     )
 
 

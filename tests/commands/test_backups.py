@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from cmdbus_trio.client import blocking
-from cmdbus_trio.storage.backups import MIN_KEY_JUMP
+from cmdbus_trio.storage.restores import MIN_KEY_JUMP
 
 from ..helpers import cli, serving
 

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from cmdbus_trio.client import blocking
-from cmdbus_trio.storage.backups import REPLICA_KEY_JUMP
 from cmdbus_trio.storage.datadir import STORE_FILES
+from cmdbus_trio.storage.restores import REPLICA_KEY_JUMP
 
 from ..helpers import serving
 

@@ -102,7 +102,7 @@ def test_the_writer_syncs_the_names_it_creates(
 
 
 def test_a_key_floor_is_read_written_and_never_lowered(tmp_path: Path) -> None:
-    from cmdbus_trio.storage.datadir import KEY_FLOOR_NAME, read_key_floor, write_key_floor
+    from cmdbus_trio.storage.keys import KEY_FLOOR_NAME, read_key_floor, write_key_floor
 
     assert read_key_floor(tmp_path) == 0  # none: nothing restored here
     write_key_floor(tmp_path, 1 << 40)
@@ -120,9 +120,9 @@ def test_every_key_counter_of_every_store_starts_at_the_floor(tmp_path: Path) ->
     to it too), and reopening changes nothing."""
     import sqlite3
 
-    from cmdbus_trio.storage._sqlite import KEYED_TABLES
     from cmdbus_trio.storage.buslog import BusLog
-    from cmdbus_trio.storage.datadir import STORE_FILES, write_key_floor
+    from cmdbus_trio.storage.datadir import STORE_FILES
+    from cmdbus_trio.storage.keys import KEYED_TABLES, write_key_floor
     from cmdbus_trio.storage.tier import TierStore
 
     floor = 1 << 41

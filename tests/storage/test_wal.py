@@ -40,11 +40,12 @@ def test_the_wal_is_read_from_its_file_and_a_checkpoint_moves_its_number(
 
 def test_a_checkpoint_is_seen_when_the_number_moves_or_the_wal_shrinks() -> None:
     watch = CheckpointWatch(now=100.0)
-    assert watch.seen(WalState(4096, 7), 105.0) == 5.0  # since the watch began
-    assert watch.seen(WalState(9000, 7), 110.0) == 10.0  # grew: no checkpoint
-    assert watch.seen(WalState(9000, 8), 111.0) == 0.0  # its number moved
-    assert watch.seen(WalState(9000, 8), 115.0) == 4.0
-    assert watch.seen(WalState(0, None), 116.0) == 0.0  # truncated
+    assert watch.seen("tier", WalState(4096, 7), 105.0) == 5.0  # since the watch began
+    assert watch.seen("tier", WalState(9000, 7), 110.0) == 10.0  # grew: no checkpoint
+    assert watch.seen("tier", WalState(9000, 8), 111.0) == 0.0  # its number moved
+    assert watch.seen("tier", WalState(9000, 8), 115.0) == 4.0
+    assert watch.seen("events", WalState(9000, 3), 115.0) == 15.0  # each store its own
+    assert watch.seen("tier", WalState(0, None), 116.0) == 0.0  # truncated
 
 
 def wal_scrape(wal: float, age: float, forced: float, ceiling: float = 1 << 20) -> Scrape:

@@ -20,6 +20,12 @@ before its restart names no lease of the writer after it (the odds that two star
 ranges meet are the grants over 2^52)."""
 
 
+Token = int | None
+"""The lease a settle names (None: whichever lease of the record the owner holds)."""
+Tokens = Sequence[Token] | None
+"""A token for each record a settle names, or None for none."""
+
+
 def new_token() -> int:
     """The token of a new lease (:attr:`Delivery.lease`)."""
     return next(_TOKENS)
@@ -74,9 +80,7 @@ class Leases:
         heapq.heappush(self.delayed, (ready_at, sort_key, subject))
         self._timer_added(ready_at)
 
-    def end(
-        self, sort_key: int, owner: object | None = None, token: int | None = None
-    ) -> Lease | None:
+    def end(self, sort_key: int, owner: object | None = None, token: Token = None) -> Lease | None:
         """Remove the record's lease (only if ``owner`` holds it, when given, and only
         the lease ``token`` names, when given)."""
         lease = self.by_key.get(sort_key)
@@ -93,7 +97,7 @@ class Leases:
         self,
         sort_keys: Sequence[int],
         owner: object,
-        tokens: Sequence[int | None] | None = None,
+        tokens: Tokens = None,
     ) -> list[Lease | None]:
         """:meth:`end` of each record that ``owner`` holds (by the lease of its token in
         ``tokens``, where one is given), in order (None: not held)."""
@@ -118,9 +122,7 @@ class Leases:
     def holds(self, owner: object) -> bool:
         return owner in self._owned
 
-    def extend(
-        self, sort_key: int, owner: object, deadline: float, token: int | None = None
-    ) -> bool:
+    def extend(self, sort_key: int, owner: object, deadline: float, token: Token = None) -> bool:
         lease = self.by_key.get(sort_key)
         if lease is None or not _held(lease, owner, token):
             return False

@@ -27,10 +27,10 @@ import trio
 from cmdbus_trio import metrics
 from cmdbus_trio.admission import GateClosed
 from cmdbus_trio.loop import turns
-from cmdbus_trio.protocol.claim import Delivery, LeaseTokens
+from cmdbus_trio.protocol.claim import Delivery
 
 from ._cursor import SCAN_STEP, TailCursor
-from ._leases import Leases, new_token
+from ._leases import Leases, Token, Tokens, new_token
 from ._owed import STUCK_AFTER, BacklogCount, Owing, SettledPosition, TailBacklog
 from ._queues import FilterIndex, SubjectQueues
 from ._waiters import Parked
@@ -255,9 +255,8 @@ class Claims(Owing):
             deliveries = counts.get(sort_key, 0) + 1
             counts[sort_key] = deliveries
             # Redelivered: not a record given back undelivered.
-            leased.append(
-                Delivery(sort_key, subject, deliveries > 1, deliveries, lease=new_token())
-            )
+            token = new_token()
+            leased.append(Delivery(sort_key, subject, deliveries > 1, deliveries, lease=token))
         self._leases.grant_many(owner, leased, trio.current_time() + self.ack_wait)
         for subject, count in Counter(delivery.subject for delivery in leased).items():
             label = metrics.SUBJECTS.label(subject)  # bounded: child() may remember it
@@ -362,16 +361,13 @@ class Claims(Owing):
         calls :meth:`finish_ack` (or :meth:`abort_ack` if that failed)."""
         return self.begin_acks([sort_key], owner)[0]
 
-    def begin_acks(
-        self, sort_keys: Sequence[int], owner: object, leases: LeaseTokens = None
-    ) -> list[bool]:
-        """:meth:`begin_ack` of each key, in order (of the lease its token in ``leases``
-        names, where one is given: an ack sent late does not settle a later lease of the
-        record); one settled by :meth:`finish_acks` (or :meth:`abort_ack` each)."""
+    def begin_acks(self, keys: Sequence[int], owner: object, tokens: Tokens = None) -> list[bool]:
+        """:meth:`begin_ack` of each key, in order (only the lease its token names, where
+        ``tokens`` names one); one settled by :meth:`finish_acks` (or :meth:`abort_ack`)."""
         settling = self._settling
         begun = []
-        ended = self._leases.end_many(sort_keys, owner, leases)
-        for sort_key, lease in zip(sort_keys, ended, strict=True):
+        ended = self._leases.end_many(keys, owner, tokens)
+        for sort_key, lease in zip(keys, ended, strict=True):
             if lease is not None:
                 settling[sort_key] = lease.subject
             begun.append(lease is not None)
@@ -397,18 +393,15 @@ class Claims(Owing):
         else:
             self._redeliver(sort_key, subject)
 
-    def nack(
-        self, sort_key: int, owner: object, delay: float = 0.0, lease_token: int | None = None
-    ) -> bool:
-        lease = self._leases.end(sort_key, owner, lease_token)
+    def nack(self, sort_key: int, owner: object, delay: float = 0.0, token: Token = None) -> bool:
+        lease = self._leases.end(sort_key, owner, token)
         if lease is None:
             return False
         self._end_delivery(sort_key, lease.subject, delay)
         return True
 
-    def extend(self, sort_key: int, owner: object, lease_token: int | None = None) -> bool:
-        deadline = trio.current_time() + self.ack_wait
-        return self._leases.extend(sort_key, owner, deadline, lease_token)
+    def extend(self, sort_key: int, owner: object, token: Token = None) -> bool:
+        return self._leases.extend(sort_key, owner, trio.current_time() + self.ack_wait, token)
 
     def release(self, owner: object) -> int:
         """Every lease of ``owner`` (a connection that closed) ends now; the cost is its

@@ -1,4 +1,5 @@
-"""The faces of the trio client: one class per face, and the sharded clients.
+"""The faces of the trio client: one class per face (the sharded clients are in
+:mod:`._trio_sharded`).
 
 This module is the source of :mod:`._blocking_faces`, which ``python -m
 cmdbus_trio.client._unasync`` generates from it (a test holds them equal): change the
@@ -7,9 +8,8 @@ faces here, then regenerate.
 
 from __future__ import annotations
 
-import math
 from collections.abc import AsyncIterator, Iterable, Sequence
-from typing import Any, Generic, Self, TypeVar
+from typing import Any
 
 import trio
 
@@ -29,18 +29,10 @@ from ._calls import (
     Settled,
 )
 from ._errors import ClientError
-from ._retry import RECONNECT_FOR, Attempts, Reconnect
-from ._shards import ClaimRounds, Rotation, ShardDelivery, ShardMap, by_shard
+from ._retry import Attempts
 from ._trio_connection import Connection
 
-__all__ = [
-    "ClaimClient",
-    "IngestClient",
-    "Router",
-    "ShardedClaimClient",
-    "SubscribeClient",
-    "TierClient",
-]
+__all__ = ["ClaimClient", "IngestClient", "SubscribeClient", "TierClient"]
 
 
 class IngestClient(Connection):
@@ -308,165 +300,3 @@ class SubscribeClient(Connection):
                 if pause is None:
                     raise
                 await trio.sleep(pause)
-
-
-W = TypeVar("W", bound=Connection)
-
-
-class _Writers(Generic[W]):
-    """One client per shard's writer, closed together."""
-
-    writers: Sequence[W]
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
-
-    async def aclose(self) -> None:
-        for writer in self.writers:
-            await writer.aclose()
-
-
-class Router(_Writers[IngestClient]):
-    """Publishes each record to the writer that owns its shard.
-
-        router = Router(ShardMap.parse("0@10.0.0.1:9100,1@10.0.0.2:9100"))
-
-    Connections open on first use and reconnect after a writer restarts. Errors carry
-    ``error.shard``.
-    """
-
-    def __init__(self, shards: ShardMap, **options: Any) -> None:
-        self.shards = shards
-        self.writers = [IngestClient(address, **options) for address in shards.addresses]
-
-    async def publish(
-        self, record: Record, *, msg_id: str | None = None, timeout: float | None = None
-    ) -> Published:
-        shard = self.shards.shard_for(record["execution_id"])
-        try:
-            return await self.writers[shard].publish(record, msg_id=msg_id, timeout=timeout)
-        except ClientError as error:
-            raise self.shards.tag(error, shard) from None
-
-    async def publish_batch(
-        self, records: list[Record], *, timeout: float | None = None
-    ) -> list[tuple[int, int]]:
-        """One ``publish_batch`` per shard; ``(shard, sort_key)`` per record, in order.
-        A shard's failure raises (tagged) after the shards before it were published."""
-        keys: list[tuple[int, int]] = [(0, 0)] * len(records)
-        for shard, indexes in sorted(self.shards.split(records).items()):
-            try:
-                sort_keys = await self.writers[shard].publish_batch(
-                    [records[i] for i in indexes], timeout=timeout
-                )
-            except ClientError as error:
-                raise self.shards.tag(error, shard) from None
-            for index, sort_key in zip(indexes, sort_keys, strict=True):
-                keys[index] = (shard, sort_key)
-        return keys
-
-
-class ShardedClaimClient(_Writers[ClaimClient]):
-    """Claims from several writers (one claim address per shard) fairly: round robin
-    over the shards with pending work, so none is starved. When no shard has a record it
-    asks again after a pause (10 ms, doubling to 250 ms) until ``wait`` passes; a
-    writer that is down is skipped (and asked again next round) while others serve.
-    ``wait`` bounds a call whatever a writer does: each writer has what is left of it to
-    answer (at least 0.5 s, at most 10 s), and one that does not answer in time (paused,
-    overloaded) is skipped for the rest of the call and asked last by later calls until
-    it answers. When every writer is away (unreachable or draining) a call rides through
-    the reconnect window, as a call to one writer does, and raises once it has passed."""
-
-    def __init__(self, shards: ShardMap, **options: Any) -> None:
-        self.shards = shards
-        self.writers = [ClaimClient(address, **options) for address in shards.addresses]
-        self.reconnect = Reconnect(options.get("reconnect_for", RECONNECT_FOR))
-        self._rotation = Rotation(shards.shard_count)
-
-    async def next(
-        self,
-        filter: str,
-        *,
-        wait: float | None = None,
-        group: str | None = None,
-        start: str | None = None,
-        timeout: float | None = None,
-    ) -> ShardDelivery | None:
-        deadline = math.inf if wait is None else trio.current_time() + wait
-        rounds = ClaimRounds(self.shards, self._rotation, self.reconnect)
-        call = calls.next_delivery(filter, wait=0, group=group, start=start)
-        while True:
-            for shard in rounds.round():
-                ask = rounds.ask_timeout(deadline - trio.current_time(), timeout)
-                try:  # a writer that is away or silent is not waited for: others may serve
-                    delivery = await self.writers[shard].call(call, timeout=ask, reconnect=False)
-                except ClientError as error:
-                    rounds.failed(shard, error)  # raises unless the writer is down
-                    continue
-                if (claimed := rounds.answered(shard, delivery)) is not None:
-                    return claimed
-            pause = rounds.pause(deadline - trio.current_time())
-            if pause is None:
-                return None
-            await trio.sleep(pause)
-
-    async def ack(
-        self, claimed: ShardDelivery, *, group: str | None = None, timeout: float | None = None
-    ) -> bool:
-        try:
-            return await self.writers[claimed.shard].ack(
-                claimed.delivery, group=group, timeout=timeout
-            )
-        except ClientError as error:
-            raise self.shards.tag(error, claimed.shard) from None
-
-    async def next_batch(
-        self,
-        filter: str,
-        most: int,
-        *,
-        wait: float | None = None,
-        group: str | None = None,
-        start: str | None = None,
-        timeout: float | None = None,
-    ) -> list[ShardDelivery]:
-        """Up to ``most`` records from the first shard in the round that has any (the
-        rounds as for :meth:`next`); an empty list after ``wait``."""
-        deadline = math.inf if wait is None else trio.current_time() + wait
-        rounds = ClaimRounds(self.shards, self._rotation, self.reconnect)
-        call = calls.next_batch(filter, most, wait=0, group=group, start=start)
-        while True:
-            for shard in rounds.round():
-                ask = rounds.ask_timeout(deadline - trio.current_time(), timeout)
-                try:
-                    batch = await self.writers[shard].call(call, timeout=ask, reconnect=False)
-                except ClientError as error:
-                    rounds.failed(shard, error)  # raises unless the writer is down
-                    continue
-                if claimed := rounds.answered_many(shard, batch):
-                    return claimed
-            pause = rounds.pause(deadline - trio.current_time())
-            if pause is None:
-                return []
-            await trio.sleep(pause)
-
-    async def ack_many(
-        self,
-        claimed: Sequence[ShardDelivery],
-        *,
-        group: str | None = None,
-        timeout: float | None = None,
-    ) -> list[bool]:
-        """Each shard's records acked in one request to it; the outcomes in order."""
-        outcomes: dict[tuple[int, int], bool] = {}
-        for shard, deliveries in by_shard(claimed).items():
-            try:
-                acked = await self.writers[shard].ack_many(deliveries, group=group, timeout=timeout)
-            except ClientError as error:
-                raise self.shards.tag(error, shard) from None
-            keys = [delivery.sort_key for delivery in deliveries]
-            outcomes.update(((shard, key), ok) for key, ok in zip(keys, acked, strict=True))
-        return [outcomes[c.shard, c.delivery.sort_key] for c in claimed]

@@ -10,9 +10,10 @@ pipelines several requests in one round trip.
 
 from __future__ import annotations
 
-from . import _blocking_faces
+from . import _blocking_faces, _blocking_sharded
 from ._blocking_connection import Connection
 from ._blocking_faces import *  # noqa: F403  # the faces: _blocking_faces.__all__
+from ._blocking_sharded import *  # noqa: F403  # the sharded clients: _blocking_sharded.__all__
 from ._errors import ServerError
 
-__all__ = ["Connection", "ServerError", *_blocking_faces.__all__]
+__all__ = ["Connection", "ServerError", *_blocking_faces.__all__, *_blocking_sharded.__all__]

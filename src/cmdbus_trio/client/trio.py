@@ -10,9 +10,10 @@ reads the socket for everyone, so a client needs no background task and no nurse
 
 from __future__ import annotations
 
-from . import _trio_faces
+from . import _trio_faces, _trio_sharded
 from ._errors import ServerError
 from ._trio_connection import Connection
 from ._trio_faces import *  # noqa: F403  # the faces: _trio_faces.__all__
+from ._trio_sharded import *  # noqa: F403  # the sharded clients: _trio_sharded.__all__
 
-__all__ = ["Connection", "ServerError", *_trio_faces.__all__]
+__all__ = ["Connection", "ServerError", *_trio_faces.__all__, *_trio_sharded.__all__]

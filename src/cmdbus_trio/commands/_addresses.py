@@ -7,7 +7,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Final
 
@@ -102,3 +104,18 @@ def default_address(face: str, *, server: str | None = None, wait: float = START
 def default_control_url(*, server: str | None = None, wait: float = STARTING_WAIT) -> str:
     """The control face's URL when none is given (see :func:`default_address`)."""
     return control_url(default_address("control", server=server, wait=wait))
+
+
+def write_ports_file(path: Path, addresses: Mapping[str, str]) -> None:
+    """Write ``{face: "host:port"}`` atomically: readers see the whole file or none."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as out:
+            json.dump(dict(addresses), out, sort_keys=True)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

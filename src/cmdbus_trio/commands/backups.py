@@ -20,7 +20,7 @@ import attrs
 
 from cmdbus_trio import __version__
 from cmdbus_trio.config import ConfigError, load
-from cmdbus_trio.storage import backups
+from cmdbus_trio.storage import backups, restores
 from cmdbus_trio.storage.backups import BackupError
 
 from ._output import add_output_arguments, human_wanted
@@ -172,7 +172,7 @@ class Restore:
     def run(args: argparse.Namespace) -> int:
         if args.after_litestream:
             try:
-                jump = backups.after_replica_restore(args.data_dir)
+                jump = restores.after_replica_restore(args.data_dir)
             except (BackupError, OSError) as exc:
                 return _refused("restore", str(exc))
             text = f"{args.data_dir}: sound; new keys start {jump} past the replica's"
@@ -183,7 +183,7 @@ class Restore:
         except ConfigError as exc:
             return _refused("restore", str(exc), 2)
         try:
-            restored = backups.restore(
+            restored = restores.restore(
                 args.source, args.data_dir, shard=shard, shard_count=shard_count, force=args.force
             )
         except (BackupError, OSError) as exc:

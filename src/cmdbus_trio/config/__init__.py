@@ -196,11 +196,7 @@ class Config:
         "who checkpoints the stores' WALs: the writer, or Litestream replicating them",
     )
     wal_ceiling_bytes: int = _setting(
-        str(256 << 20),
-        int_range(1 << 20),
-        "a store's WAL past this many bytes is checkpointed by the writer whoever "
-        "checkpoints it otherwise (with checkpoints=litestream and no Litestream, the WAL "
-        "would grow without end), and a log line says so",
+        str(256 << 20), int_range(1 << 20), "a WAL past this is checkpointed by the writer"
     )
     shutdown_timeout_ms: int = _setting(
         "15000",
@@ -311,10 +307,7 @@ class Config:
         "", optional_path, "TLS private key for the data faces (unset: off)"
     )
     log_format: str = _setting(
-        "auto",
-        choice("auto", "json", "console"),
-        "log line format; auto: console (one short line an event) when stderr is a "
-        "terminal, else json",
+        "auto", choice("auto", "json", "console"), "log line format; auto: console on a tty"
     )
     log_level: str = _setting(
         "info", choice("debug", "info", "warning", "error"), "lowest level logged"

@@ -34,21 +34,21 @@ class WalState:
 
 
 class CheckpointWatch:
-    """When a store's WAL was last checkpointed in full, from its :class:`WalState` seen
-    now and then: its checkpoint number moved, or the WAL shrank (truncated). Until the
-    first is seen, since the watch began (the writer's start)."""
+    """When each store's WAL was last checkpointed in full, from its :class:`WalState`
+    seen now and then: its checkpoint number moved, or the WAL shrank (truncated). Until
+    the first is seen, since the watch began (the writer's start)."""
 
     def __init__(self, now: float) -> None:
-        self._last: WalState | None = None
-        self.checkpointed_at = now
+        self._began = now
+        self._last: dict[str, tuple[WalState, float]] = {}  # store -> seen, checkpointed at
 
-    def seen(self, state: WalState, now: float) -> float:
-        """Note ``state``; the seconds since the last full checkpoint."""
-        last = self._last
-        if last is not None and (state.checkpoints != last.checkpoints or state.bytes < last.bytes):
-            self.checkpointed_at = now
-        self._last = state
-        return now - self.checkpointed_at
+    def seen(self, store: str, state: WalState, now: float) -> float:
+        """Note ``store``'s ``state``; the seconds since its last full checkpoint."""
+        last, checkpointed_at = self._last.get(store, (state, self._began))
+        if state.checkpoints != last.checkpoints or state.bytes < last.bytes:
+            checkpointed_at = now
+        self._last[store] = (state, checkpointed_at)
+        return now - checkpointed_at
 
 
 class Store(Protocol):
@@ -73,8 +73,8 @@ class Store(Protocol):
         """The WAL's size and checkpoint count (blocking: in a worker thread)."""
         ...
 
-    def checkpoint_past(self, ceiling: int) -> bool:
-        """Checkpoint the WAL if it is over ``ceiling`` bytes (blocking)."""
+    def checkpoint_past(self, ceiling: int, age: float = 0.0) -> bool:
+        """Checkpoint the WAL if it is over ``ceiling`` bytes, and log why (blocking)."""
         ...
 
     before_commit: Callable[[], None] | None

@@ -16,6 +16,7 @@ cleanly.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sqlite3
 import threading
@@ -25,11 +26,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Final, Self, TypeVar
 
+from cmdbus_trio import metrics
+from cmdbus_trio.logs import event
 from cmdbus_trio.metrics import STORE_CONNECTION_WAITS
 
 from ._common import StoreState, StoreUnavailable, WalState
 from ._guard import refuses_loop_thread
-from .datadir import fsync_path, read_key_floor
+from .datadir import fsync_path
+from .keys import raise_key_counters, read_key_floor
 
 T = TypeVar("T")
 
@@ -43,6 +47,8 @@ _POISONING_CODES: Final = {
 }
 
 
+log = logging.getLogger(__name__)
+
 WAL_SIZE_LIMIT: Final = 64 << 20
 """Bytes a WAL file is truncated to after a checkpoint."""
 BUSY_TIMEOUT_MS: Final = 30_000
@@ -54,41 +60,6 @@ WAL_HEADER_BYTES: Final = 32
 """A WAL file's header (sqlite.org/fileformat.html, "WAL File Format")."""
 WAL_TRIM_WAIT_MS: Final = 100
 """How long a trim waits for readers still on the WAL before it gives up, until the next."""
-
-
-KEYED_TABLES: Final = (
-    "SELECT name FROM sqlite_master WHERE type = 'table' AND sql LIKE '%AUTOINCREMENT%'"
-)
-"""The tables whose keys a counter (``sqlite_sequence``) gives out."""
-
-
-def raise_key_counters(connection: sqlite3.Connection, floor: int) -> bool:
-    """Every key counter of the store at ``floor`` at least, a table's that never counted
-    too (:func:`read_key_floor`): so a keyed table or a store made after a restore starts
-    past every key the lost writer gave. True when a counter moved."""
-    if floor <= 0:
-        return False
-    tables = [name for (name,) in connection.execute(KEYED_TABLES)]
-    if not tables:
-        return False
-    moved = 0
-    connection.execute("BEGIN IMMEDIATE")
-    try:
-        for table in tables:
-            moved += connection.execute(
-                "UPDATE sqlite_sequence SET seq = ? WHERE name = ? AND seq < ?",
-                (floor, table, floor),
-            ).rowcount
-            moved += connection.execute(
-                "INSERT INTO sqlite_sequence (name, seq) SELECT ?, ? "
-                "WHERE NOT EXISTS (SELECT 1 FROM sqlite_sequence WHERE name = ?)",
-                (table, floor, table),
-            ).rowcount
-        connection.execute("COMMIT")
-    except BaseException:
-        connection.execute("ROLLBACK")
-        raise
-    return moved > 0
 
 
 class SqliteStore:
@@ -372,19 +343,34 @@ class SqliteStore:
         return WalState(size, int.from_bytes(header[12:16], "big"))
 
     @refuses_loop_thread
-    def checkpoint_past(self, ceiling: int) -> bool:
+    def checkpoint_past(self, ceiling: int, age: float = 0.0) -> bool:
         """Checkpoint the WAL back to nothing if it is over ``ceiling`` bytes, whoever
         checkpoints it otherwise (``CMDBUS_WAL_CEILING_BYTES``: with
         ``checkpoints=litestream`` and no Litestream the WAL would grow without end; a
-        checkpoint of ours costs Litestream a new snapshot, never data). Waits
+        checkpoint of ours costs Litestream a new snapshot, never data), and log why
+        (``age``: seconds since the last full checkpoint). Waits
         :data:`WAL_TRIM_WAIT_MS` at most for readers still on the WAL (the next pass
         tries again). Whether it checkpointed."""
         try:
-            if self._wal_path.stat().st_size <= ceiling:
-                return False
+            size = self._wal_path.stat().st_size
         except FileNotFoundError:
             return False
-        return self._truncate_wal()
+        if size <= ceiling:
+            return False
+        checkpointed = self._truncate_wal()
+        metrics.WAL_CEILING_CHECKPOINTS.labels(store=self.name).inc(checkpointed)
+        event(
+            log,
+            logging.WARNING,
+            "wal_ceiling_checkpoint" if checkpointed else "wal_ceiling_checkpoint_busy",
+            store=self.name,
+            wal_bytes=size,
+            ceiling=ceiling,
+            checkpoint_age_s=round(age, 1),
+            why="the WAL outgrew CMDBUS_WAL_CEILING_BYTES: nothing else checkpoints it "
+            "(with CMDBUS_CHECKPOINTS=litestream: is Litestream running?)",
+        )
+        return checkpointed
 
     @property
     def _wal_path(self) -> Path:

@@ -19,10 +19,6 @@ LOCK_NAME: Final = "writer.lock"
 SETTING: Final = "invalid setting CMDBUS_DATA_DIR (--data-dir)"
 """How the command line introduces the error, as it does any bad setting's."""
 STORE_FILES: Final = ("commands.sqlite3", "events.sqlite3", "tier.sqlite3")
-KEY_FLOOR_NAME: Final = "keys.floor"
-"""The least key any counter of the directory's stores gives out after a restore: a
-store or keyed table made after the restore (absent from the backup) starts there too,
-so no key names two records whichever table the lost writer gave it in."""
 
 
 class DataDirError(Exception):
@@ -135,28 +131,3 @@ def _cannot_write(exc: OSError) -> str:
     if exc.errno == errno.ENOSPC:
         return "the volume is full"
     return f"cannot write in it: {exc.strerror}"
-
-
-def read_key_floor(data_dir: Path) -> int:
-    """The directory's key floor (:data:`KEY_FLOOR_NAME`), 0 where it has none.
-
-    Error handling: :class:`DataDirError` naming the file when it is not a whole number:
-    a floor not known is not taken for none (keys could be given twice)."""
-    path = data_dir / KEY_FLOOR_NAME
-    try:
-        text = path.read_text().strip()
-    except FileNotFoundError:
-        return 0
-    if not text.isdigit():
-        raise DataDirError(data_dir, f"{KEY_FLOOR_NAME}: {text[:40]!r} is not a whole number")
-    return int(text)
-
-
-def write_key_floor(data_dir: Path, floor: int) -> None:
-    """Set the directory's key floor to ``floor`` (never lower), durably."""
-    floor = max(floor, read_key_floor(data_dir))
-    partial = data_dir / f"{KEY_FLOOR_NAME}.partial"
-    partial.write_text(f"{floor}\n")
-    fsync_path(partial)
-    partial.rename(data_dir / KEY_FLOOR_NAME)
-    fsync_path(data_dir)

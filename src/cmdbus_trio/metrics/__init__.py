@@ -7,9 +7,6 @@ Nothing here blocks: gauges that mirror live state read in-memory numbers only.
 
 from __future__ import annotations
 
-import functools
-from typing import Any
-
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -18,10 +15,11 @@ from prometheus_client import (
     Info,
     PlatformCollector,
     ProcessCollector,
-    generate_latest,
 )
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from prometheus_client.metrics import MetricWrapperBase
+
+from . import _tools
+from ._tools import SubjectSeries as SubjectSeries
+from ._tools import child as child
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 ProcessCollector(registry=REGISTRY)
@@ -267,9 +265,7 @@ STORE_CHECKPOINT_AGE = Gauge(
     registry=REGISTRY,
 )
 STORE_WAL_CEILING = Gauge(
-    "cmdbus_store_wal_ceiling_bytes",
-    "CMDBUS_WAL_CEILING_BYTES: a WAL past it is checkpointed by the writer.",
-    registry=REGISTRY,
+    "cmdbus_store_wal_ceiling_bytes", "The setting CMDBUS_WAL_CEILING_BYTES.", registry=REGISTRY
 )
 WAL_CEILING_CHECKPOINTS = Counter(
     "cmdbus_store_wal_ceiling_checkpoints_total",
@@ -427,37 +423,15 @@ GROUPS_DELETED = Counter(
 )
 
 
-class SubjectSeries:
-    """The label a subject is exported under: its own for the first ``limit`` distinct
-    subjects, then :data:`OTHER_SUBJECTS`. Memory and scrape size stay bounded whatever
-    pools or event types clients send; the subjects a deployment really has come first."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.named: set[str] = set()
-
-    def label(self, subject: str) -> str:
-        if subject in self.named:
-            return subject
-        if len(self.named) < self.limit:
-            self.named.add(subject)
-            return subject
-        SUBJECT_FOLDS.inc()
-        return OTHER_SUBJECTS
+def series_of_subjects(limit: int) -> SubjectSeries:
+    """A table of at most ``limit`` subject labels, folding the rest into
+    :data:`OTHER_SUBJECTS` (counted in ``cmdbus_subject_folds``)."""
+    return SubjectSeries(limit, SUBJECT_FOLDS, OTHER_SUBJECTS)
 
 
-SUBJECTS = SubjectSeries(500)
+SUBJECTS = series_of_subjects(500)
 """The writer's one table of exported subjects (its limit set from CMDBUS_SUBJECT_SERIES
 at start)."""
-
-
-@functools.cache
-def child(family: MetricWrapperBase, *labels: str) -> Any:
-    """``family.labels(*labels)``, remembered: on the request path the lookup cost as much
-    as the observation. Only for label values from a fixed set (faces, ops the writer
-    knows, outcomes) or a bounded one (a subject's :meth:`SubjectSeries.label`), never
-    from a client's input as it is: each one is a series held forever."""
-    return family.labels(*labels)
 
 
 LAG_PORT_SAMPLES: dict[str, tuple[str, ...]] = {
@@ -472,5 +446,4 @@ scrape of the old ports beside the control port adds no other series twice."""
 def exposition(port: str | None = None) -> tuple[bytes, str]:
     """The Prometheus text of every family (or of one lag port's, by its name in
     :data:`LAG_PORT_SAMPLES`), and its content type."""
-    registry = REGISTRY if port is None else REGISTRY.restricted_registry(LAG_PORT_SAMPLES[port])
-    return generate_latest(registry), CONTENT_TYPE_LATEST
+    return _tools.exposition(REGISTRY, None if port is None else LAG_PORT_SAMPLES[port])
