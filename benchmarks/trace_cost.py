@@ -2,7 +2,7 @@
 
     python benchmarks/trace_cost.py
 
-A record's path through the writer calls the span catalogue (``cmdbus_trio.spans``) at
+A record's path through the writer calls the span catalogue (``cmdbus_trio.tracing.spans``) at
 each op: ``publishing`` and ``published`` for its publish, ``delivered`` for its
 delivery, ``settling`` and ``settled`` for its ack. This times those calls as the writer
 makes them (same arguments, on a trio loop), and the decoding of a publish request with
@@ -30,10 +30,10 @@ import trio
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
-from cmdbus_trio import spans
 from cmdbus_trio.protocol import bus, claim
 from cmdbus_trio.protocol.bus import Published
 from cmdbus_trio.protocol.trace import TraceContext
+from cmdbus_trio.tracing import spans
 
 ROUNDS = 5
 REPEAT = 20_000

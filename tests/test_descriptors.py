@@ -21,9 +21,8 @@ from typing import Any
 
 import pytest
 
-from cmdbus_trio import descriptors
 from cmdbus_trio.client import blocking
-from cmdbus_trio.config import ConfigError, load
+from cmdbus_trio.config import ConfigError, descriptors, load
 from cmdbus_trio.logs import OncePerBurst
 from cmdbus_trio.storage import StoreState, StoreUnavailable
 from cmdbus_trio.storage.tier import PAGE_ROWS, NewRecord, TierStore

@@ -42,17 +42,13 @@ ALLOWED: dict[str, set[str]] = {
     "loop": {"admission"},
     # The span catalogue, as metrics is the metric catalogue: it names a shed by the Gate's
     # exception and a record's context by the protocol's.
-    "spans": {"admission", "protocol"},
-    "tracing_setup": set(),
-    "bus": {"loop", "admission", "storage", "protocol", "config", "spans"},
-    "tier": {"loop", "admission", "storage", "protocol", "config", "spans"},
-    "faces": {"bus", "tier", "loop", "admission", "storage", "protocol", "config", "spans"},
+    "tracing": {"admission", "protocol"},
+    "bus": {"loop", "admission", "storage", "protocol", "config", "tracing"},
+    "tier": {"loop", "admission", "storage", "protocol", "config", "tracing"},
+    "faces": {"bus", "tier", "loop", "admission", "storage", "protocol", "config", "tracing"},
     # The control plane reads in-memory state (health) and the stores' own reports; it
     # imports no room that acts on a request.
-    "control": {"loop", "admission", "storage", "config", "descriptors"},
-    "descriptors": {"config"},
-    "gates": {"admission", "config", "protocol"},
-    "noetl": {"config"},
+    "control": {"loop", "admission", "storage", "config"},
     # The offline tools (backup, restore, check) work on the stores' files, as SQLite's.
     "commands": {"client", "config", "protocol", "storage"},
 }

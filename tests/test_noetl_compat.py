@@ -12,7 +12,7 @@ import trio
 
 from cmdbus_trio.client._shards import ShardMap
 from cmdbus_trio.config import ConfigError, load
-from cmdbus_trio.noetl import translate
+from cmdbus_trio.config.noetl import translate
 
 from .helpers import cli, environment, frame_client, get, metric_sum, server_log, serving
 

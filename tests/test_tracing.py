@@ -27,11 +27,12 @@ from opentelemetry.sdk.trace.export import (
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from cmdbus_trio import spans, tracing_setup
 from cmdbus_trio.client import Busy
 from cmdbus_trio.client.tracing import context_of, current_fields
 from cmdbus_trio.client.trio import ClaimClient, IngestClient, TierClient
 from cmdbus_trio.config import Config
+from cmdbus_trio.tracing import setup as tracing_setup
+from cmdbus_trio.tracing import spans
 
 from .helpers import frame_client, running_writer, serving
 

@@ -23,12 +23,12 @@ from typing import Any
 
 import trio
 
-from . import __version__, control, descriptors, metrics
+from . import __version__, control, metrics
 from .admission import ByteBudget, Gate, run_in_thread
 from .bus import Bus
 from .bus.retention import Eviction, retention_for, run_retention
 from .commands._addresses import write_ports_file
-from .config import DATA_FACE_NAMES, LAG_PORT_NAMES, Bind, Config
+from .config import DATA_FACE_NAMES, LAG_PORT_NAMES, Bind, Config, descriptors
 from .control import _debug
 from .control.health import FaceState, Health
 from .faces import (
@@ -41,7 +41,7 @@ from .faces import (
     evt_subscribe,
 )
 from .faces import tier as tier_face
-from .gates import gate_for, lanes_for
+from .faces.gates import gate_for, lanes_for
 from .logs import event
 from .loop.heartbeat import Heartbeat
 from .loop.interpreter import collector_tuned, switch_interval

@@ -15,16 +15,18 @@ from typing import Protocol
 import attrs
 import trio
 
-from . import __version__, app, descriptors, logs, noetl, spans, tracing_setup
+from . import __version__, app, logs
 from .client._shards import WRITERS_ENV
 from .commands import bench, client, diagnose, import_tier
 from .commands._output import INTERRUPTED, leaves
 from .commands._serve_help import add_setting_arguments
 from .commands.backups import Backup, Check, Restore
 from .commands.client import TOKEN_VARIABLE
-from .config import SETTINGS, Config, ConfigError, load, unknown_variables
+from .config import SETTINGS, Config, ConfigError, descriptors, load, noetl, unknown_variables
 from .logs import event
 from .storage import datadir
+from .tracing import setup as tracing_setup
+from .tracing import spans
 
 log = logging.getLogger(__name__)
 

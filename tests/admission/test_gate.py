@@ -18,7 +18,7 @@ from cmdbus_trio.admission import (
     ShedReason,
 )
 from cmdbus_trio.config import cpu_quota, load
-from cmdbus_trio.gates import CLAIM_MAX_READS, gate_for
+from cmdbus_trio.faces.gates import CLAIM_MAX_READS, gate_for
 
 
 def make_gate(face: str = "test", **overrides: float) -> Gate:

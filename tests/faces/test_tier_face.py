@@ -581,7 +581,7 @@ def test_a_connection_reads_ahead_only_what_the_fullest_gate_can_take() -> None:
     from cmdbus_trio.admission import Gate
     from cmdbus_trio.config import Bind, load
     from cmdbus_trio.faces import FaceContext
-    from cmdbus_trio.gates import lanes_for
+    from cmdbus_trio.faces.gates import lanes_for
 
     config = load({}, environ={"CMDBUS_TIER_MAX_INFLIGHT": "2", "CMDBUS_TIER_MAX_WAITERS": "6"})
     reads = Gate("tier", max_inflight=2, max_waiters=6, shed_after=1.0, default_budget=1.0)

@@ -12,9 +12,9 @@ under a running thread).
 
 from __future__ import annotations
 
-from ._bursts import ShedBursts
+from ._bursts import ShedBursts, ShedReason
 from ._bytes import ByteBudget
-from ._gate import Gate, GateClosed, GateStatistics, Shed, ShedReason
+from ._gate import Gate, GateClosed, GateStatistics, Shed
 from ._slot import DeadlineExceeded, Slot
 from ._threads import checked_pages, each_checked, run_in_thread, thread_calls
 

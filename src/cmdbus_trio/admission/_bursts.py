@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections import Counter as _Tally
-from typing import TYPE_CHECKING
 
 from cmdbus_trio.logs import event
 
-if TYPE_CHECKING:
-    from ._gate import ShedReason
-
 log = logging.getLogger(__name__)
+
+
+class ShedReason(enum.StrEnum):
+    """Why the Gate refused a request (the ``reason`` of ``cmdbus_shed_total``)."""
+
+    WAITERS_FULL = "waiters_full"
+    QUEUE_TIMEOUT = "queue_timeout"
+    DEADLINE = "deadline"
 
 
 class ShedBursts:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import enum
 import math
 from collections import Counter as _Tally
 from collections import OrderedDict
@@ -13,14 +12,8 @@ import trio
 
 from cmdbus_trio import metrics
 
-from ._bursts import ShedBursts
+from ._bursts import ShedBursts, ShedReason
 from ._slot import Slot
-
-
-class ShedReason(enum.StrEnum):
-    WAITERS_FULL = "waiters_full"
-    QUEUE_TIMEOUT = "queue_timeout"
-    DEADLINE = "deadline"
 
 
 class Shed(Exception):

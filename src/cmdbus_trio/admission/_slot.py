@@ -5,17 +5,23 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from types import TracebackType
-from typing import TYPE_CHECKING, TypeVar, TypeVarTuple
+from typing import Protocol, TypeVar, TypeVarTuple
 
 import trio
 
 from ._threads import run_in_thread
 
-if TYPE_CHECKING:
-    from ._gate import Gate
-
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
+
+
+class Holder(Protocol):
+    """What a slot needs of the Gate it was taken from (the Gate is one)."""
+
+    face: str
+    _thread_limiter: trio.CapacityLimiter
+
+    def _release(self, slot: Slot) -> None: ...
 
 
 class DeadlineExceeded(Exception):
@@ -29,7 +35,7 @@ class Slot:
     work through :meth:`run_cancellable` or :meth:`run_to_completion`.
     """
 
-    def __init__(self, gate: Gate, op: str, arrival: float, deadline: float) -> None:
+    def __init__(self, gate: Holder, op: str, arrival: float, deadline: float) -> None:
         self._gate = gate
         self.op = op
         self.arrival = arrival

@@ -21,13 +21,14 @@ from typing import Any, TypeAlias
 
 import trio
 
-from cmdbus_trio import metrics, spans
+from cmdbus_trio import metrics
 from cmdbus_trio.admission import Gate, Shed, Slot
 from cmdbus_trio.logs import event
 from cmdbus_trio.loop.deferred import Deferred
 from cmdbus_trio.protocol.claim import LeaseTokens
 from cmdbus_trio.protocol.trace import TraceContext
 from cmdbus_trio.storage.buslog import StoredRecord
+from cmdbus_trio.tracing import spans
 
 from . import Bus
 from .claims import Claims, Delivery

@@ -5,9 +5,9 @@ to any GET, as the NoETL writer's did.
 A plain ASGI app served by hypercorn's connection handler in the control nursery
 (docs/architecture.md says why it is not a quart-trio app), behind an accept loop of our
 own: hypercorn's takes every connection, and a flood of them took descriptors the data
-faces' caps were fitted around (:mod:`cmdbus_trio.descriptors`). Handlers read in-memory state only:
-they never await a data-plane lock, limiter or store, so they answer however saturated
-the data plane is.
+faces' caps were fitted around (:mod:`cmdbus_trio.config.descriptors`). Handlers read
+in-memory state only: they never await a data-plane lock, limiter or store, so they
+answer however saturated the data plane is.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState
 from hypercorn.utils import wrap_app
 
-from .. import descriptors, metrics
-from ..config import Bind
+from .. import metrics
+from ..config import Bind, descriptors
 from ..loop import turns
 from . import _debug
 from ._debug import Scope, _json

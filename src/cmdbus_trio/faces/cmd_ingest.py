@@ -14,7 +14,6 @@ from functools import partial
 import trio
 from opentelemetry.trace import Span
 
-from cmdbus_trio import spans
 from cmdbus_trio.admission import GateClosed, Shed, Slot
 from cmdbus_trio.bus import Bus
 from cmdbus_trio.bus.committer import Ticket
@@ -23,6 +22,7 @@ from cmdbus_trio.protocol import RemoteProtocolError, Request
 from cmdbus_trio.protocol import bus as codec
 from cmdbus_trio.protocol.bus import Published
 from cmdbus_trio.storage import StoreUnavailable
+from cmdbus_trio.tracing import spans
 
 from . import FaceContext
 from ._handler import CloseConnection, V1Reply

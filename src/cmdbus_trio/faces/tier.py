@@ -21,7 +21,7 @@ from typing import Any
 
 import trio
 
-from cmdbus_trio import metrics, spans
+from cmdbus_trio import metrics
 from cmdbus_trio.admission import checked_pages, each_checked
 from cmdbus_trio.loop.deferred import Deferred
 from cmdbus_trio.protocol import (
@@ -38,6 +38,7 @@ from cmdbus_trio.protocol import pages as paging
 from cmdbus_trio.protocol import tier as codec
 from cmdbus_trio.storage.tier import Appending, AppendResult, NewRecord
 from cmdbus_trio.tier.committer import AppendTicket, Tier
+from cmdbus_trio.tracing import spans
 
 from . import FaceContext
 from ._handler import (

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from .admission import Gate
-from .config import Config, cpu_quota
-from .protocol.tier import WRITE_OPS as TIER_WRITE_OPS
+from ..admission import Gate
+from ..config import Config, cpu_quota
+from ..protocol.tier import WRITE_OPS as TIER_WRITE_OPS
 
 CLAIM_MAX_READS = 64
 """Deliveries per claim face whose body is being read at once (at most this many bodies,

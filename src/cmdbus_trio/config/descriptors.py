@@ -21,7 +21,8 @@ from typing import Final
 
 import attrs
 
-from .config import (
+from ..logs import event
+from . import (
     DATA_FACE_NAMES,
     LAG_PORT_NAMES,
     SETTINGS_BY_NAME,
@@ -29,7 +30,6 @@ from .config import (
     ConfigError,
     cpu_quota,
 )
-from .logs import event
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from collections.abc import Callable, Mapping
 
 import attrs
 
-from .config import SETTINGS_BY_NAME, Bind, ConfigError, Setting
-from .config._values import boolean, host_value
+from . import SETTINGS_BY_NAME, Bind, ConfigError, Setting
+from ._values import boolean, host_value
 
 PREFIX = "NOETL_"
 

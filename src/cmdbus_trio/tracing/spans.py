@@ -9,7 +9,7 @@ published with), ``ack`` and ``nack`` (settling), and the tier's ``append``,
 
 Only ``opentelemetry-api`` is imported here. Tracing is off until :func:`use` is given a
 tracer provider (the writer does it at start when the ``OTEL_*`` variables ask for it:
-:mod:`cmdbus_trio.tracing_setup`); while it is off each function below returns at its
+:mod:`cmdbus_trio.tracing.setup`); while it is off each function below returns at its
 first line, so the buses pay one comparison per request for having spans at all.
 """
 
