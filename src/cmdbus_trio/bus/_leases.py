@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 import attrs
 import trio
 
-from cmdbus_trio.protocol.claim import LEASE_MAX, Delivery
+from cmdbus_trio.protocol.claim import LEASE_MAX, Delivery, LeaseTokens
 
 _TOKENS = itertools.count(secrets.randbelow(LEASE_MAX // 2))
 """Lease tokens: counted from a random start in each process, so a token of a writer
@@ -22,8 +22,8 @@ ranges meet are the grants over 2^52)."""
 
 Token = int | None
 """The lease a settle names (None: whichever lease of the record the owner holds)."""
-Tokens = Sequence[Token] | None
-"""A token for each record a settle names, or None for none."""
+Tokens = LeaseTokens
+"""A token for each record a settle names, or None for none (as the protocol reads them)."""
 
 
 def new_token() -> int:
@@ -39,9 +39,9 @@ class Lease:
     token: int | None = None
 
 
-def _held(lease: Lease | None, owner: object, token: int | None) -> bool:
+def _held(lease: Lease, owner: object, token: Token) -> bool:
     """``lease`` is ``owner``'s, and the one named by ``token`` if one is given."""
-    return lease is not None and lease.owner is owner and (token is None or token == lease.token)
+    return lease.owner is owner and (token is None or token == lease.token)
 
 
 class Leases:
@@ -94,10 +94,7 @@ class Leases:
         return lease
 
     def end_many(
-        self,
-        sort_keys: Sequence[int],
-        owner: object,
-        tokens: Tokens = None,
+        self, sort_keys: Sequence[int], owner: object, tokens: Tokens = None
     ) -> list[Lease | None]:
         """:meth:`end` of each record that ``owner`` holds (by the lease of its token in
         ``tokens``, where one is given), in order (None: not held)."""
