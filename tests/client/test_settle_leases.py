@@ -18,6 +18,8 @@ from cmdbus_trio.client.trio import ClaimClient, IngestClient
 from ..helpers import serving
 from .test_reconnect import restart_in_background, stop
 
+pytestmark = pytest.mark.slow  # writers restarted in subprocesses: see noxfile.SYSTEM_ONCE
+
 RECORD = {"execution_id": 1, "payload": "{}"}
 FILTER = "commands.>"
 
