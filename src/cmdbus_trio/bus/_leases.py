@@ -26,6 +26,11 @@ Tokens = LeaseTokens
 """A token for each record a settle names, or None for none (as the protocol reads them)."""
 
 
+def with_tokens(sort_keys: Sequence[int], tokens: Tokens) -> Iterator[tuple[int, Token]]:
+    """Each key with the lease token a settle names for it (None: none named)."""
+    return zip(sort_keys, tokens or [None] * len(sort_keys), strict=True)
+
+
 def new_token() -> int:
     """The token of a new lease (:attr:`Delivery.lease`)."""
     return next(_TOKENS)
@@ -103,8 +108,7 @@ class Leases:
             return [None for _ in sort_keys]
         by_key = self.by_key
         ended: list[Lease | None] = []
-        named = [None] * len(sort_keys) if tokens is None else tokens
-        for sort_key, token in zip(sort_keys, named, strict=True):
+        for sort_key, token in with_tokens(sort_keys, tokens):
             lease = by_key.get(sort_key)
             if lease is not None and _held(lease, owner, token):
                 del by_key[sort_key]

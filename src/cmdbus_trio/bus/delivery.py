@@ -16,7 +16,7 @@ task's; ``ack`` completes when its commit is settled, by the committer's callbac
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
 
 import trio
@@ -31,6 +31,7 @@ from cmdbus_trio.storage.buslog import StoredRecord
 from cmdbus_trio.tracing import spans
 
 from . import Bus
+from ._leases import with_tokens
 from .claims import Claims, Delivery
 from .committer import Ticket
 
@@ -265,7 +266,7 @@ class Consumer:
             nacked = [False] * len(sort_keys)
         else:
             wait = claims.ack_wait if delay is None else delay
-            named = _tokens(sort_keys, leases)
+            named = with_tokens(sort_keys, leases)
             nacked = [claims.nack(key, self, wait, token) for key, token in named]
         spans.settled(span, nacked)
         return nacked
@@ -284,17 +285,12 @@ class Consumer:
         claims = self.groups.known(group)
         if claims is None:
             return [False] * len(sort_keys)
-        return [claims.extend(key, self, token) for key, token in _tokens(sort_keys, leases)]
+        return [claims.extend(key, self, token) for key, token in with_tokens(sort_keys, leases)]
 
     @property
     def lease_seconds(self) -> float:
         """How long a lease lasts (``CMDBUS_ACK_WAIT_MS``), from its delivery or renewal."""
         return self.groups.ack_wait
-
-
-def _tokens(sort_keys: Sequence[int], leases: LeaseTokens) -> Iterable[tuple[int, int | None]]:
-    """Each key with the lease token named for it (None: none named)."""
-    return zip(sort_keys, leases or [None] * len(sort_keys), strict=True)
 
 
 def _group_name(claims: Claims | None, group: Any) -> str:

@@ -253,10 +253,14 @@ def _lease(one: Settled) -> tuple[int, int | None]:
     return one, None
 
 
+SETTLED_FIELD = {"ack": "acked", "nack": "nacked", "extend": "extended"}
+"""The reply field of each settle."""
+
+
 def _settling(
     op: str, settled: Sequence[Settled], group: str | None, **fields: Any
 ) -> Call[list[bool]]:
-    name = {"ack": "acked", "nack": "nacked", "extend": "extended"}[op]
+    name = SETTLED_FIELD[op]
     named = [_lease(one) for one in settled]
     leases = [lease for _, lease in named]
     return Call(
@@ -274,7 +278,7 @@ def _settling(
 
 
 def _settle_one(op: str, one: Settled, group: str | None, **fields: Any) -> Call[bool]:
-    name = {"ack": "acked", "nack": "nacked", "extend": "extended"}[op]
+    name = SETTLED_FIELD[op]
     sort_key, lease = _lease(one)
     return Call(
         op,
