@@ -26,6 +26,7 @@ from cmdbus_trio.config import Bind, load
 from cmdbus_trio.faces import FaceContext
 from cmdbus_trio.faces._claim import ClaimHandler
 from cmdbus_trio.loop.deferred import Deferred
+from cmdbus_trio.metrics import REGISTRY
 from cmdbus_trio.protocol import FieldError, Request
 from cmdbus_trio.protocol import claim as codec
 from cmdbus_trio.protocol.bus import BusKind, SubjectRule
@@ -351,13 +352,52 @@ async def test_a_batch_leases_each_record_on_its_own_and_acks_in_one_commit(
     nacked = await answer(setup.handler.v2(request("nack", sort_keys=[3]), 0.0))
     assert nacked["nacked"] == [True]
     extended = await answer(setup.handler.v2(request("extend", sort_keys=[1, 3]), 0.0))
-    assert extended == {"id": 1, "ok": True, "extended": [True, False], "lease_ms": 30000}
+    assert extended == {
+        "id": 1, "ok": True, "extended": [True, False], "why": [None, "not_leased"],
+        "lease_ms": 30000,
+    }  # fmt: skip
     again = await answer(setup.handler.v2(request("next", filter="commands.>", max=10), 0.0))
     # Record 3 alone is redelivered (nacked); 1 is still leased; 5 was never handed out.
     assert [(d["sort_key"], d["redelivered"]) for d in again["deliveries"]] == [
         (3, True),
         (5, False),
     ]
+
+
+def refused(face: str, op: str, why: str) -> float:
+    value = REGISTRY.get_sample_value(
+        "cmdbus_settles_refused_total", {"face": face, "op": op, "why": why}
+    )
+    return value or 0.0
+
+
+async def test_a_refused_settle_says_why_and_is_counted(setup: Setup) -> None:
+    """Each reason: nobody holds it, another connection does, this one does by a newer
+    lease; a reply with nothing refused has no `why`."""
+    before = {why: refused("cmd_claim", "ack", why) for why in REASONS}
+    mine = await answer(setup.handler.v2(request("next", filter="commands.>"), 0.0))
+    first = mine["delivery"]
+    assert first["sort_key"] == 1
+    nacked = await answer(setup.handler.v2(request("nack", sort_key=1), 0.0))
+    assert nacked == {"id": 1, "ok": True, "nacked": True}
+    again = await answer(setup.handler.v2(request("next", filter="commands.>"), 0.0))
+    assert (again["delivery"]["sort_key"], again["delivery"]["deliveries"]) == (1, 2)
+    other = ClaimHandler(setup.ctx, setup.handler.bus)
+    theirs = await answer(other.v2(request("next", filter="commands.>"), 0.0))
+    assert theirs["delivery"]["sort_key"] == 2
+
+    one = await answer(setup.handler.v2(request("ack", sort_key=1, lease=first["lease"]), 0.0))
+    assert (one["acked"], one["why"]) == (False, "lease_replaced")
+    many = await answer(setup.handler.v2(request("ack", sort_keys=[2, 99, 1]), 0.0))
+    assert many["acked"] == [False, False, True]
+    assert many["why"] == ["leased_elsewhere", "not_leased", None]
+    after = {why: refused("cmd_claim", "ack", why) for why in REASONS}
+    assert {why: after[why] - before[why] for why in REASONS} == dict.fromkeys(REASONS, 1.0)
+    extended = await answer(other.v2(request("extend", sort_key=2), 0.0))
+    assert "why" not in extended and extended["extended"] is True
+
+
+REASONS = ("not_leased", "leased_elsewhere", "lease_replaced")
 
 
 async def test_a_batch_takes_what_is_there_and_an_empty_one_times_out(setup: Setup) -> None:

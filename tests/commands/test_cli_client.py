@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from cmdbus_trio.commands import client as client_command
+
 from ..helpers import cli, serving
 
 pytestmark = pytest.mark.e2e  # each test runs the command line, most against a writer
@@ -377,3 +379,14 @@ def test_a_control_url_without_a_scheme_is_http(server: dict[str, str]) -> None:
 def test_a_client_pointed_at_an_http_port_says_so(server: dict[str, str]) -> None:
     """It reported a frame of 1,213,486,160 bytes ("HTTP" read as a frame header)."""
     assert_fails(run("client", "lag", "--addr", server["control"]), "the server answered in HTTP")
+
+
+def test_claim_says_when_records_it_printed_were_not_acked(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    client_command._refused([True, True])
+    assert capsys.readouterr().err == ""
+    client_command._refused([True, False, False])
+    err = capsys.readouterr().err
+    assert "2 of the 3 records just printed were not acked" in err
+    assert "CMDBUS_ACK_WAIT_MS" in err and "delivered again" in err

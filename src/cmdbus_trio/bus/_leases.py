@@ -123,6 +123,19 @@ class Leases:
     def holds(self, owner: object) -> bool:
         return owner in self._owned
 
+    def refusal(self, sort_key: int, owner: object, token: Token = None) -> str:
+        """Why a settle of the record by ``owner`` (of the lease ``token`` names, where
+        given) was refused, as the protocol's ``why`` says it: ``not_leased`` (nobody
+        holds it: settled already, its lease ran out, or no such record),
+        ``leased_elsewhere`` (another connection holds it) or ``lease_replaced`` (this
+        connection holds it by a newer lease than the one named)."""
+        lease = self.by_key.get(sort_key)
+        if lease is None:
+            return "not_leased"
+        if lease.owner is not owner:
+            return "leased_elsewhere"
+        return "not_leased" if token in (None, lease.token) else "lease_replaced"
+
     def extend(self, sort_key: int, owner: object, deadline: float, token: Token = None) -> bool:
         lease = self.by_key.get(sort_key)
         if lease is None or not _held(lease, owner, token):

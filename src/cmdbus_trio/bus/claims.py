@@ -353,8 +353,10 @@ class Claims(Owing):
     # --- settling --------------------------------------------------------------------------
 
     def holds(self, owner: object) -> bool:
-        """``owner`` holds a lease."""
         return self._leases.holds(owner)
+
+    def refusal(self, sort_key: int, owner: object, token: Token = None) -> str:
+        return self._leases.refusal(sort_key, owner, token)  # (its docstring says why)
 
     def begin_ack(self, sort_key: int, owner: object) -> bool:
         """Start an ack by the record's lease owner; the caller makes it durable, then
@@ -364,14 +366,11 @@ class Claims(Owing):
     def begin_acks(self, keys: Sequence[int], owner: object, tokens: Tokens = None) -> list[bool]:
         """:meth:`begin_ack` of each key, in order (only the lease its token names, where
         ``tokens`` names one); one settled by :meth:`finish_acks` (or :meth:`abort_ack`)."""
-        settling = self._settling
-        begun = []
         ended = self._leases.end_many(keys, owner, tokens)
         for sort_key, lease in zip(keys, ended, strict=True):
             if lease is not None:
-                settling[sort_key] = lease.subject
-            begun.append(lease is not None)
-        return begun
+                self._settling[sort_key] = lease.subject
+        return [lease is not None for lease in ended]
 
     def finish_ack(self, sort_key: int) -> None:
         self.finish_acks([sort_key])

@@ -287,6 +287,30 @@ class Consumer:
             return [False] * len(sort_keys)
         return [claims.extend(key, self, token) for key, token in with_tokens(sort_keys, leases)]
 
+    def refusals(
+        self,
+        op: str,
+        group: Any,
+        sort_keys: Sequence[int],
+        outcomes: Sequence[bool],
+        leases: LeaseTokens = None,
+    ) -> list[str | None] | None:
+        """Why each settle (``op``: ``ack``, ``nack``, ``extend``) of the keys that
+        ``outcomes`` says were refused was refused (:meth:`Claims.refusal`), None for
+        the others; None when none was. Each refusal is counted."""
+        if all(outcomes):
+            return None
+        claims = self.groups.known(group)
+        why: list[str | None] = []
+        named = with_tokens(sort_keys, leases)
+        for (sort_key, token), settled in zip(named, outcomes, strict=True):
+            reason = None
+            if not settled:
+                reason = "not_leased" if claims is None else claims.refusal(sort_key, self, token)
+                metrics.SETTLES_REFUSED.labels(self.face, op, reason).inc()
+            why.append(reason)
+        return why
+
     @property
     def lease_seconds(self) -> float:
         """How long a lease lasts (``CMDBUS_ACK_WAIT_MS``), from its delivery or renewal."""

@@ -3,6 +3,7 @@ typed result. Both transports run these; nothing here does I/O."""
 
 from __future__ import annotations
 
+import logging
 import secrets
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Generic, TypeVar
@@ -14,6 +15,8 @@ from cmdbus_trio.protocol.bus import Published
 from cmdbus_trio.protocol.tier import TierRecord
 
 from .tracing import current_fields
+
+_log = logging.getLogger("cmdbus_trio.client")
 
 T = TypeVar("T")
 Record = dict[str, Any]
@@ -253,14 +256,10 @@ def _lease(one: Settled) -> tuple[int, int | None]:
     return one, None
 
 
-SETTLED_FIELD = {"ack": "acked", "nack": "nacked", "extend": "extended"}
-"""The reply field of each settle."""
-
-
 def _settling(
     op: str, settled: Sequence[Settled], group: str | None, **fields: Any
 ) -> Call[list[bool]]:
-    name = SETTLED_FIELD[op]
+    name = claim.SETTLED_FIELD[op]
     named = [_lease(one) for one in settled]
     leases = [lease for _, lease in named]
     return Call(
@@ -272,20 +271,31 @@ def _settling(
             **fields,
         )
         | _worker_trace(op),
-        lambda reply: [bool(outcome) for outcome in reply[name]],
+        lambda reply: [bool(outcome) for outcome in _told_why(op, named, reply)[name]],
         idempotent=True,
     )
 
 
 def _settle_one(op: str, one: Settled, group: str | None, **fields: Any) -> Call[bool]:
-    name = SETTLED_FIELD[op]
+    name = claim.SETTLED_FIELD[op]
     sort_key, lease = _lease(one)
     return Call(
         op,
         _options(sort_key=sort_key, lease=lease, group=group, **fields) | _worker_trace(op),
-        lambda reply: bool(reply[name]),
+        lambda reply: bool(_told_why(op, [(sort_key, lease)], reply)[name]),
         idempotent=True,
     )
+
+
+def _told_why(op: str, named: Sequence[tuple[int, int | None]], reply: Any) -> Any:
+    """Log (debug) why the writer refused a settle of the records, where it says."""
+    why = reply.get("why")
+    if why is not None and _log.isEnabledFor(logging.DEBUG):
+        reasons = why if isinstance(why, list) else [why]
+        for (sort_key, _), reason in zip(named, reasons, strict=False):  # (a log only)
+            if reason is not None:
+                _log.debug("%s of sort_key %s refused: %s", op, sort_key, reason)
+    return reply
 
 
 def _worker_trace(op: str) -> dict[str, str]:

@@ -285,7 +285,7 @@ def _claim(args: argparse.Namespace, output: Output) -> int:
                     output.row({"shard": one.shard, **attrs.asdict(one.delivery)})
                 claimed += len(got)
                 if not args.no_ack:
-                    many.ack_many(got, group=args.group, timeout=CALL_TIMEOUT)
+                    _refused(many.ack_many(got, group=args.group, timeout=CALL_TIMEOUT))
         return 0
     with _connect(blocking.ClaimClient, _claim_face(args), args) as claim:
         while args.max is None or claimed < args.max:
@@ -298,8 +298,18 @@ def _claim(args: argparse.Namespace, output: Output) -> int:
                 output.row(delivery)
             claimed += len(batch)
             if not args.no_ack:
-                claim.ack_many(batch, group=args.group, timeout=CALL_TIMEOUT)
+                _refused(claim.ack_many(batch, group=args.group, timeout=CALL_TIMEOUT))
     return 0
+
+
+def _refused(acked: list[bool]) -> None:
+    """Say so when records printed were not acked: they come again."""
+    if not all(acked):
+        print(
+            f"claim: {acked.count(False)} of the {len(acked)} records just printed were not "
+            "acked (the lease ended first: see CMDBUS_ACK_WAIT_MS); they will be delivered again",
+            file=sys.stderr,
+        )
 
 
 def _batch(args: argparse.Namespace, claimed: int) -> int:

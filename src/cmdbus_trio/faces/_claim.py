@@ -32,6 +32,7 @@ from ._listen import serve as serve_connections
 
 _Waiting = codec.Next | codec.Lag | codec.Dead | codec.MoveDead | codec.DeleteGroup
 """The ops that wait (for a record, a slot, a thread or a commit): each in a task."""
+_Settle = codec.Ack | codec.Nack | codec.Extend
 
 
 class ClaimHandler:
@@ -102,19 +103,23 @@ class ClaimHandler:
         op = codec.decode_op(request.op, request.fields, named_groups=self.groups.named)
         if isinstance(op, codec.Ack):
             acking = self.consumer.ack(op.group, op.sort_keys, op.trace, op.leases)
-            return acking.map(partial(codec.settled_reply, request.id, "acked", many=op.many))
+            return acking.map(partial(self._settled, request.id, op))
         if isinstance(op, codec.Nack):
             delay = op.delay_ms / 1000
             nacked = self.consumer.nack(op.group, op.sort_keys, delay, op.trace, op.leases)
-            return Deferred.of(codec.settled_reply(request.id, "nacked", nacked, op.many))
+            return Deferred.of(self._settled(request.id, op, nacked))
         if isinstance(op, codec.Extend):
             extended = self.consumer.extend(op.group, op.sort_keys, op.leases)
             lease_ms = round(self.consumer.lease_seconds * 1000)
-            reply = codec.settled_reply(
-                request.id, "extended", extended, op.many, lease_ms=lease_ms
-            )
-            return Deferred.of(reply)
+            return Deferred.of(self._settled(request.id, op, extended, lease_ms=lease_ms))
         return self._v2(op, request.id, request.budget, arrival)
+
+    def _settled(self, request_id: int, op: _Settle, outcomes: list[bool], **extra: Any) -> bytes:
+        """A settle's reply, with why each key refused was refused (as it stands when
+        the reply is made: for an ack, once its commit settled)."""
+        why = self.consumer.refusals(op.op, op.group, op.sort_keys, outcomes, op.leases)
+        name = codec.SETTLED_FIELD[op.op]
+        return codec.settled_reply(request_id, name, outcomes, op.many, why, **extra)
 
     async def _v2(
         self, op: _Waiting, request_id: int, budget: float | None, arrival: float

@@ -307,6 +307,16 @@ LEASES_RELEASED = Counter(
     ["face", "outcome"],
     registry=REGISTRY,
 )
+SETTLES_REFUSED = Counter(
+    "cmdbus_settles_refused_total",
+    "Acks, nacks and extends answered false, by claim face, op and why (the reply's "
+    "`why`): not_leased (settled already, its lease ran out, or no such record), "
+    "leased_elsewhere (another consumer holds it now), lease_replaced (the same "
+    "connection holds it by a newer lease). A rise of the first two says workers take "
+    "longer than CMDBUS_ACK_WAIT_MS.",
+    ["face", "op", "why"],
+    registry=REGISTRY,
+)
 DEAD = Counter(
     "cmdbus_dead",
     "Records parked as dead letters after CMDBUS_MAX_DELIVER deliveries without an ack, "

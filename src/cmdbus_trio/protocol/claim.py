@@ -367,13 +367,26 @@ def dead_letter(
     )
 
 
+SETTLED_FIELD = {"ack": "acked", "nack": "nacked", "extend": "extended"}
+"""The reply field of each settle op."""
+
+
 def settled_reply(
-    request_id: int, name: str, outcomes: Sequence[bool], many: bool, **extra: Any
+    request_id: int,
+    name: str,
+    outcomes: Sequence[bool],
+    many: bool,
+    why: Sequence[str | None] | None = None,
+    **extra: Any,
 ) -> bytes:
     """The reply to an ``ack`` (``name`` ``acked``), ``nack`` or ``extend``: the outcome
     of each sort key in order when the request named ``sort_keys`` (``many``), else of
-    its one ``sort_key``; ``extra`` fields after it."""
-    return encode_ok(request_id, {name: list(outcomes) if many else outcomes[0], **extra})
+    its one ``sort_key``; ``why`` each one was refused (null for one settled), where one
+    was; ``extra`` fields after it."""
+    body: dict[str, Any] = {name: list(outcomes) if many else outcomes[0]}
+    if why is not None:
+        body["why"] = list(why) if many else why[0]
+    return encode_ok(request_id, body | extra)
 
 
 def deliveries_reply(request_id: int, body: dict[str, Any], handed: Sequence[bytes]) -> bytes:
