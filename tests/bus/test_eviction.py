@@ -294,7 +294,12 @@ async def test_a_capped_writer_evicts_the_oldest_events_and_counts_what_a_group_
             assert metric_sum(text, 'cmdbus_evicted_unconsumed_total{group="fast"}') == 0
             assert (tmp_path / "data" / "events.sqlite3").stat().st_size < 2 * CAP
             acked = await slow.request("ack", group="slow", sort_key=held["sort_key"])
-            assert acked == {"id": 2, "ok": True, "acked": False}  # its lease went too
+            assert acked == {
+                "id": 2,
+                "ok": True,
+                "acked": False,
+                "why": "not_leased",
+            }  # its lease went too
             after = (await slow.request("next", filter=">", group="slow", timeout_ms=2000))[
                 "delivery"
             ]
