@@ -46,6 +46,8 @@ ALLOWED: dict[str, set[str]] = {
     "bus": {"loop", "admission", "storage", "protocol", "config", "tracing"},
     "tier": {"loop", "admission", "storage", "protocol", "config", "tracing"},
     "faces": {"bus", "tier", "loop", "admission", "storage", "protocol", "config", "tracing"},
+    # High availability: the lease stores block as storage does, and use its guard.
+    "ha": {"loop", "admission", "storage", "protocol", "config"},
     # The control plane reads in-memory state (health) and the stores' own reports; it
     # imports no room that acts on a request.
     "control": {"loop", "admission", "storage", "config"},

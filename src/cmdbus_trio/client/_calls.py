@@ -17,7 +17,6 @@ from cmdbus_trio.protocol.tier import TierRecord
 from .tracing import current_fields
 
 _log = logging.getLogger("cmdbus_trio.client")
-
 T = TypeVar("T")
 Record = dict[str, Any]
 """A published record: ``{"execution_id": str | int, "payload": "<JSON text>",
@@ -290,11 +289,9 @@ def _settle_one(op: str, one: Settled, group: str | None, **fields: Any) -> Call
 def _told_why(op: str, named: Sequence[tuple[int, int | None]], reply: Any) -> Any:
     """Log (debug) why the writer refused a settle of the records, where it says."""
     why = reply.get("why")
-    if why is not None and _log.isEnabledFor(logging.DEBUG):
-        reasons = why if isinstance(why, list) else [why]
-        for (sort_key, _), reason in zip(named, reasons, strict=False):  # (a log only)
-            if reason is not None:
-                _log.debug("%s of sort_key %s refused: %s", op, sort_key, reason)
+    for (sort_key, _), reason in zip(named, why if isinstance(why, list) else [why]):  # noqa: B905
+        if reason is not None:  # (a log only: a list too short is no error)
+            _log.debug("%s of sort_key %s refused: %s", op, sort_key, reason)
     return reply
 
 

@@ -1,4 +1,5 @@
-"""The metric catalogue: every family the writer exports, in one place.
+"""The metric catalogue: every family the writer exports, in one place (the storage
+families are written in ``_stores.py``, and exported here).
 
 Names are part of the contract (docs/architecture.md, "Decisions"); HELP texts say exactly what the
 code measures. This module never imports trio, so the storage layer may count into it.
@@ -7,29 +8,25 @@ Nothing here blocks: gauges that mirror live state read in-memory numbers only.
 
 from __future__ import annotations
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    Info,
-    PlatformCollector,
-    ProcessCollector,
-)
+from prometheus_client import Counter, Gauge, Histogram, Info
 
 from . import _tools
+from ._registry import LATENCY_BUCKETS as LATENCY_BUCKETS
+from ._registry import LOOP_LAG_BUCKETS as LOOP_LAG_BUCKETS
+from ._registry import REGISTRY as REGISTRY
+from ._stores import DATA_DIR_CAPACITY as DATA_DIR_CAPACITY
+from ._stores import DATA_DIR_FREE as DATA_DIR_FREE
+from ._stores import EVICTED_UNCONSUMED as EVICTED_UNCONSUMED
+from ._stores import RETAINED as RETAINED
+from ._stores import STORE_BYTES as STORE_BYTES
+from ._stores import STORE_CHECKPOINT_AGE as STORE_CHECKPOINT_AGE
+from ._stores import STORE_CONNECTION_WAITS as STORE_CONNECTION_WAITS
+from ._stores import STORE_RECORDS as STORE_RECORDS
+from ._stores import STORE_WAL_BYTES as STORE_WAL_BYTES
+from ._stores import STORE_WAL_CEILING as STORE_WAL_CEILING
+from ._stores import WAL_CEILING_CHECKPOINTS as WAL_CEILING_CHECKPOINTS
 from ._tools import SubjectSeries as SubjectSeries
 from ._tools import child as child
-
-REGISTRY = CollectorRegistry(auto_describe=True)
-ProcessCollector(registry=REGISTRY)
-PlatformCollector(registry=REGISTRY)
-
-# From 0.5 ms (a cheap tier op) to 30 s (a request that waited out a long budget).
-LATENCY_BUCKETS = (
-    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
-)  # fmt: skip
-LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 BUILD_INFO = Info("cmdbus_build", "Version of the running cmdbus-trio writer.", registry=REGISTRY)
 
@@ -214,82 +211,6 @@ STORE_STATE = Gauge(
     "poisoned (a write failed leaving the disk state unknown: writes are refused until "
     "restart). Read from memory; a scrape never waits for the store.",
     ["store", "state"],
-    registry=REGISTRY,
-)
-STORE_CONNECTION_WAITS = Counter(
-    "cmdbus_store_connection_waits",
-    "Calls on a store that found every SQLite connection of its pool in use and waited for "
-    "one. The pool is fixed at start (the stores open no file later); a steady rate means "
-    "the store's calls outnumber its connections: CPU or the disk is the limit.",
-    ["store"],
-    registry=REGISTRY,
-)
-RETAINED = Counter(
-    "cmdbus_retention_deleted",
-    "Rows deleted by retention or clean-up, by store and kind: a bus log's records (settled "
-    "by every consumer and out of their keep windows) and dead_letters (older than "
-    "CMDBUS_DEAD_RETENTION_MS); the event log's evicted records (the oldest, deleted "
-    "whatever the groups did to keep it under CMDBUS_EVT_MAX_BYTES); the tier's records "
-    "(delete_execution).",
-    ["store", "kind"],
-    registry=REGISTRY,
-)
-EVICTED_UNCONSUMED = Counter(
-    "cmdbus_evicted_unconsumed",
-    "Events evicted to keep the event log under CMDBUS_EVT_MAX_BYTES before the group "
-    "acked them (undelivered, in flight, waiting for a redelivery, or dead letters), by "
-    "consumer group: events that group never processed.",
-    ["group"],
-    registry=REGISTRY,
-)
-STORE_BYTES = Gauge(
-    "cmdbus_store_bytes",
-    "Bytes the store's files take on disk (database and WAL), measured every "
-    "CMDBUS_RETENTION_INTERVAL_MS in a worker thread.",
-    ["store"],
-    registry=REGISTRY,
-)
-STORE_WAL_BYTES = Gauge(
-    "cmdbus_store_wal_bytes",
-    "Bytes of the store's WAL file, measured with the store sizes.",
-    ["store"],
-    registry=REGISTRY,
-)
-STORE_CHECKPOINT_AGE = Gauge(
-    "cmdbus_store_checkpoint_age_seconds",
-    "Seconds since the store's WAL was last checkpointed in full (by the writer or by "
-    "Litestream: its header's checkpoint number moved, or it was truncated), or since "
-    "the writer started; measured with the store sizes. It grows while the store takes "
-    "no writes, and also while nothing checkpoints a WAL that grows.",
-    ["store"],
-    registry=REGISTRY,
-)
-STORE_WAL_CEILING = Gauge(
-    "cmdbus_store_wal_ceiling_bytes", "The setting CMDBUS_WAL_CEILING_BYTES.", registry=REGISTRY
-)
-WAL_CEILING_CHECKPOINTS = Counter(
-    "cmdbus_store_wal_ceiling_checkpoints_total",
-    "Checkpoints the writer made because a store's WAL was past CMDBUS_WAL_CEILING_BYTES "
-    "(with CMDBUS_CHECKPOINTS=litestream: Litestream is not checkpointing).",
-    ["store"],
-    registry=REGISTRY,
-)
-DATA_DIR_FREE = Gauge(
-    "cmdbus_data_dir_free_bytes",
-    "Bytes free for the writer on the data dir's file system (its volume), measured with "
-    "the store sizes.",
-    registry=REGISTRY,
-)
-DATA_DIR_CAPACITY = Gauge(
-    "cmdbus_data_dir_capacity_bytes",
-    "Size of the data dir's file system (its volume).",
-    registry=REGISTRY,
-)
-STORE_RECORDS = Gauge(
-    "cmdbus_store_records",
-    "Records the store holds (bus logs: records of the log; tier: records of every tier). "
-    "Read from memory.",
-    ["store"],
     registry=REGISTRY,
 )
 REDELIVERIES = Counter(
