@@ -32,6 +32,7 @@ from cmdbus_trio.metrics import STORE_CONNECTION_WAITS
 
 from ._common import StoreState, StoreUnavailable, WalState
 from ._guard import refuses_loop_thread
+from ._wal_tap import Committed, Failed, WalTap
 from .datadir import fsync_path
 from .keys import raise_key_counters, read_key_floor
 
@@ -108,6 +109,8 @@ class SqliteStore:
         self._contended_at = -float("inf")
         self._contended_waits = 0
         self._asking: dict[object, float] = {}  # writers waiting for the lock: since when
+        self.tap: WalTap | None = None
+        """What each commit appended to the WAL goes to, when set (a standby follows)."""
         self.before_commit: Callable[[], None] | None = None
         """Test hook: called inside each write transaction, before COMMIT."""
         self.returns_space = False
@@ -275,6 +278,8 @@ class SqliteStore:
                 self._contended_waits += 1
             with self._connection() as connection:
                 result = self._transaction(connection, work, transaction)
+            if self.tap is not None and transaction:
+                self.tap.after_commit()
             if committed is not None:
                 committed(result)
             return result
@@ -371,6 +376,14 @@ class SqliteStore:
             "(with CMDBUS_CHECKPOINTS=litestream: is Litestream running?)",
         )
         return checkpointed
+
+    @refuses_loop_thread
+    def attach_tap(self, committed: Callable[[Committed], None], failed: Failed) -> WalTap:
+        """From the next commit on, hand each one's pages to ``committed``, in commit
+        order, under the write lock (see :class:`WalTap` for when to take a snapshot)."""
+        with self._write_lock:
+            self.tap = WalTap(self.name, self._wal_path, committed, failed)
+            return self.tap
 
     @property
     def _wal_path(self) -> Path:

@@ -1,0 +1,110 @@
+"""The pages each write transaction committed, read back from the store's WAL: what a
+standby needs to hold the same database (the replication's unit, docs/architecture.md).
+
+SQLite appends a committed transaction to the WAL as frames (sqlite.org/fileformat.html,
+"WAL File Format"): a 24-byte header (page number; for the transaction's last frame, the
+database's size in pages; the WAL's two salts; a checksum) and the page. A tap reads the
+frames a commit appended, right after it, under the store's write lock, so transactions
+come out in commit order and whole. When a checkpoint has copied the WAL back, the next
+transaction starts the WAL again from its header with new salts; frames of the earlier
+generation may still follow in the file, and the salts tell them apart. Frames past the
+last commit frame are a rolled-back transaction's (its pages spilled early): never taken.
+
+Reading a file the same thread just wrote is served from the page cache; the tap costs
+a ``pread`` per transaction, and copies its pages once.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import attrs
+
+WAL_HEADER = struct.Struct(">IIIIII")  # magic, version, page size, checkpoint no, salts
+FRAME_HEADER = struct.Struct(">IIII")  # page number, size after commit (or 0), salts
+FRAME_HEADER_BYTES = 24
+WAL_MAGIC = (0x377F0682, 0x377F0683)
+
+
+Failed = Callable[[Exception], None]
+
+
+@attrs.frozen
+class Committed:
+    """One write transaction's pages, in the order written (a later frame of a page
+    replaces an earlier one), and the database's size in pages after it."""
+
+    store: str
+    page_size: int
+    pages: tuple[tuple[int, bytes], ...]
+    database_pages: int
+
+
+class WalTap:
+    """Reads what each commit of a store appended to its WAL and hands it to
+    ``committed``. Attach it before the snapshot a standby starts from is taken: its
+    first read takes the whole current generation of the WAL, which holds no page
+    older than that snapshot does (the rest is in the database file)."""
+
+    def __init__(
+        self, store: str, wal_path: Path, committed: Callable[[Committed], None], failed: Failed
+    ) -> None:
+        self.store = store
+        self.wal_path = wal_path
+        self.committed = committed
+        self.failed = failed
+        self._salts: tuple[int, int] | None = None  # the generation read so far
+        self._offset = 0  # where its next frame starts
+        self._file: int | None = None
+
+    def after_commit(self) -> None:
+        """Called under the write lock once a transaction committed. A WAL that cannot
+        be read goes to ``failed``: the commit stands, the follower must start again."""
+        try:
+            found = self.read()
+        except (OSError, ValueError) as exc:
+            self.failed(exc)
+            return
+        if found is not None:
+            self.committed(found)
+
+    def read(self) -> Committed | None:
+        """The frames committed since the last read (None: none)."""
+        if self._file is None:
+            try:
+                self._file = os.open(self.wal_path, os.O_RDONLY)
+            except FileNotFoundError:
+                return None
+        header = os.pread(self._file, WAL_HEADER.size + 8, 0)
+        if len(header) < WAL_HEADER.size + 8:
+            return None  # truncated by a checkpoint, and nothing written since
+        magic, _, page_size, _, salt1, salt2 = WAL_HEADER.unpack_from(header)
+        if magic not in WAL_MAGIC:
+            raise ValueError(f"{self.wal_path} is not a WAL (magic {magic:#x})")
+        if (salt1, salt2) != self._salts:  # a new generation: from its first frame
+            self._salts, self._offset = (salt1, salt2), WAL_HEADER.size + 8
+        frame_bytes = FRAME_HEADER_BYTES + page_size
+        size = os.fstat(self._file).st_size
+        data = os.pread(self._file, max(0, size - self._offset), self._offset)
+        view = memoryview(data)
+        pages: list[tuple[int, bytes]] = []
+        taken, database_pages = 0, 0  # frames up to the last commit frame, its size
+        for start in range(0, len(data) - frame_bytes + 1, frame_bytes):
+            number, after_commit, frame_salt1, frame_salt2 = FRAME_HEADER.unpack_from(view, start)
+            if (frame_salt1, frame_salt2) != self._salts:
+                break  # an earlier generation's frame
+            pages.append((number, bytes(view[start + FRAME_HEADER_BYTES : start + frame_bytes])))
+            if after_commit:
+                taken, database_pages = len(pages), after_commit
+        if not taken:
+            return None
+        self._offset += taken * frame_bytes
+        return Committed(self.store, page_size, tuple(pages[:taken]), database_pages)
+
+    def close(self) -> None:
+        if self._file is not None:
+            os.close(self._file)
+            self._file = None
