@@ -195,3 +195,17 @@ async def test_two_members_on_a_file_lease_in_threads(tmp_path: Path) -> None:
             assert current is not None
             assert (current.record.holder, current.record.epoch) == ("b", 2)
             nursery.cancel_scope.cancel()
+
+
+async def test_a_hand_over_a_turn_wrote_first_is_still_a_hand_over(
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    store = MemoryStore()
+    a = keeper("a", store)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(a.run)
+        a.elector.release()  # asked; the turn at 1.0 writes it before hand_over runs
+        await trio.sleep(1.5)
+        assert store.current is not None and store.current.record.holder is None
+        assert await a.hand_over()
+        nursery.cancel_scope.cancel()

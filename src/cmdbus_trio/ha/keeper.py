@@ -78,11 +78,15 @@ class LeaseKeeper:
 
     async def hand_over(self) -> bool:
         """Release the lease (a switchover, a stop): the standby in sync, or this member
-        when none is, may take it at once. True once written."""
+        when none is, may take it at once. True once the lease, as last written or
+        read, no longer names this member (a turn may have written the release)."""
         self.elector.release()
         async with self._lock:
             intent = self.elector.intent(trio.current_time(), time.time())
-            return intent is not None and await self._write(intent)
+            if intent is not None:
+                await self._write(intent)
+            seen = self.elector.seen
+            return seen is not None and seen.record.holder != self.elector.name
 
     async def _turn(self) -> None:
         async with self._lock:

@@ -22,14 +22,17 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import struct
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import attrs
 
 from ._guard import refuses_loop_thread
+from ._sqlite import SqliteStore
 from ._wal_tap import Committed
 from .datadir import fsync_path
 
@@ -38,6 +41,9 @@ HEAD = struct.Struct(">QQII")  # epoch, sequence, database size in pages, pages 
 PAGE_NUMBER = struct.Struct(">I")
 JOURNAL_SUFFIX = "-replica"
 POSITION_SUFFIX = "-replica.json"
+
+
+T = TypeVar("T")
 
 
 class ReplicaError(Exception):
@@ -133,6 +139,41 @@ class Replica:
 
     def close(self) -> None:
         os.close(self._journal)
+
+
+@refuses_loop_thread
+def install_base(path: Path, copy: Path, position: Position) -> None:
+    """Make ``copy`` (a base copy from the primary, durable) the replica at ``path``,
+    holding every transaction through ``position``: what the replica had goes (its
+    journal, any WAL of a database the member once served)."""
+    for stale in (_journal_path(path), path.with_name(path.name + "-wal"),
+                  path.with_name(path.name + "-shm")):  # fmt: skip
+        stale.unlink(missing_ok=True)
+    os.replace(copy, path)
+    _write_position(path, position)
+
+
+@refuses_loop_thread
+def snapshot(store: SqliteStore, target: Path, at: Callable[[], T]) -> T:
+    """Copy ``store`` to ``target`` (a new file) as of one instant, and return what
+    ``at()`` said at that instant: it is called under the store's write lock, as the
+    copy's read transaction begins, so the copy holds exactly the commits made before
+    (a standby's base copy, and the replication's position then). The copy is SQLite's
+    online backup: writers go on meanwhile."""
+    with store._connection() as connection:
+        with store._write_lock:
+            connection.execute("BEGIN")
+            connection.execute("SELECT count(*) FROM sqlite_master").fetchone()
+            position = at()
+        try:
+            copy = sqlite3.connect(target)
+            try:
+                connection.backup(copy)
+            finally:
+                copy.close()
+        finally:
+            connection.execute("COMMIT")
+    return position
 
 
 def _records(journal: int) -> Iterator[tuple[Position, int, list[tuple[int, bytes]], int]]:

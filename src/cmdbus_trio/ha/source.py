@@ -1,0 +1,233 @@
+"""The primary's side of the replication: each commit's pages, numbered in commit order,
+kept in a bounded backlog, streamed to the standby; the standby's confirmations, which
+acknowledgements wait for.
+
+Taps (:class:`~cmdbus_trio.storage._wal_tap.WalTap`) call :meth:`Source.committed` from
+the stores' threads, under each store's write lock, so the numbering is the commit
+order. The backlog keeps the newest transactions up to :data:`BACKLOG_BYTES`; a standby
+that comes back within it resumes where it stopped, one further behind (or one whose
+history went another way: a deposed primary) gets a base copy of the store first.
+
+One standby at a time: a new connection replaces the one before.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import hmac
+import logging
+import os
+import threading
+from collections.abc import Callable, Mapping
+from functools import partial
+from typing import Any
+
+import attrs
+import trio
+
+from cmdbus_trio.logs import event
+from cmdbus_trio.protocol._framing import NEED_DATA, FrameDecoder
+from cmdbus_trio.storage._sqlite import SqliteStore
+from cmdbus_trio.storage._wal_tap import Committed
+from cmdbus_trio.storage.replica import Position, snapshot
+
+from . import _wire as wire
+
+log = logging.getLogger(__name__)
+
+BACKLOG_BYTES = 64 << 20
+"""Page bytes of recent transactions kept for a standby that falls behind."""
+TICK_EVERY = 0.2
+"""Seconds between :class:`~._wire.Tick` frames on an idle stream."""
+CHUNK = 1 << 20
+"""Bytes of a base copy per frame."""
+
+Offload = Callable[[Callable[[], Any]], Any]
+
+
+@attrs.frozen
+class _Entry:
+    sequence: int
+    epoch: int
+    committed: Committed
+    size: int
+
+
+class Source:
+    def __init__(
+        self,
+        stores: Mapping[str, SqliteStore],
+        epoch: int,
+        *,
+        first_sequence: int = 1,
+        token: str | None = None,
+        primary: str = "",
+        offload: Offload,
+        backlog_bytes: int = BACKLOG_BYTES,
+    ) -> None:
+        self.stores = dict(stores)
+        self.epoch = epoch
+        self.primary = primary
+        self._token = token
+        self._offload = offload
+        self._backlog_bytes = backlog_bytes
+        self._lock = threading.Lock()
+        self._entries: collections.deque[_Entry] = collections.deque()
+        self._bytes = 0
+        self.sequence = first_sequence - 1
+        """The newest transaction numbered."""
+        self.floor = first_sequence - 1
+        """Every transaction after this one is still in the backlog."""
+        self.confirmed = -1
+        """The newest transaction the standby confirmed durable (-1: no standby)."""
+        self.standby: str | None = None
+        self._trio_token = trio.lowlevel.current_trio_token()
+        self._grew = trio.Event()
+        self._confirmed = trio.Event()
+        self._connection = 0  # the one serving now (a newer one replaces it)
+
+    # --- in the stores' threads ------------------------------------------------------------
+
+    def committed(self, committed: Committed) -> None:
+        """A transaction committed (a tap's callback: under its store's write lock)."""
+        size = sum(len(page) for _, page in committed.pages)
+        with self._lock:
+            self.sequence += 1
+            self._entries.append(_Entry(self.sequence, self.epoch, committed, size))
+            self._bytes += size
+            while self._bytes > self._backlog_bytes and len(self._entries) > 1:
+                dropped = self._entries.popleft()
+                self._bytes -= dropped.size
+                self.floor = dropped.sequence
+        self._trio_token.run_sync_soon(self._wake_senders)
+
+    def _wake_senders(self) -> None:
+        self._grew.set()
+        self._grew = trio.Event()
+
+    # --- on the loop ---------------------------------------------------------------------
+
+    async def wait_confirmed(self, sequence: int) -> None:
+        """Until the standby confirmed ``sequence`` durable (the caller bounds the wait)."""
+        while self.confirmed < sequence:
+            await self._confirmed.wait()
+
+    async def serve(self, stream: trio.abc.Stream) -> None:
+        """One standby's connection, until it ends or a newer one replaces it."""
+        self._connection += 1
+        mine = self._connection
+        decoder = FrameDecoder(wire.MAX_FRAME)
+        hello = await _receive(stream, decoder)
+        if not isinstance(hello, wire.Hello):
+            raise wire.WireError(f"a standby must say Hello first, not {type(hello).__name__}")
+        if self._token is not None and not hmac.compare_digest(hello.token or "", self._token):
+            await stream.send_all(wire.encode(wire.Refused("wrong token", self.epoch)))
+            return
+        if hello.epoch > self.epoch:
+            await stream.send_all(wire.encode(wire.Refused("deposed", self.epoch)))
+            return
+        await stream.send_all(wire.encode(wire.Welcome(self.epoch, self.primary)))
+        event(log, logging.INFO, "standby_connected", standby=hello.name, epoch=self.epoch)
+        self.standby = hello.name
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._confirmations, stream, decoder, mine)
+                await self._send(stream, hello.positions, mine)
+                nursery.cancel_scope.cancel()
+        finally:
+            if self._connection == mine:
+                self.standby = None
+                self.confirmed = -1
+                self._wake_confirmed()
+
+    async def _confirmations(
+        self, stream: trio.abc.Stream, decoder: FrameDecoder, mine: int
+    ) -> None:
+        while self._connection == mine:
+            message = await _receive(stream, decoder)
+            if not isinstance(message, wire.Confirm) or message.epoch != self.epoch:
+                raise wire.WireError(f"a standby may only confirm, not send {message!r:.80}")
+            if message.sequence > self.confirmed:
+                self.confirmed = message.sequence
+                self._wake_confirmed()
+
+    def _wake_confirmed(self) -> None:
+        self._confirmed.set()
+        self._confirmed = trio.Event()
+
+    async def _send(
+        self, stream: trio.abc.Stream, positions: Mapping[str, Position], mine: int
+    ) -> None:
+        resume: dict[str, int] = {}
+        for name, store in self.stores.items():
+            position = positions.get(name)
+            if position is not None and self._continues(position):
+                resume[name] = position.sequence
+            else:
+                resume[name] = await self._base_copy(stream, name, store)
+        sent = min(resume.values(), default=self.sequence)
+        while self._connection == mine:
+            grew = self._grew
+            with self._lock:
+                if sent < self.floor:  # fell out of the backlog while copying
+                    raise wire.WireError("the standby fell behind the backlog: it starts again")
+                pending = [entry for entry in self._entries if entry.sequence > sent]
+            for entry in pending:
+                of = entry.committed.store
+                if entry.sequence > resume.get(of, entry.sequence):
+                    for part in wire.split(of, entry.epoch, entry.sequence, entry.committed):
+                        await stream.send_all(wire.encode(part))
+                sent = entry.sequence
+            await stream.send_all(wire.encode(wire.Tick(self.epoch, sent)))
+            with trio.move_on_after(TICK_EVERY):
+                await grew.wait()
+
+    def _continues(self, position: Position) -> bool:
+        """The standby's store at ``position`` is on this primary's history, and what
+        follows it is all in the backlog."""
+        if position.sequence == 0:
+            return False  # it has nothing yet
+        with self._lock:  # (the entry at its position tells the epoch that made it)
+            entry = next((e for e in self._entries if e.sequence == position.sequence), None)
+        return entry is not None and entry.epoch == position.epoch
+
+    async def _base_copy(self, stream: trio.abc.Stream, name: str, store: SqliteStore) -> int:
+        """Send a copy of ``store`` as of now; the sequence it holds everything through."""
+        target = store.path.with_name(f".{store.path.name}.standby-{os.getpid()}")
+        target.unlink(missing_ok=True)
+
+        def at() -> Position:
+            with self._lock:
+                return Position(self.epoch, self.sequence)
+
+        try:
+            position: Position = await self._offload(lambda: snapshot(store, target, at))
+            size = target.stat().st_size
+            await stream.send_all(wire.encode(wire.BaseStart(name, self.epoch, position, size)))
+            digest = hashlib.sha256()
+            for offset in range(0, size, CHUNK):
+                chunk = await self._offload(partial(_read_chunk, target, offset))
+                digest.update(chunk)
+                await stream.send_all(wire.encode(wire.BaseChunk(name, self.epoch, chunk)))
+            await stream.send_all(wire.encode(wire.BaseEnd(name, self.epoch, digest.hexdigest())))
+        finally:
+            target.unlink(missing_ok=True)
+        return position.sequence
+
+
+def _read_chunk(path: os.PathLike[str], offset: int) -> bytes:
+    with open(path, "rb") as copy:
+        copy.seek(offset)
+        return copy.read(CHUNK)
+
+
+async def _receive(stream: trio.abc.Stream, decoder: FrameDecoder) -> wire.Message:
+    while True:
+        frame = decoder.next_frame()
+        if frame is not NEED_DATA:
+            if not isinstance(frame, bytes | bytearray):
+                raise EOFError("the other member closed the connection")
+            return wire.decode(bytes(frame))
+        data = await stream.receive_some(1 << 16)
+        decoder.receive_data(data)
