@@ -42,6 +42,8 @@ class LeaseKeeper:
         self._lock = trio.Lock()
         self._changed = trio.Event()
         self._was_primary = False
+        self.listeners: list[Callable[[], None]] = []
+        """Called whenever :meth:`wait_changed` would wake (the synchronizer)."""
         self.last_error: str | None = None
         """Why the last read or write of the lease failed (None: it succeeded)."""
 
@@ -137,3 +139,5 @@ class LeaseKeeper:
                       epoch=self.elector.epoch)  # fmt: skip
         self._changed.set()
         self._changed = trio.Event()
+        for listener in self.listeners:
+            listener()

@@ -86,6 +86,8 @@ class Source:
         self._grew = trio.Event()
         self._confirmed = trio.Event()
         self._connection = 0  # the one serving now (a newer one replaces it)
+        self.listeners: list[Callable[[], None]] = []
+        """Called when the standby confirms more, connects or goes (the synchronizer)."""
 
     # --- in the stores' threads ------------------------------------------------------------
 
@@ -130,6 +132,7 @@ class Source:
         await stream.send_all(wire.encode(wire.Welcome(self.epoch, self.primary)))
         event(log, logging.INFO, "standby_connected", standby=hello.name, epoch=self.epoch)
         self.standby = hello.name
+        self._wake_confirmed()
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._confirmations, stream, decoder, mine)
@@ -155,6 +158,8 @@ class Source:
     def _wake_confirmed(self) -> None:
         self._confirmed.set()
         self._confirmed = trio.Event()
+        for listener in self.listeners:
+            listener()
 
     async def _send(
         self, stream: trio.abc.Stream, positions: Mapping[str, Position], mine: int

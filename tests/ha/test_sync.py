@@ -1,0 +1,187 @@
+"""When a primary may acknowledge (cmdbus_trio/ha/sync.py), on trio's MockClock with a
+source and a keeper the test drives: the order of the lease's writes against the
+acknowledgements is the point of each test."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import attrs
+import pytest
+import trio
+import trio.testing
+
+from cmdbus_trio.ha.elector import SyncMode
+from cmdbus_trio.ha.sync import SYNC_TIMEOUT, Synchronizer, Unavailable
+
+
+@attrs.define
+class FakeSource:
+    sequence: int = 0
+    confirmed: int = -1
+    standby: str | None = None
+
+
+@attrs.define
+class FakeKeeper:
+    primary: bool = True
+    lease_writable: bool = True
+    log: list[str] = attrs.Factory(list)
+    """What happened, in order: lease writes and acknowledgements."""
+    sync: Synchronizer | None = None
+
+    def is_primary(self) -> bool:
+        return self.primary
+
+    async def record_sync(self, standby: str | None) -> bool:
+        await trio.sleep(0.01)  # a write takes a moment
+        assert self.sync is not None
+        self.log.append(f"lease in_sync={standby} (counting on {self.sync.counting_on})")
+        return self.lease_writable and self.primary
+
+
+@attrs.define
+class Pair:
+    sync: Synchronizer
+    source: FakeSource
+    keeper: FakeKeeper
+    outcomes: dict[int, Exception | None] = attrs.Factory(dict)
+
+    def commit(self, sequence: int) -> None:
+        self.source.sequence = max(self.source.sequence, sequence)
+
+        def done(outcome: Exception | None) -> None:
+            self.outcomes[sequence] = outcome
+            self.keeper.log.append(f"{sequence}: {'acked' if outcome is None else outcome}")
+
+        self.sync.when_durable(sequence, done)
+
+    def confirm(self, sequence: int) -> None:
+        self.source.confirmed = sequence
+        self.sync.poke()
+
+
+@pytest.fixture
+def mock_clock() -> trio.testing.MockClock:
+    return trio.testing.MockClock(autojump_threshold=0)
+
+
+async def pair(nursery: trio.Nursery, mode: SyncMode) -> Pair:
+    source, keeper = FakeSource(), FakeKeeper()
+    sync = Synchronizer(mode, source, keeper)
+    keeper.sync = sync
+    await nursery.start(sync.run)
+    return Pair(sync, source, keeper)
+
+
+async def in_sync(p: Pair) -> None:
+    """The standby connects and has confirmed all there is."""
+    p.source.standby = "b"
+    p.confirm(p.source.sequence)
+    await trio.sleep(0.1)
+    assert p.sync.counting_on == "b"
+
+
+@pytest.fixture
+async def nursery() -> AsyncIterator[trio.Nursery]:
+    async with trio.open_nursery() as n:
+        yield n
+        n.cancel_scope.cancel()
+
+
+async def test_off_and_on_without_a_standby_acknowledge_at_once_strict_does_not(
+    mock_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    off, on, strict = [
+        await pair(nursery, mode) for mode in (SyncMode.OFF, SyncMode.ON, SyncMode.STRICT)
+    ]
+    for p in (off, on, strict):
+        p.commit(1)
+    assert off.outcomes == {1: None} and on.outcomes == {1: None}
+    assert isinstance(strict.outcomes[1], Unavailable)
+    assert "no standby is in sync" in str(strict.outcomes[1])
+
+
+async def test_a_caught_up_standby_is_counted_on_before_the_lease_says_so(
+    mock_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    p = await pair(nursery, SyncMode.ON)
+    p.commit(1)  # alone: none in sync yet
+    await in_sync(p)
+    assert p.keeper.log == ["1: acked", "lease in_sync=b (counting on b)"]
+    p.commit(2)
+    await trio.sleep(0.5)
+    assert 2 not in p.outcomes  # it waits for the standby
+    p.confirm(2)
+    assert p.outcomes[2] is None  # at once, as the confirmation comes
+
+
+async def test_a_standby_that_stops_confirming_is_recorded_out_of_sync_before_acks_go_alone(
+    mock_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    """The standby confirms nothing for longer (1.5 s) than the timeout (1 s)."""
+    p = await pair(nursery, SyncMode.ON)
+    await in_sync(p)
+    p.keeper.log.clear()
+    start = trio.current_time()
+    p.commit(1)
+    p.commit(2)
+    await trio.sleep(SYNC_TIMEOUT * 1.5)
+    assert p.keeper.log == ["lease in_sync=None (counting on None)", "1: acked", "2: acked"]
+    assert p.sync.counting_on is None
+    assert trio.current_time() - start >= SYNC_TIMEOUT
+    p.commit(3)  # alone now, at once
+    assert p.outcomes[3] is None
+
+
+async def test_strict_answers_unavailable_when_the_standby_stops(
+    mock_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    p = await pair(nursery, SyncMode.STRICT)
+    await in_sync(p)
+    p.commit(1)
+    await trio.sleep(SYNC_TIMEOUT * 1.5)
+    assert isinstance(p.outcomes[1], Unavailable)
+    assert p.keeper.log[-2] == "lease in_sync=None (counting on None)"
+
+
+async def test_a_deposed_primary_that_cannot_write_the_lease_acknowledges_nothing(
+    mock_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    p = await pair(nursery, SyncMode.ON)
+    await in_sync(p)
+    p.keeper.lease_writable = False  # another member took the lease
+    p.commit(1)
+    await trio.sleep(SYNC_TIMEOUT * 1.5)
+    assert isinstance(p.outcomes[1], Unavailable)
+    assert "cannot record in the lease" in str(p.outcomes[1])
+    p.keeper.primary = False
+    p.sync.poke()
+    p.commit(2)
+    assert isinstance(p.outcomes[2], Unavailable) and "not primary" in str(p.outcomes[2])
+
+
+async def test_a_standby_whose_connection_ends_is_dropped_without_waiting_out_the_timeout(
+    mock_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    p = await pair(nursery, SyncMode.ON)
+    await in_sync(p)
+    p.commit(1)
+    start = trio.current_time()
+    p.source.standby = None
+    p.sync.poke()
+    while 1 not in p.outcomes:
+        await trio.sleep(0.01)
+    assert p.outcomes[1] is None and trio.current_time() - start < SYNC_TIMEOUT / 2
+
+
+async def test_commits_waiting_when_the_role_is_lost_are_not_acknowledged(
+    mock_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    p = await pair(nursery, SyncMode.ON)
+    await in_sync(p)
+    p.commit(1)
+    p.keeper.primary = False
+    p.sync.poke()
+    await trio.sleep(0.1)
+    assert isinstance(p.outcomes[1], Unavailable)
