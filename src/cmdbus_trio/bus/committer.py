@@ -25,7 +25,7 @@ import trio
 from cmdbus_trio import metrics
 from cmdbus_trio.admission import Slot
 from cmdbus_trio.logs import event
-from cmdbus_trio.loop.batcher import ThreadBatcher, take_up_to
+from cmdbus_trio.loop.batcher import Durability, ThreadBatcher, take_up_to
 from cmdbus_trio.loop.deferred import Deferred
 from cmdbus_trio.loop.steps import MAX_SETTLE_STEP, Steps
 from cmdbus_trio.protocol.bus import PublishRecord, SubjectRule
@@ -125,6 +125,11 @@ class GroupCommitter:
         any (the claim coordinators and the subscriptions learn of new records this way:
         an in-memory signal, no polling of the database). A batch of acks alone calls
         nobody."""
+
+    def wait_for(self, durability: Durability | None) -> None:
+        """Settle each batch (reply, tell consumers) only once ``durability`` says it
+        may be acknowledged: a standby confirmed it (None: at once, as without one)."""
+        self._batches.durability = durability
 
     def enqueue(self, ticket: Ticket) -> None:
         """Queue a ticket; never blocks (the caller's Gate slot bounds the queue)."""

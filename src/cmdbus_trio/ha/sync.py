@@ -30,6 +30,7 @@ from typing import Protocol
 import trio
 
 from cmdbus_trio.logs import event
+from cmdbus_trio.storage import StoreUnavailable
 
 from .elector import SyncMode
 
@@ -41,8 +42,9 @@ SYNC_TIMEOUT = 1.0
 Done = Callable[[Exception | None], None]
 
 
-class Unavailable(Exception):
-    """The primary may not acknowledge this commit; ``str()`` says why."""
+class Unavailable(StoreUnavailable):
+    """The primary may not acknowledge this commit; ``str()`` says why (the faces
+    answer ``unavailable``, as for a store that cannot take writes)."""
 
 
 class _Source(Protocol):
@@ -74,6 +76,10 @@ class Synchronizer:
     @property
     def in_sync(self) -> bool:
         return self.counting_on is not None
+
+    def sequence(self) -> int:
+        """The newest commit numbered (read in a committer's thread after its commit)."""
+        return self.source.sequence
 
     def when_durable(self, sequence: int, done: Done) -> None:
         """``done(None)`` once the commits through ``sequence`` may be acknowledged,

@@ -7,7 +7,8 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from functools import partial
+from typing import Generic, Protocol, TypeVar
 
 import trio
 
@@ -18,7 +19,23 @@ T = TypeVar("T")
 B = TypeVar("B")
 R = TypeVar("R")
 
-__all__ = ["ThreadBatcher", "take_up_to"]
+__all__ = ["Durability", "ThreadBatcher", "take_up_to"]
+
+
+class Durability(Protocol):
+    """What a batch's outcome waits for before it is settled, when commits are
+    replicated (a standby's confirmation): nothing is settled, so nothing is answered
+    or seen by a consumer, before the batch could be acknowledged."""
+
+    def sequence(self) -> int:
+        """In the worker thread, right after a batch's work: a place in the replication
+        at or after that work's commit."""
+        ...
+
+    def when_durable(self, sequence: int, done: Callable[[Exception | None], None]) -> None:
+        """On the loop: ``done(None)`` once everything through ``sequence`` may be
+        acknowledged, ``done(error)`` if it may not."""
+        ...
 
 
 def take_up_to(queue: deque[T], limit: int, weight: Callable[[T], int]) -> list[T]:
@@ -84,6 +101,9 @@ class ThreadBatcher(Generic[T, B, R]):
         self._arrived = threading.Event()  # for the thread lingering in _batches
         self._arrival_told = False  # _arrived is set as this turn ends (see put)
         self._limiter = trio.CapacityLimiter(1)  # one thread: batches go one after another
+        self.durability: Durability | None = None
+        """Set when commits are replicated: each batch that worked is settled only once
+        ``durability`` says so (with its error, if it says the batch may not be)."""
 
     def put(self, item: T) -> None:
         """Queue an item; never blocks (callers bound the queue, e.g. with a Gate)."""
@@ -122,4 +142,12 @@ class ThreadBatcher(Generic[T, B, R]):
                 outcome = self._work(batch)
             except Exception as exc:
                 outcome = exc
-            token.run_sync_soon(self._settle, batch, outcome)
+            durability = self.durability
+            if durability is None or isinstance(outcome, Exception):
+                token.run_sync_soon(self._settle, batch, outcome)
+            else:
+                settle = partial(self._settle_durable, batch, outcome)
+                token.run_sync_soon(durability.when_durable, durability.sequence(), settle)
+
+    def _settle_durable(self, batch: B, outcome: R, error: Exception | None) -> None:
+        self._settle(batch, outcome if error is None else error)

@@ -28,7 +28,7 @@ from cmdbus_trio import metrics
 from cmdbus_trio.admission import Gate, Slot, run_in_thread
 from cmdbus_trio.logs import event
 from cmdbus_trio.loop import Task
-from cmdbus_trio.loop.batcher import ThreadBatcher, take_up_to
+from cmdbus_trio.loop.batcher import Durability, ThreadBatcher, take_up_to
 from cmdbus_trio.loop.deferred import Deferred
 from cmdbus_trio.loop.steps import MAX_SETTLE_STEP, Steps
 from cmdbus_trio.storage.tier import Appending, AppendResult, TierStore
@@ -80,6 +80,11 @@ class TierCommitter:
         # 64 tasks in one turn of the loop, and every probe waited for each such turn.
         self._unsettled = Steps(self._settle_one, max_step=MAX_SETTLE_STEP, name="tier_settle")
         self._batch_records = metrics.COMMIT_BATCH.labels(store=store.name)
+
+    def wait_for(self, durability: Durability | None) -> None:
+        """Settle each batch (reply, tell consumers) only once ``durability`` says it
+        may be acknowledged: a standby confirmed it (None: at once, as without one)."""
+        self._batches.durability = durability
 
     def enqueue(self, ticket: AppendTicket) -> None:
         """Queue a ticket; never blocks (the caller's Gate slot bounds the queue)."""

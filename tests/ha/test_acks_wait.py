@@ -1,0 +1,190 @@
+"""Acknowledgements wait for the standby (loop/batcher.py's durability, ha/sync.py,
+the replication stream): a publish through a real group committer is answered only
+once the standby confirmed it, and then it is in the standby's journal; a standby that
+stops confirming holds an answer for the sync timeout, no longer, and the lease is told
+first."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import AsyncIterator
+from functools import partial
+from pathlib import Path
+
+import attrs
+import pytest
+import trio
+import trio.testing
+
+from cmdbus_trio.bus.committer import GroupCommitter
+from cmdbus_trio.ha.elector import SyncMode
+from cmdbus_trio.ha.follower import Follower
+from cmdbus_trio.ha.source import Source
+from cmdbus_trio.ha.sync import SYNC_TIMEOUT, Synchronizer
+from cmdbus_trio.protocol.bus import BusKind, SubjectRule
+from cmdbus_trio.storage import StoreUnavailable
+from cmdbus_trio.storage.buslog import BusLog
+
+from ..helpers import publish_ticket
+from .test_stream import offload
+
+
+@attrs.define
+class Keeper:
+    lease: list[str | None] = attrs.Factory(list)
+    writable: bool = True
+
+    def is_primary(self) -> bool:
+        return True
+
+    async def record_sync(self, standby: str | None) -> bool:
+        self.lease.append(standby)
+        return self.writable
+
+
+@attrs.define
+class Setup:
+    committer: GroupCommitter
+    source: Source
+    sync: Synchronizer
+    keeper: Keeper
+    follower: Follower
+    standby: Path
+    nursery: trio.Nursery
+    follow_scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
+
+    def follow(self) -> None:
+        ours, theirs = trio.testing.memory_stream_pair()
+        self.follow_scope = trio.CancelScope()
+
+        async def follow() -> None:
+            with self.follow_scope:
+                async with trio.open_nursery() as both:
+                    both.start_soon(self.source.serve, ours)
+                    await self.follower.follow(theirs, lambda: 1)
+
+        self.nursery.start_soon(follow)
+
+
+@pytest.fixture
+async def setup(tmp_path: Path) -> AsyncIterator[Setup]:
+    log = await offload(partial(BusLog.open, tmp_path / "a" / "commands.sqlite3", name="commands"))
+    source = Source({"commands": log}, epoch=1, primary="a", offload=offload)
+    await offload(partial(log.attach_tap, source.committed, pytest.fail))
+    keeper = Keeper()
+    sync = Synchronizer(SyncMode.ON, source, keeper)
+    source.listeners.append(sync.poke)
+    committer = GroupCommitter(log, SubjectRule(BusKind.COMMANDS))
+    committer.wait_for(sync)
+    standby = tmp_path / "b"
+    standby.mkdir()
+    follower = Follower("b", standby, ["commands"], offload=offload)
+    await follower.open()
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(committer.run)
+            await nursery.start(sync.run)
+            yield Setup(committer, source, sync, keeper, follower, standby, nursery)
+            nursery.cancel_scope.cancel()
+    await follower.close()
+    await offload(log.close)
+
+
+async def publish(setup: Setup, n: int) -> int:
+    ticket = publish_ticket(json.dumps({"n": n}), n)
+    setup.committer.enqueue(ticket)
+    return (await ticket.wait())[0].sort_key
+
+
+def keys_on(path: Path) -> list[int]:
+    connection = sqlite3.connect(path)
+    try:
+        return [row[0] for row in connection.execute("SELECT sort_key FROM records ORDER BY 1")]
+    finally:
+        connection.close()
+
+
+async def test_an_answer_comes_once_the_standby_has_the_record(setup: Setup) -> None:
+    await publish(setup, 0)  # alone: no standby yet
+    setup.follow()
+    while not setup.sync.in_sync:
+        await trio.sleep(0.01)
+    assert setup.keeper.lease == ["b"]
+    keys = [await publish(setup, n) for n in range(1, 20)]
+    # Every answered record is in the standby's journal: fold it and look.
+    setup.follow_scope.cancel()
+    await setup.follower.close()
+    assert set(keys) <= set(await offload(partial(keys_on, setup.standby / "commands.sqlite3")))
+
+
+async def test_a_standby_that_stops_holds_an_answer_for_the_timeout_and_the_lease_hears_first(
+    setup: Setup,
+) -> None:
+    """The standby stops (its task is cancelled: nothing more is read or confirmed) for
+    longer (the whole test) than the sync timeout (1 s)."""
+    setup.follow()
+    while not setup.sync.in_sync:
+        await trio.sleep(0.01)
+    setup.follow_scope.cancel()  # and the connection with it... so the source sees it end
+    await trio.sleep(0.1)
+    assert setup.keeper.lease == ["b", None]  # dropped at once: its connection ended
+    start = trio.current_time()
+    await publish(setup, 1)  # alone now
+    assert trio.current_time() - start < SYNC_TIMEOUT / 2
+
+
+class OneWayCut(trio.abc.HalfCloseableStream):
+    """The standby's side of the link; once ``cut``, what it sends never arrives (its
+    confirmations are lost, the link stays open: a one-way cut)."""
+
+    def __init__(self, inner: trio.abc.Stream) -> None:
+        self.inner = inner
+        self.cut = False
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        if self.cut:
+            await trio.sleep_forever()
+        await self.inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.inner.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        return await self.inner.receive_some(max_bytes)
+
+    async def send_eof(self) -> None:
+        pass
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_a_silent_standby_holds_an_answer_for_the_timeout_no_longer(setup: Setup) -> None:
+    """Its confirmations are lost (a one-way cut) for longer (the rest of the test) than
+    the sync timeout (1 s): the answer waits that long, and the lease hears first."""
+    ours, theirs = trio.testing.memory_stream_pair()
+    cut = OneWayCut(theirs)
+    setup.nursery.start_soon(setup.source.serve, ours)
+    setup.nursery.start_soon(setup.follower.follow, cut, lambda: 1)
+    while not setup.sync.in_sync:
+        await trio.sleep(0.01)
+    cut.cut = True
+    start = trio.current_time()
+    await publish(setup, 1)
+    waited = trio.current_time() - start
+    assert SYNC_TIMEOUT <= waited < SYNC_TIMEOUT + 1.0
+    assert setup.keeper.lease == ["b", None]
+
+
+async def test_a_primary_that_cannot_tell_the_lease_answers_unavailable(setup: Setup) -> None:
+    ours, theirs = trio.testing.memory_stream_pair()
+    cut = OneWayCut(theirs)
+    setup.nursery.start_soon(setup.source.serve, ours)
+    setup.nursery.start_soon(setup.follower.follow, cut, lambda: 1)
+    while not setup.sync.in_sync:
+        await trio.sleep(0.01)
+    cut.cut = True
+    setup.keeper.writable = False  # deposed: another member wrote the lease
+    with pytest.raises(StoreUnavailable, match="cannot record in the lease"):
+        await publish(setup, 1)
