@@ -56,7 +56,7 @@ ALLOWED: dict[str, set[str]] = {
 }
 """The rooms each room may import (beside :data:`SHARED`); the wiring (``app``, ``cli``,
 ``__main__``) may import any."""
-WIRING = {"app", "cli", "__main__"}
+WIRING = {"app", "cli", "__main__", "supervision", "member", "measures"}
 
 
 def room_of(path: Path) -> str:

@@ -18,7 +18,6 @@ import signal
 import sqlite3
 from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import trio
@@ -45,16 +44,17 @@ from .faces.gates import gate_for, lanes_for
 from .logs import event
 from .loop.heartbeat import Heartbeat
 from .loop.interpreter import collector_tuned, switch_interval
+from .measures import measure_stores
+from .member import Member
 from .protocol.bus import BusKind
-from .storage import CheckpointWatch, Store
 from .storage.datadir import DataDirError
 from .storage.tier import TierStore
+from .supervision import StartFn, supervised
+from .supervision import StartupError as StartupError
 from .tier.committer import Tier
 from .tier.retention import run_tier_retention, tier_windows
 
 log = logging.getLogger(__name__)
-
-StartFn = Callable[..., Awaitable[None]]
 
 
 DATA_FACES: Mapping[str, FaceServe] = {
@@ -66,53 +66,6 @@ DATA_FACES: Mapping[str, FaceServe] = {
     "evt_subscribe": evt_subscribe.serve,
 }
 """The data faces this build implements: all of docs/protocol.md's."""
-
-
-class StartupError(Exception):
-    """A face could not start (typically: its address is in use)."""
-
-    def __init__(self, face: str, bind: Bind, cause: BaseException) -> None:
-        setting = f"CMDBUS_{face.upper()}_BIND (--{face.replace('_', '-')}-bind)"
-        why = f"{_leaf(cause)}; choose another address with {setting}"
-        super().__init__(f"cannot start the {face} face on {bind}: {why}")
-        self.face = face
-
-
-def _leaf(exc: BaseException) -> BaseException:
-    """The one error inside nested single-member exception groups (trio wraps each level)."""
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    return exc
-
-
-async def _measure_stores(
-    stores: Mapping[str, Store],
-    data_dir: Path,
-    period: float,
-    wal_ceiling: int,
-    *,
-    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Every store's bytes, WAL and checkpoint age (its WAL checkpointed past ``wal_ceiling``),
-    the data dir's free and total bytes, every ``period`` (in a thread, never on the loop)."""
-    limiter = trio.CapacityLimiter(1)
-    checkpoints = CheckpointWatch(trio.current_time())
-    metrics.STORE_WAL_CEILING.set(wal_ceiling)
-    task_status.started()
-    while True:
-        for name, store in list(stores.items()):
-            size = await run_in_thread(store.disk_bytes, limiter=limiter)
-            metrics.STORE_BYTES.labels(store=name).set(size)
-            wal = await run_in_thread(store.wal, limiter=limiter)
-            metrics.STORE_WAL_BYTES.labels(store=name).set(wal.bytes)
-            age = checkpoints.seen(name, wal, trio.current_time())
-            metrics.STORE_CHECKPOINT_AGE.labels(store=name).set(age)
-            if wal.bytes > wal_ceiling:  # (it logs why)
-                await run_in_thread(store.checkpoint_past, wal_ceiling, age, limiter=limiter)
-        volume = await run_in_thread(os.statvfs, data_dir, limiter=limiter)
-        metrics.DATA_DIR_FREE.set(volume.f_bavail * volume.f_frsize)
-        metrics.DATA_DIR_CAPACITY.set(volume.f_blocks * volume.f_frsize)
-        await trio.sleep(period)
 
 
 class Writer:
@@ -133,6 +86,7 @@ class Writer:
         # Store open/close: a limiter of its own, never trio's default one.
         self._maintenance = trio.CapacityLimiter(1)
         self._stores: dict[str, Tier | Bus] = {}
+        self._binds: dict[str, Bind] = {}  # each face's, its port fixed once bound
 
     def request_drain(self) -> None:
         """Start the graceful drain (what SIGTERM does). Idempotent."""
@@ -168,24 +122,50 @@ class Writer:
                     if (bind := config.bind(port)) is not None:
                         serve_lag = partial(self._serve_lag_port, port, bind)
                         await self._start(control_nursery, port, bind, serve_lag)
-                await self._open_stores(wanted)
-                async with trio.open_nursery() as background:
-                    await self._start_background(background)
-                    async with trio.open_nursery() as data:
-                        for face in wanted:
-                            if face in self._faces:
-                                await self._start_data_face(data, background, face)
-                        self._started()
-                        task_status.started(dict(self.health.addresses))
-                        await self._drain_requested.wait()
-                        self._begin_drain(data)
-                    if data.cancel_scope.cancelled_caught:
-                        event(log, logging.WARNING, "shutdown_budget_exhausted")
-                    background.cancel_scope.cancel()
-                await self._close_stores()  # every face has returned: no thread uses them
+                if config.ha_lease is None:
+                    await self.serve(wanted, task_status.started)
+                else:  # a member of a pair: primary or standby, as the lease says
+                    await Member(self, wanted).run(control_nursery, task_status.started)
                 event(log, logging.INFO, "stopped")
                 self._control_stop.set()
                 control_nursery.cancel_scope.cancel()
+
+    @property
+    def drain_requested(self) -> trio.Event:
+        return self._drain_requested
+
+    async def serve(
+        self,
+        faces: list[str],
+        started: Callable[[dict[str, str]], None],
+        *,
+        until: trio.Event | None = None,
+        replicate: Replicate | None = None,
+    ) -> None:
+        """Open the stores, serve the ``faces`` until a drain is asked (or ``until`` is
+        set: a primary deposed), drain them, and close the stores. ``replicate`` is
+        handed the open stores first (a primary's replication)."""
+        self._draining = trio.Event()  # (a member may serve again after a standby spell)
+        self.health.draining = False
+        await self._open_stores(faces)
+        try:
+            async with trio.open_nursery() as background:
+                if replicate is not None:
+                    await replicate(self._stores, background)
+                await self._start_background(background)
+                async with trio.open_nursery() as data:
+                    for face in faces:
+                        if face in self._faces:
+                            await self.start_face(data, background, face, self._faces[face])
+                    self.listening()
+                    started(dict(self.health.addresses))
+                    await _first_of(self._drain_requested, until)
+                    self._begin_drain(data)
+                if data.cancel_scope.cancelled_caught:
+                    event(log, logging.WARNING, "shutdown_budget_exhausted")
+                background.cancel_scope.cancel()
+        finally:
+            await self._close_stores()  # every face has returned: no thread uses them
 
     async def _start_background(self, background: trio.Nursery) -> None:
         """Start the stores' background tasks, each supervised (:meth:`_start_task`)."""
@@ -217,7 +197,7 @@ class Writer:
             await self._start_task(background, "tier.retention", retain_tier)
         if self._stores:  # else there is no data dir to measure
             measure = partial(
-                _measure_stores,
+                measure_stores,
                 self.health.stores,
                 config.data_dir,
                 interval,
@@ -235,10 +215,13 @@ class Writer:
         if self.health.faces[face] is FaceState.STARTING:
             self.health.faces[face] = FaceState.LISTENING
 
-    async def _start_data_face(
-        self, data: trio.Nursery, background: trio.Nursery, face: str
+    async def start_face(
+        self, data: trio.Nursery, background: trio.Nursery, face: str, serve: FaceServe
     ) -> None:
-        bind = self.config.bind(face)
+        """Start a data face (``serve``: the face's own, or a standby's answer) in
+        ``data``, its Gate timers in ``background``. Its port, once bound, is kept for
+        the next time it starts (port 0 picks one, once)."""
+        bind = self._binds.get(face) or self.config.bind(face)
         assert bind is not None
         gate = gate_for(face, self.config)
         lanes = lanes_for(face, self.config)
@@ -258,7 +241,8 @@ class Writer:
             pending_bytes=pending_bytes,
             lanes=lanes,
         )
-        await self._start(data, face, bind, partial(self._supervise, ctx))
+        await self._start(data, face, bind, partial(self._supervise, ctx, serve))
+        self._binds[face] = Bind(bind.host, int(self.health.addresses[face].rsplit(":", 1)[1]))
 
     async def _open_stores(self, faces: list[str]) -> None:
         """Open the stores the ``faces`` need.
@@ -303,17 +287,23 @@ class Writer:
 
     async def _close_stores(self) -> None:
         with trio.CancelScope(shield=True):
-            for store in self._stores.values():
+            for name, store in list(self._stores.items()):
                 await store.close(limiter=self._maintenance)
+                del self._stores[name]
+                self.health.stores.pop(name, None)
 
     async def _supervise(
-        self, ctx: FaceContext, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
+        self,
+        ctx: FaceContext,
+        serve: FaceServe,
+        *,
+        task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Run one face in its own nursery; a crash after start-up stays inside it."""
-        run: Callable[..., Awaitable[None]] = partial(self._faces[ctx.name], ctx)
+        run: Callable[..., Awaitable[None]] = partial(serve, ctx)
         if self.config.debug_hooks:
             run = partial(_debug.crashable, run, self.health, ctx.name)
-        if await _supervised(run, task_status, "face", ctx.name):
+        if await supervised(run, task_status, "face", ctx.name):
             self.health.faces[ctx.name] = FaceState.STOPPED
             return
         metrics.FACE_CRASHES.labels(face=ctx.name).inc()
@@ -327,7 +317,7 @@ class Writer:
         metrics.TASK_CRASHES.labels(task=name)  # the series exists from the start, at 0
 
         async def supervise(*, task_status: trio.TaskStatus[None]) -> None:
-            if not await _supervised(run, task_status, "task", name):
+            if not await supervised(run, task_status, "task", name):
                 metrics.TASK_CRASHES.labels(task=name).inc()
                 self.health.task_crashed(name)
 
@@ -358,7 +348,8 @@ class Writer:
             task_status=task_status,
         )
 
-    def _started(self) -> None:
+    def listening(self) -> None:
+        """Every face listens: the ports file is written, and the start is logged."""
         # What exists now (modules, stores, faces, metric families) lives as long as the
         # writer: a full collection need not walk it again and again.
         gc.freeze()
@@ -395,27 +386,23 @@ class Writer:
         data.cancel_scope.deadline = trio.current_time() + budget
 
 
-async def _supervised(
-    run: StartFn, task_status: trio.TaskStatus[Any], kind: str, name: str
-) -> bool:
-    """Run ``run`` (a ``task_status`` function) in a nursery of its own; returns True when
-    it ended, False when it crashed after it started (logged as ``<kind>_crashed``).
+Replicate = Callable[[Mapping[str, Any], trio.Nursery], Awaitable[None]]
+"""What a primary does with its stores once open, before it serves (:mod:`.member`)."""
 
-    Error handling: an error before it started is raised (a start-up failure)."""
-    started = False
-    try:
-        async with trio.open_nursery() as nursery:
-            value = await nursery.start(run)
-            started = True
-            task_status.started(value)
-    except Exception as exc:
-        if not started:
-            raise
-        leaf = _leaf(exc)
-        error = f"{type(leaf).__name__}: {leaf}"
-        event(log, logging.ERROR, f"{kind}_crashed", **{kind: name}, error=error, exc_info=exc)
-        return False
-    return True
+
+async def _first_of(first: trio.Event, second: trio.Event | None) -> None:
+    """Until either event is set."""
+    if second is None:
+        await first.wait()
+        return
+    async with trio.open_nursery() as nursery:
+        for each in (first, second):
+
+            async def wait(each: trio.Event = each) -> None:
+                await each.wait()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(wait)
 
 
 def _limits(gate: Gate) -> dict[str, Any]:

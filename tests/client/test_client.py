@@ -342,7 +342,7 @@ async def test_router_sends_each_record_to_its_shard(tmp_path: Path) -> None:
     [
         ("", "at least one"),
         ("0@127.0.0.1:1,2@127.0.0.1:3", "shards 1 of 0..2 have no writer"),
-        ("0@127.0.0.1:1,0@127.0.0.1:2", "shard 0 is listed twice"),
+        ("0@127.0.0.1:1,0@127.0.0.1:1", "'0@127.0.0.1:1' is listed twice"),
         ("x@127.0.0.1:1", "expected SHARD@HOST:PORT"),
         ("0@127.0.0.1", "expected HOST:PORT"),
         ("0@127.0.0.1:99999", "expected HOST:PORT"),
@@ -356,6 +356,8 @@ def test_shard_map_refuses_what_does_not_cover_every_shard(text: str, error: str
 def test_shard_map_parses() -> None:
     shards = ShardMap.parse(" 1@[::1]:2, 0@h:1 ")
     assert shards.addresses == ("h:1", "[::1]:2") and shards.shard_count == 2
+    pair = ShardMap.parse("0@a:1,1@c:3,0@b:2")  # shard 0: two members of a pair
+    assert pair.addresses == ("a:1,b:2", "c:3") and pair.shard_count == 2
 
 
 def test_retry_delay_honours_retry_after_and_jitters() -> None:

@@ -101,6 +101,9 @@ class Connection(BaseConnection):
                     raise outcome
                 return call.parse(outcome)
             except ClientError as error:
+                if self._redirected(error):
+                    with self._lock:
+                        self._drop()
                 pause = attempts.pause_after(error)
                 if pause is None:
                     raise

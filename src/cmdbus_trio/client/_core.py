@@ -24,7 +24,14 @@ from cmdbus_trio.protocol import (
     loads,
 )
 
-from ._errors import ConnectionLost, ServerError, TooLarge, error_from_reply
+from ._errors import (
+    CannotConnect,
+    ClientError,
+    ConnectionLost,
+    ServerError,
+    TooLarge,
+    error_from_reply,
+)
 from ._retry import RECONNECT_FOR, Reconnect, RetryPolicy
 
 DEFAULT_MAX_REPLY_BYTES: Final = 64 << 20
@@ -196,8 +203,12 @@ class BaseConnection:
         connect_timeout: float = 10.0,
         reconnect_for: float = RECONNECT_FOR,
     ) -> None:
-        split_address(address)
-        self.address = address
+        self.members = [one.strip() for one in address.split(",") if one.strip()]
+        for member in self.members or [address]:
+            split_address(member)
+        self.address = self.members[0]
+        """The address connected to (or about to be): one of :attr:`members`, or the
+        primary a member named."""
         self.retry = retry
         self.reconnect = Reconnect(reconnect_for)
         """The reconnect window (``reconnect_for`` seconds; 0: a call raises at once
@@ -212,6 +223,23 @@ class BaseConnection:
 
     def _init_transport(self) -> None:
         """The connection's I/O state: the subclass's."""
+
+    def _redirected(self, error: ClientError) -> bool:
+        """Where to go after ``error``: the primary a member that is not primary named
+        (True: the connection to that member must be closed), or, when the address
+        cannot be reached, the next member given. Nothing else changes the address."""
+        primary = getattr(error, "primary", None)
+        if isinstance(primary, str) and primary != self.address:
+            try:
+                split_address(primary)
+            except ValueError:
+                return False
+            self.address = primary
+            return True
+        if isinstance(error, CannotConnect) and len(self.members) > 1:
+            at = self.members.index(self.address) if self.address in self.members else -1
+            self.address = self.members[(at + 1) % len(self.members)]
+        return False
 
     @property
     def server(self) -> ServerHello | None:

@@ -34,10 +34,15 @@ class ServerError(ClientError):
 
     code: ClassVar[ErrorCode] = ErrorCode.INTERNAL
 
-    def __init__(self, message: str, *, retry_after_ms: int | None = None) -> None:
+    def __init__(
+        self, message: str, *, retry_after_ms: int | None = None, primary: str | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.retry_after_ms = retry_after_ms
+        self.primary = primary
+        """From a member of a pair that is not primary: the face's address on the
+        primary, where it knows (the clients go there)."""
 
     def __str__(self) -> str:
         return f"{self.code.value}: {self.message}"
@@ -101,8 +106,9 @@ def error_from_reply(error: Any) -> ServerError:
     message = str(error.get("message", ""))
     retry_after = error.get("retry_after_ms")
     retry_after_ms = retry_after if isinstance(retry_after, int) else None
+    primary = error.get("primary") if isinstance(error.get("primary"), str) else None
     try:
         cls = ERRORS[ErrorCode(str(error.get("code")))]
     except ValueError:
         return InternalError(f"{error.get('code')}: {message}", retry_after_ms=retry_after_ms)
-    return cls(message, retry_after_ms=retry_after_ms)
+    return cls(message, retry_after_ms=retry_after_ms, primary=primary)

@@ -29,20 +29,23 @@ class ShardMap:
 
     @classmethod
     def parse(cls, text: str) -> ShardMap:
-        """Parse ``0@host:port,1@host:port,…``; every shard from 0 to N-1 exactly once.
+        """Parse ``0@host:port,1@host:port,…``; every shard from 0 to N-1 at least once. A
+        shard listed more than once has that many members (a primary and its standby):
+        its client goes to whichever serves.
 
         Error handling: :class:`ValueError` naming the bad entry, or the shards missing.
         """
-        owners: dict[int, str] = {}
+        members: dict[int, list[str]] = {}
         for entry in filter(None, (part.strip() for part in text.split(","))):
             shard_text, sep, address = entry.partition("@")
             if not sep or not shard_text.isdigit():
                 raise ValueError(f"writers: {entry!r}: expected SHARD@HOST:PORT")
             split_address(address)
             shard = int(shard_text)
-            if shard in owners:
-                raise ValueError(f"writers: shard {shard} is listed twice")
-            owners[shard] = address
+            if address in members.get(shard, ()):
+                raise ValueError(f"writers: {entry!r} is listed twice")
+            members.setdefault(shard, []).append(address)
+        owners = {shard: ",".join(addresses) for shard, addresses in members.items()}
         if not owners:
             raise ValueError("writers: expected at least one SHARD@HOST:PORT")
         count = max(owners) + 1

@@ -96,6 +96,8 @@ class Connection(BaseConnection):
             try:
                 return call.parse(await self._attempt(call, deadline))
             except ClientError as error:
+                if self._redirected(error):
+                    self._break(ConnectionLost(f"going to the primary, {self.address}"))
                 pause = attempts.pause_after(error)
                 if pause is None:
                     raise

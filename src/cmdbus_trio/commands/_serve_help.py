@@ -17,6 +17,9 @@ SECTIONS: Final = {
         "ports_file", "max_connections", "control_keepalive_ms",
     ),
     "shards": ("shard", "shard_count"),
+    "the standby": (
+        "ha_lease", "ha_name", "ha_bind", "ha_advertise", "ha_lease_ms", "ha_sync",
+    ),
     "the buses": (
         "ack_wait_ms", "max_deliver", "stuck_after_ms", "ingest_max_pending",
         "dedup_window_ms", "evt_groups", "evt_max_groups", "subject_series",
@@ -53,6 +56,9 @@ NAMED: Final = {
     "auth_token": "TOKEN",
     "v1_cidrs": "CIDR,...",
     "evt_groups": "NAME,...",
+    "ha_lease": "file:PATH|kubernetes:NS/NAME",
+    "ha_name": "NAME",
+    "ha_advertise": "HOST[:PORT]",
 }
 
 

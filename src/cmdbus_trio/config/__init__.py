@@ -16,10 +16,10 @@ from typing import Any
 
 import attrs
 
+from ._derived import resolve_derived
 from ._values import (
     ENV_PREFIX,
     MIN_EVT_MAX_BYTES,
-    ORDINAL,
     Bind,
     ConfigError,
     IPNetwork,
@@ -30,6 +30,7 @@ from ._values import (
     cidrs,
     cpu_quota,
     group_names,
+    ha_lease_value,
     host_value,
     int_range,
     optional_int,
@@ -38,7 +39,6 @@ from ._values import (
     parse_bind,
     positive_float,
     shard_value,
-    tls_problem,
     unknown_variables,
 )
 
@@ -55,6 +55,8 @@ DATA_FACE_NAMES = FACE_NAMES[1:]
 LAG_PORT_NAMES = ("cmd_lag", "evt_lag")
 """NoETL's lag ports (/metrics of one bus's lag series), served by the control nursery."""
 
+HA_PORT = 9120
+"""The replication face's default port (``CMDBUS_HA_BIND``)."""
 DEFAULT_PORTS = {
     "control": 9090,
     "cmd_ingest": 9100,
@@ -282,6 +284,28 @@ class Config:
         positive_float,
         "sys.setswitchinterval while serving, so worker threads cannot hog the GIL",
     )
+    ha_lease: str | None = _setting(
+        "",
+        ha_lease_value,
+        "where the two members of a shard agree who is primary: file:PATH or "
+        "kubernetes:NAMESPACE/NAME (unset: one writer, no standby)",
+    )
+    ha_name: str = _setting("", str.strip, "this member's name in its shard (unset: the host name)")
+    ha_bind: Bind | None = _setting(
+        f"127.0.0.1:{HA_PORT}", parse_bind, "the replication face (with CMDBUS_HA_LEASE)"
+    )
+    ha_advertise: str | None = _setting(
+        "", optional_text, "HOST[:PORT] the other member reaches this one at (unset: as bound)"
+    )
+    ha_lease_ms: int = _setting(
+        "5000", int_range(1000), "the lease: a primary that has not renewed it this long is gone"
+    )
+    ha_sync: str = _setting(
+        "on",
+        choice("on", "strict", "off"),
+        "on: acknowledge once on both members (alone, once the lease says no standby is in "
+        "sync); strict: never alone; off: never wait (a failover may lose the last records)",
+    )
     auth_token: str | None = _setting(
         "", optional_text, "shared token required in the v2 hello (unset: off)"
     )
@@ -377,57 +401,12 @@ def load(
     for face in FACE_NAMES:  # a bind given stays as given; a default one takes the host
         if f"{face}_bind" in defaulted:
             values[f"{face}_bind"] = Bind(values["bind_host"], DEFAULT_PORTS[face])
-    _resolve_derived(values, cgroup_root, environ)
+    if "ha_bind" in defaulted:
+        values["ha_bind"] = Bind(values["bind_host"], HA_PORT)
+    values["ha_name"] = values["ha_name"] or environ.get("HOSTNAME") or socket.gethostname()
+    binds = (*FACE_NAMES, *LAG_PORT_NAMES, *(("ha",) if values["ha_lease"] else ()))
+    resolve_derived(values, cgroup_root, environ, SETTINGS_BY_NAME, binds)
     return Config(**values)
-
-
-def _resolve_derived(values: dict[str, Any], cgroup_root: Path, environ: Mapping[str, str]) -> None:
-    if values["shard"] == "auto":
-        # Kubernetes sets HOSTNAME to the pod name: <statefulset>-<ordinal>.
-        host = environ.get("HOSTNAME") or socket.gethostname()
-        ordinal = ORDINAL.search(host)
-        if ordinal is None:
-            raise ConfigError(
-                SETTINGS_BY_NAME["shard"],
-                "auto",
-                f"host name {host!r} does not end in a StatefulSet ordinal (-N)",
-            )
-        values["shard"] = int(ordinal.group(1))
-    if values["tier_max_inflight"] is None:
-        values["tier_max_inflight"] = cpu_quota(cgroup_root)
-    if values["tier_max_waiters"] is None:
-        values["tier_max_waiters"] = 8 * values["tier_max_inflight"]
-    if values["shard"] >= values["shard_count"]:
-        raise ConfigError(
-            SETTINGS_BY_NAME["shard"],
-            str(values["shard"]),
-            f"must be below {SETTINGS_BY_NAME['shard_count'].env}={values['shard_count']}",
-        )
-    if (values["tls_cert"] is None) != (values["tls_key"] is None):
-        raise ConfigError(
-            SETTINGS_BY_NAME["tls_key" if values["tls_key"] is None else "tls_cert"],
-            "",
-            "TLS needs both CMDBUS_TLS_CERT and CMDBUS_TLS_KEY",
-        )
-    tls = (values["tls_cert"], values["tls_key"])
-    if None not in tls and (problem := tls_problem(*tls)):
-        raise ConfigError(SETTINGS_BY_NAME[problem[0]], *problem[1:])
-    control = values["control_bind"]
-    if values["debug_hooks"] and values["auth_token"] is None and control and not control.loopback:
-        raise ConfigError(
-            SETTINGS_BY_NAME["debug_hooks"],
-            "true",
-            f"the control face binds {control}, beyond this host: set CMDBUS_AUTH_TOKEN too",
-        )
-    seen: dict[Bind, str] = {}
-    for face in (*FACE_NAMES, *LAG_PORT_NAMES):
-        bind = values[f"{face}_bind"]
-        if bind is None or bind.port == 0:
-            continue
-        if bind in seen:
-            setting = SETTINGS_BY_NAME[f"{face}_bind"]
-            raise ConfigError(setting, str(bind), f"already used by the {seen[bind]} face")
-        seen[bind] = face
 
 
 __all__ = [

@@ -171,6 +171,18 @@ def boolean(text: str) -> bool:
     raise ValueError("expected true or false")
 
 
+def ha_lease_value(text: str) -> str | None:
+    """``file:PATH`` or ``kubernetes:NAMESPACE/NAME``, or empty (no HA)."""
+    text = text.strip()
+    if not text:
+        return None
+    kind, _, where = text.partition(":")
+    parts = where.split("/")
+    if (kind == "file" and where) or (kind == "kubernetes" and len(parts) == 2 and all(parts)):
+        return text
+    raise ValueError("expected file:PATH or kubernetes:NAMESPACE/NAME")
+
+
 def optional_text(text: str) -> str | None:
     return text or None
 

@@ -46,6 +46,7 @@ PROBES = frozenset({"/livez", "/readyz", "/healthz"})
 ENDPOINTS: Final = {
     "/livez": "200 while the event loop turns and no face or task has crashed (liveness)",
     "/readyz": "200 when serving; 503 with the reasons while starting, draining or poisoned",
+    "/ha": "this member's role in its pair: primary, standby, starting, draining or single",
     "/healthz": "the writer's state as JSON: loop, faces, Gates, stores",
     "/metrics": "Prometheus metrics",
 }
@@ -146,6 +147,9 @@ class ControlApp(_PlainApp):
     async def _metrics(self) -> tuple[int, bytes, bytes]:
         return self._exposition.render()
 
+    async def _ha(self) -> tuple[int, bytes, bytes]:
+        return _json(200, self.health.ha())
+
     async def _index(self) -> tuple[int, bytes, bytes]:
         return _json(200, {"service": "cmdbus-trio", "endpoints": ENDPOINTS})
 
@@ -155,6 +159,7 @@ class ControlApp(_PlainApp):
         "/readyz": _readyz,
         "/healthz": _healthz,
         "/metrics": _metrics,
+        "/ha": _ha,
     }
 
 

@@ -51,6 +51,8 @@ class Health:
         self.gates: dict[str, Gate] = {}
         self.budgets: dict[str, ByteBudget] = {}  # each data face's (/debug/hold-bytes)
         self.stores: dict[str, Store] = {}
+        self.ha: Callable[[], dict[str, object]] = _single
+        """``GET /ha``: this member's role in its pair (a writer alone: ``single``)."""
         # Read at scrape time, so /metrics is right without anyone calling /readyz.
         metrics.READY.set_function(lambda: 1 if self.readiness().ready else 0)
 
@@ -139,3 +141,8 @@ class Health:
                 for name, store in self.stores.items()
             },
         }
+
+
+def _single() -> dict[str, object]:
+    return {"role": "single", "name": None, "epoch": 0, "primary": None, "in_sync": False,
+            "behind_records": 0, "primary_faces": {}}  # fmt: skip

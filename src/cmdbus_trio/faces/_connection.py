@@ -423,11 +423,11 @@ class Connection:
             self._shed_recently = True
         if isinstance(exc, UnsupportedOp):
             op = UNKNOWN_OP
-        error = as_face_error(exc)
-        if error is None:
+        e = as_face_error(exc)
+        if e is None:
             event(log, logging.ERROR, "request_failed", face=self.face, op=op, exc_info=exc)
-            error = FaceError(ErrorCode.INTERNAL, f"internal error ({type(exc).__name__})")
-        return self.protocol.error(request_id, op, error.code, error.message, error.retry_after_ms)
+            e = FaceError(ErrorCode.INTERNAL, f"internal error ({type(exc).__name__})")
+        return self.protocol.error(request_id, op, e.code, e.message, e.retry_after_ms, e.primary)
 
     def _answer_nowait(self, answer: Answer, arrival: float, flusher: trio.Nursery) -> None:
         """Queue an answer behind the connection's other replies, for a caller that does

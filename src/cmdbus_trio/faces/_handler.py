@@ -32,11 +32,19 @@ writer (or this one, restarted) serves."""
 class FaceError(Exception):
     """An error answer: v2 ``{"ok": false, "error": …}``, v1 as the face words it."""
 
-    def __init__(self, code: ErrorCode, message: str, retry_after_ms: int | None = None) -> None:
+    def __init__(
+        self,
+        code: ErrorCode,
+        message: str,
+        retry_after_ms: int | None = None,
+        primary: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.retry_after_ms = retry_after_ms
+        self.primary = primary
+        """A member that is not primary: the face's ``HOST:PORT`` on the primary."""
 
 
 class CloseConnection(Exception):

@@ -91,6 +91,8 @@ class Elector:
         self._held_until = -1.0  # monotonic: this member holds the lease until then
         self._held_epoch = -1  # the epoch it holds it in
         self._releasing = False
+        self.taken_from: LeaseRecord | None = None
+        """The lease as it was before this member last took it (None: it created it)."""
         self.forced = False
         """An operator's forced promotion: take the lease without being in sync."""
 
@@ -211,6 +213,8 @@ class Elector:
     def wrote(self, intent: Intent, version: str, started: float, now: float) -> None:
         """``intent`` was written as ``version``: the write was started at ``started``
         (monotonic), so the hold is counted from then, not from its answer."""
+        if intent.acquiring:
+            self.taken_from = self.seen.record if self.seen is not None else None
         self.seen = Versioned(intent.record, version)
         self._seen_at = now
         if intent.record.holder == self.name:

@@ -70,6 +70,11 @@ class LeaseKeeper:
             self._announce()  # a deadline passed, maybe
             await self._turn()
 
+    async def turn_now(self) -> None:
+        """A turn at once (a standby whose primary's stream ended: it may have handed
+        the lease over), not at the next renew period."""
+        await self._turn()
+
     async def record_sync(self, standby: str | None) -> bool:
         """Record in the lease that ``standby`` is in sync (None: that none is), now.
         True once written while this member holds the lease; False when it does not

@@ -19,6 +19,7 @@ import hmac
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
@@ -52,6 +53,7 @@ class _Entry:
     epoch: int
     committed: Committed
     size: int
+    at: float  # time.monotonic() at the commit
 
 
 class Source:
@@ -96,7 +98,8 @@ class Source:
         size = sum(len(page) for _, page in committed.pages)
         with self._lock:
             self.sequence += 1
-            self._entries.append(_Entry(self.sequence, self.epoch, committed, size))
+            entry = _Entry(self.sequence, self.epoch, committed, size, time.monotonic())
+            self._entries.append(entry)
             self._bytes += size
             while self._bytes > self._backlog_bytes and len(self._entries) > 1:
                 dropped = self._entries.popleft()
@@ -108,7 +111,19 @@ class Source:
         self._grew.set()
         self._grew = trio.Event()
 
+    def lag_seconds(self) -> float:
+        """How long the oldest transaction the standby has not confirmed has waited."""
+        with self._lock:
+            waiting = next((e for e in self._entries if e.sequence > self.confirmed), None)
+        return 0.0 if waiting is None else time.monotonic() - waiting.at
+
     # --- on the loop ---------------------------------------------------------------------
+
+    def close(self) -> None:
+        """End the standby's connection (the primary stops being one): its sender stops
+        within a tick."""
+        self._connection += 1
+        self._wake_senders()
 
     async def wait_confirmed(self, sequence: int) -> None:
         """Until the standby confirmed ``sequence`` durable (the caller bounds the wait)."""

@@ -1,5 +1,5 @@
 """The metric catalogue: every family the writer exports, in one place (the storage
-families are written in ``_stores.py``, and exported here).
+families are written in ``_stores.py``, the standby's in ``_ha.py``, and exported here).
 
 Names are part of the contract (docs/architecture.md, "Decisions"); HELP texts say exactly what the
 code measures. This module never imports trio, so the storage layer may count into it.
@@ -11,6 +11,12 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge, Histogram, Info
 
 from . import _tools
+from ._ha import HA_EPOCH as HA_EPOCH
+from ._ha import HA_FAILOVERS as HA_FAILOVERS
+from ._ha import HA_IN_SYNC as HA_IN_SYNC
+from ._ha import HA_LAG_RECORDS as HA_LAG_RECORDS
+from ._ha import HA_LAG_SECONDS as HA_LAG_SECONDS
+from ._ha import HA_ROLE as HA_ROLE
 from ._registry import LATENCY_BUCKETS as LATENCY_BUCKETS
 from ._registry import LOOP_LAG_BUCKETS as LOOP_LAG_BUCKETS
 from ._registry import REGISTRY as REGISTRY

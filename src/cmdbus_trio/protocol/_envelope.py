@@ -137,8 +137,11 @@ def encode_error(
     message: str,
     *,
     retry_after_ms: int | None = None,
+    primary: str | None = None,
 ) -> bytes:
     error: dict[str, Any] = {"code": code.value, "message": message}
     if retry_after_ms is not None:
         error["retry_after_ms"] = retry_after_ms
+    if primary is not None:
+        error["primary"] = primary
     return dumps({"id": request_id, "ok": False, "error": error})

@@ -174,9 +174,13 @@ class ServerConnection:
         code: ErrorCode,
         message: str,
         retry_after_ms: int | None = None,
+        primary: str | None = None,
     ) -> Answer:
-        """An error answer (``{"ok": false, "error": …}``)."""
-        body = envelope.encode_error(request_id, code, message, retry_after_ms=retry_after_ms)
+        """An error answer (``{"ok": false, "error": …}``; ``primary``: where to ask
+        instead, from a member that is not primary)."""
+        body = envelope.encode_error(
+            request_id, code, message, retry_after_ms=retry_after_ms, primary=primary
+        )
         return Answer(encode_frame(body), op, code.value)
 
     def _first(self, frame: bytes) -> Event:

@@ -196,6 +196,14 @@ def after_replica_restore(data_dir: Path) -> int:
     stores = stores_or_refuse(data_dir)
     if problems := check(data_dir):
         raise BackupError(f"{problems[0].store}: {problems[0].what}")
+    return jump_keys(data_dir, stores)
+
+
+def jump_keys(data_dir: Path, stores: list[str]) -> int:
+    """Move every key counter of the ``stores`` (file names in ``data_dir``, none of them
+    open) on by :data:`REPLICA_KEY_JUMP`, and the directory's key floor with them: what
+    a copy that may lack the last records does before it serves (a restored replica, a
+    standby taking over out of sync). Returns the jump."""
     floor = max([read_key_floor(data_dir), *_highest_keys(data_dir, stores)])
     write_key_floor(data_dir, floor + REPLICA_KEY_JUMP)
     for name in stores:

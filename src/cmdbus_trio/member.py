@@ -1,0 +1,320 @@
+"""A writer that is one member of a pair (``CMDBUS_HA_LEASE``): primary or standby as the
+lease says, and the moves between the two without a restart.
+
+::
+
+    Member.run                           (in the writer's control nursery)
+    ├── the lease keeper                 renews or watches the lease, all along
+    ├── the replication face             a standby's connection, while primary
+    └── one role after another:
+        standby   data faces answer `unavailable` + `primary`; the follower copies
+        primary   the writer serves (Writer.serve), its stores' commits replicated and
+                  its acknowledgements held for the standby (CMDBUS_HA_SYNC)
+
+A standby whose lease comes (the primary gone, or handing over) folds its replicas and
+serves them as any writer serves its data dir. A primary that loses the lease stops
+serving at once (nothing it still had was acknowledged: the standby had not confirmed
+it), and follows the new primary from a base copy: what it wrote since is discarded.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from . import metrics
+from .admission import run_in_thread
+from .bus import Bus
+from .faces import standby as standby_face
+from .ha import Elector, Role, SyncMode, open_lease_store
+from .ha import _wire as wire
+from .ha.follower import Deposed, Follower, Refused
+from .ha.keeper import LeaseKeeper
+from .ha.source import Source
+from .ha.sync import Synchronizer
+from .logs import event
+from .storage import datadir
+from .storage.restores import jump_keys
+from .tier.committer import Tier
+
+if TYPE_CHECKING:
+    from .app import Writer
+
+log = logging.getLogger(__name__)
+
+RECONNECT_EVERY = 0.2
+"""Seconds between a standby's attempts to reach the primary's replication face."""
+
+
+class Member:
+    def __init__(self, writer: Writer, faces: list[str]) -> None:
+        config = writer.config
+        assert config.ha_lease is not None
+        self.writer = writer
+        self.config = config
+        self.faces = faces
+        self.name = config.ha_name
+        self._limiter = trio.CapacityLimiter(2)  # the lease's and the replication's I/O
+        self.mode = SyncMode(config.ha_sync)
+        empty = not any((config.data_dir / name).exists() for name in datadir.STORE_FILES)
+        self.elector = Elector(self.name, config.ha_lease_ms / 1000, self.mode, empty=empty)
+        self.keeper = LeaseKeeper(self.elector, open_lease_store(config.ha_lease), self._offload)
+        self.role = Role.STARTING
+        self.source: Source | None = None
+        self.sync: Synchronizer | None = None
+        self.follower: Follower | None = None
+        self._announced = False
+        metrics.HA_EPOCH.set_function(lambda: self.elector.epoch)
+        metrics.HA_IN_SYNC.set_function(lambda: 1 if self.report()["in_sync"] else 0)
+        metrics.HA_LAG_RECORDS.set_function(self._lag_records)
+        metrics.HA_LAG_SECONDS.set_function(
+            lambda: self.source.lag_seconds() if self.source is not None else 0.0
+        )
+
+    async def _offload(self, fn: Callable[[], Any]) -> Any:
+        return await run_in_thread(fn, limiter=self._limiter)
+
+    async def run(self, control: trio.Nursery, started: Callable[[dict[str, str]], None]) -> None:
+        """Serve as the lease says until the writer drains."""
+        writer = self.writer
+        assert self.config.ha_bind is not None
+        await writer._start(control, "ha", self.config.ha_bind, self._serve_replication)
+        self.elector.faces = {"ha": self._advertised("ha")}
+        writer.health.ha = self.report
+        await control.start(self.keeper.run)
+
+        def once(addresses: dict[str, str]) -> None:
+            if not self._announced:
+                self._announced = True
+                started(addresses)
+
+        while not writer.drain_requested.is_set():
+            if self.keeper.is_primary():
+                await self._as_primary(once)
+            else:
+                await self._as_standby(once)
+        self._set_role(Role.DRAINING)
+
+    # --- the roles -----------------------------------------------------------------------
+
+    async def _as_standby(self, started: Callable[[dict[str, str]], None]) -> None:
+        self._set_role(Role.STANDBY if self.elector.primary else Role.STARTING)
+        follower = Follower(
+            self.name,
+            self.config.data_dir,
+            [name.removesuffix(".sqlite3") for name in datadir.STORE_FILES],
+            offload=self._offload,
+            token=self.config.auth_token,
+        )
+        await follower.open()
+        self.follower = follower
+        writer = self.writer
+        try:
+            async with (
+                trio.open_nursery() as nursery,
+                trio.open_nursery() as background,
+                trio.open_nursery() as data,
+            ):
+                for face in self.faces:
+                    where = partial(self._primary_face, face)
+                    answer = partial(standby_face.serve, primary=where)
+                    await writer.start_face(data, background, face, answer)
+                writer.listening()
+                started(dict(writer.health.addresses))
+                nursery.start_soon(self._follow, follower)
+                while not (self.keeper.is_primary() or writer.drain_requested.is_set()):
+                    if follower.replicas and follower.confirmed > 0:
+                        self.elector.empty = False  # it holds the shard now (a tick confirmed)
+                    with trio.move_on_after(min(self.elector.renew_every, 0.2)):
+                        await self.keeper.wait_changed()
+                nursery.cancel_scope.cancel()
+        finally:
+            self.follower = None
+            with trio.CancelScope(shield=True):
+                await follower.close()  # its journals folded: the stores are whole
+        if self.keeper.is_primary():
+            await self._taking_over()
+
+    async def _taking_over(self) -> None:
+        """Before a member that was a standby serves: its replicas become its stores."""
+        data_dir = self.config.data_dir
+        stale = [p for p in data_dir.iterdir() if p.name.endswith(("-replica", "-replica.json"))]
+        for path in stale:  # served now: they describe a copy no longer kept
+            await self._offload(partial(path.unlink, missing_ok=True))
+        before = self.elector.taken_from
+        if before is not None and self.name not in (before.in_sync, before.last_primary):
+            # Not in sync (CMDBUS_HA_SYNC=off, or forced): the primary may have given keys
+            # this copy lacks, so none of them is given again.
+            stores = [n for n in datadir.STORE_FILES if (data_dir / n).exists()]
+            jump = await self._offload(partial(jump_keys, data_dir, stores))
+            why = "taking over without being in sync: the last records may be lost"
+            event(log, logging.WARNING, "keys_moved_on", jump=jump, why=why)
+        metrics.HA_FAILOVERS.inc()
+
+    async def _as_primary(self, started: Callable[[dict[str, str]], None]) -> None:
+        self._set_role(Role.PRIMARY)
+        writer = self.writer
+        deposed = trio.Event()
+
+        async def watch_lease() -> None:
+            while self.keeper.is_primary():
+                await self.keeper.wait_changed()
+            deposed.set()
+
+        def serving(addresses: dict[str, str]) -> None:
+            self.elector.faces = {face: self._advertised(face) for face in addresses}
+            started(addresses)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch_lease)
+            await writer.serve(self.faces, serving, until=deposed, replicate=self._replicate)
+            nursery.cancel_scope.cancel()
+        if writer.drain_requested.is_set() and self.keeper.is_primary():
+            self._set_role(Role.DRAINING)
+            await self.keeper.hand_over()  # the standby in sync (if any) takes it at once
+        if self.source is not None:  # then its stream ends, and it reads the lease
+            self.source.close()
+        if self.sync is not None:
+            self.keeper.listeners.remove(self.sync.poke)
+        self.source = self.sync = None
+        if deposed.is_set() and not writer.drain_requested.is_set():
+            event(log, logging.WARNING, "deposed", epoch=self.elector.epoch)
+
+    async def _replicate(self, stores: Mapping[str, Any], background: trio.Nursery) -> None:
+        """The open stores' commits numbered, streamed, and waited for (as the mode says)."""
+        logs = {
+            name: store.log if isinstance(store, Bus) else store.store
+            for name, store in stores.items()
+        }
+        source = Source(
+            logs, self.elector.epoch, token=self.config.auth_token, primary=self.name,
+            offload=self._offload,
+        )  # fmt: skip
+        sync = Synchronizer(self.mode, source, self.keeper)
+        source.listeners.append(sync.poke)
+        self.keeper.listeners.append(sync.poke)
+        for store in logs.values():
+            await self._offload(partial(store.attach_tap, source.committed, self._tap_failed))
+        for store in stores.values():
+            if isinstance(store, Bus | Tier):
+                store.committer.wait_for(sync)
+        await background.start(sync.run)
+        self.source, self.sync = source, sync
+
+    def _tap_failed(self, exc: Exception) -> None:
+        event(log, logging.ERROR, "replication_tap_failed", error=str(exc))
+
+    # --- the standby's side ----------------------------------------------------------------
+
+    async def _follow(self, follower: Follower) -> None:
+        """Follow whichever member the lease names primary, until cancelled."""
+        while True:
+            record = self.elector.seen.record if self.elector.seen else None
+            address = record.faces.get("ha") if record and record.holder != self.name else None
+            if address is None:
+                await trio.sleep(RECONNECT_EVERY)
+                continue
+            host, _, port = address.rpartition(":")
+            try:
+                stream = await trio.open_tcp_stream(host.strip("[]"), int(port))
+            except OSError:
+                await trio.sleep(RECONNECT_EVERY)
+                continue
+            async with stream:
+                try:
+                    await follower.follow(stream, lambda: self.elector.epoch)
+                except (OSError, EOFError, trio.BrokenResourceError, Deposed, Refused) as exc:
+                    event(log, logging.INFO, "replication_ended", primary=address, why=str(exc))
+                except ValueError as exc:  # a malformed frame: start again
+                    event(log, logging.WARNING, "replication_ended", primary=address, why=str(exc))
+            await self.keeper.turn_now()  # the primary may have handed the lease over
+            await trio.sleep(RECONNECT_EVERY)
+
+    # --- the replication face --------------------------------------------------------------
+
+    async def _serve_replication(
+        self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        bind = self.config.ha_bind
+        assert bind is not None
+        listeners = await trio.open_tcp_listeners(bind.port, host=bind.host)
+        host, port = listeners[0].socket.getsockname()[:2]
+        task_status.started(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+        await trio.serve_listeners(self._replication_connection, listeners)
+
+    async def _replication_connection(self, stream: trio.SocketStream) -> None:
+        async with stream:
+            source = self.source
+            try:
+                if source is None:  # not primary: it says so, and who is
+                    await stream.send_all(_refusal(self.elector))
+                    return
+                await source.serve(stream)
+            except (OSError, EOFError, trio.BrokenResourceError, ValueError) as exc:
+                event(log, logging.INFO, "standby_disconnected", why=str(exc))
+
+    # --- what it says ----------------------------------------------------------------------
+
+    def _advertised(self, face: str) -> str:
+        """The address the other member and the clients reach ``face`` at."""
+        address = self.writer.health.addresses[face]
+        port = address.rpartition(":")[2]
+        advertise = self.config.ha_advertise
+        if not advertise:
+            return address
+        host, _, advertised_port = (
+            advertise.rpartition(":") if ":" in advertise else (advertise, "", "")
+        )
+        if face == "ha" and advertised_port:
+            return advertise
+        return f"{host or advertise}:{port}"
+
+    def _primary_face(self, face: str) -> str | None:
+        record = self.elector.seen.record if self.elector.seen else None
+        if record is None or record.holder in (None, self.name):
+            return None
+        return record.faces.get(face)
+
+    def _set_role(self, role: Role) -> None:
+        self.role = role
+        for each in Role:
+            metrics.HA_ROLE.labels(role=each.value).set(1 if each is role else 0)
+
+    def _lag_records(self) -> int:
+        source, follower = self.source, self.follower
+        if source is not None:
+            return max(0, source.sequence - max(source.confirmed, 0))
+        return follower.behind if follower is not None else 0
+
+    def report(self) -> dict[str, object]:
+        """``GET /ha``."""
+        record = self.elector.seen.record if self.elector.seen else None
+        primary = self.role is Role.PRIMARY and self.keeper.is_primary()
+        follower, sync = self.follower, self.sync
+        in_sync = (
+            sync is not None and sync.in_sync
+            if primary
+            else record is not None and record.in_sync == self.name
+        )
+        behind = follower.behind if follower is not None else 0
+        holder = record.holder if record is not None else None
+        role = self.role.value
+        if self.role is Role.PRIMARY and not primary:
+            role = Role.DRAINING.value  # its lease lapsed: it stops serving
+        return {
+            "role": role,
+            "name": self.name,
+            "epoch": self.elector.epoch,
+            "primary": holder,
+            "in_sync": in_sync,
+            "behind_records": 0 if primary else behind,
+            "primary_faces": dict(record.faces) if record is not None and holder else {},
+        }
+
+
+def _refusal(elector: Elector) -> bytes:
+    return wire.encode(wire.Refused("not primary", elector.epoch, elector.primary))
