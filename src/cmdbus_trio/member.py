@@ -102,7 +102,7 @@ class Member:
     # --- the roles -----------------------------------------------------------------------
 
     async def _as_standby(self, started: Callable[[dict[str, str]], None]) -> None:
-        self._set_role(Role.STANDBY if self.elector.primary else Role.STARTING)
+        self._set_role(Role.STARTING)  # a standby once it holds a copy of the primary's
         follower = Follower(
             self.name,
             self.config.data_dir,
@@ -127,8 +127,9 @@ class Member:
                 started(dict(writer.health.addresses))
                 nursery.start_soon(self._follow, follower)
                 while not (self.keeper.is_primary() or writer.drain_requested.is_set()):
-                    if follower.replicas and follower.confirmed > 0:
+                    if follower.replicas and follower.caught_up and self.role is Role.STARTING:
                         self.elector.empty = False  # it holds the shard now (a tick confirmed)
+                        self._set_role(Role.STANDBY)
                     with trio.move_on_after(min(self.elector.renew_every, 0.2)):
                         await self.keeper.wait_changed()
                 nursery.cancel_scope.cancel()
@@ -227,10 +228,9 @@ class Member:
             async with stream:
                 try:
                     await follower.follow(stream, lambda: self.elector.epoch)
-                except (OSError, EOFError, trio.BrokenResourceError, Deposed, Refused) as exc:
-                    event(log, logging.INFO, "replication_ended", primary=address, why=str(exc))
-                except ValueError as exc:  # a malformed frame: start again
-                    event(log, logging.WARNING, "replication_ended", primary=address, why=str(exc))
+                except Exception as exc:  # the stream's end, whatever ended it: start again
+                    level = logging.INFO if _expected(exc) else logging.WARNING
+                    event(log, level, "replication_ended", primary=address, why=_why(exc))
             await self.keeper.turn_now()  # the primary may have handed the lease over
             await trio.sleep(RECONNECT_EVERY)
 
@@ -254,8 +254,8 @@ class Member:
                     await stream.send_all(_refusal(self.elector))
                     return
                 await source.serve(stream)
-            except (OSError, EOFError, trio.BrokenResourceError, ValueError) as exc:
-                event(log, logging.INFO, "standby_disconnected", why=str(exc))
+            except Exception as exc:  # (in a group, from its nursery) this stream's end only
+                event(log, logging.INFO, "standby_disconnected", why=_why(exc))
 
     # --- what it says ----------------------------------------------------------------------
 
@@ -318,3 +318,20 @@ class Member:
 
 def _refusal(elector: Elector) -> bytes:
     return wire.encode(wire.Refused("not primary", elector.epoch, elector.primary))
+
+
+def _leaf(exc: BaseException) -> BaseException:
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+def _why(exc: BaseException) -> str:
+    leaf = _leaf(exc)
+    return f"{type(leaf).__name__}: {leaf}"
+
+
+def _expected(exc: BaseException) -> bool:
+    """A stream's ordinary end: the other member went, or the lease moved on."""
+    ended = (OSError, EOFError, trio.BrokenResourceError, trio.ClosedResourceError)
+    return isinstance(_leaf(exc), (*ended, Deposed, Refused))

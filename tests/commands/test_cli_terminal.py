@@ -215,7 +215,7 @@ def test_the_console_log_prints_the_changed_settings_one_a_line(tmp_path: Path) 
             index = json.loads(reply.read())
         writer.send_signal(signal.SIGTERM)
         assert writer.wait(timeout=30) == 0
-    assert set(index["endpoints"]) == {"/livez", "/readyz", "/healthz", "/metrics"}
+    assert set(index["endpoints"]) == {"/livez", "/readyz", "/healthz", "/metrics", "/ha"}
     lines = server_log(tmp_path).splitlines()
     started = next(i for i, line in enumerate(lines) if " started " in f"{line} ")
     block = lines[started : started + 40]

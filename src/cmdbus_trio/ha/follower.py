@@ -61,6 +61,8 @@ class Follower:
         self.primary_sequence = 0
         """The newest sequence the primary said it had."""
         self.base_copies = 0
+        self.caught_up = False
+        """It has confirmed a tick: every store the primary has, through that tick."""
 
     @property
     def behind(self) -> int:
@@ -117,6 +119,7 @@ class Follower:
                 ready = []
                 self.primary_sequence = message.sequence
                 self.confirmed = message.sequence
+                self.caught_up = True
                 await stream.send_all(wire.encode(wire.Confirm(epoch, message.sequence)))
             elif isinstance(message, wire.BaseStart):
                 copy = self._path(message.store).with_name(f".{message.store}.base")
