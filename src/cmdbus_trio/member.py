@@ -39,6 +39,7 @@ from .ha.sync import Synchronizer
 from .logs import event
 from .storage import datadir
 from .storage.restores import jump_keys
+from .storage.tier import TierStore
 from .tier.committer import Tier
 
 if TYPE_CHECKING:
@@ -200,6 +201,8 @@ class Member:
         self.keeper.listeners.append(sync.poke)
         for store in logs.values():
             await self._offload(partial(store.attach_tap, source.committed, self._tap_failed))
+            if isinstance(store, TierStore) and self.mode is not SyncMode.OFF:
+                await self._offload(store.hold_back)  # reads wait for the acknowledgement
         for store in stores.values():
             if isinstance(store, Bus | Tier):
                 store.committer.wait_for(sync)

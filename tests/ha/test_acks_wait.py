@@ -11,6 +11,7 @@ import sqlite3
 from collections.abc import AsyncIterator
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
@@ -24,7 +25,10 @@ from cmdbus_trio.ha.source import Source
 from cmdbus_trio.ha.sync import SYNC_TIMEOUT, Synchronizer
 from cmdbus_trio.protocol.bus import BusKind, SubjectRule
 from cmdbus_trio.storage import StoreUnavailable
+from cmdbus_trio.storage._tier_appends import Appending, NewRecord
 from cmdbus_trio.storage.buslog import BusLog
+from cmdbus_trio.storage.tier import TierStore
+from cmdbus_trio.tier.committer import AppendTicket, TierCommitter
 
 from ..helpers import publish_ticket
 from .test_stream import offload
@@ -188,3 +192,53 @@ async def test_a_primary_that_cannot_tell_the_lease_answers_unavailable(setup: S
     setup.keeper.writable = False  # deposed: another member wrote the lease
     with pytest.raises(StoreUnavailable, match="cannot record in the lease"):
         await publish(setup, 1)
+
+
+@attrs.define
+class HeldDurability:
+    """A durability that holds every batch until the test lets it go."""
+
+    held: list[Any] = attrs.Factory(list)
+
+    def sequence(self) -> int:
+        return 0
+
+    def when_durable(self, sequence: int, done: Any) -> None:
+        self.held.append(done)
+
+    def release(self) -> None:
+        for done in self.held:
+            done(None)
+        self.held.clear()
+
+
+async def test_a_tier_append_is_read_only_once_it_could_be_acknowledged(tmp_path: Path) -> None:
+    store = await offload(partial(TierStore.open, tmp_path / "tier.sqlite3"))
+    old = NewRecord('{"n": 0}')
+    await offload(partial(store.append_batch, "eventlog", "e1", [old]))
+    await offload(store.hold_back)  # (a primary with a standby)
+    committer = TierCommitter(store)
+    durability = HeldDurability()
+    committer.wait_for(durability)
+
+    def read() -> list[str]:
+        return [r.payload for page in store.iter_execution("eventlog", "e1") for r in page]
+
+    request = Appending("eventlog", "e1", [NewRecord('{"n": 1}')])
+    settled = trio.Event()
+    ticket = AppendTicket(lambda: request, lambda results: b"ok")
+    ticket.on_settled = lambda _: settled.set()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(committer.run)
+        committer.enqueue(ticket)
+        while not durability.held:  # committed, waiting for the standby
+            await trio.sleep(0.01)
+        assert await offload(read) == ['{"n": 0}']
+        scans = await offload(lambda: [r for page in store.iter_scan("eventlog") for r in page])
+        assert len(scans) == 1
+        assert not settled.is_set()
+        durability.release()
+        await settled.wait()
+        assert await offload(read) == ['{"n": 0}', '{"n": 1}']
+        nursery.cancel_scope.cancel()
+    await offload(store.close)

@@ -83,6 +83,29 @@ class TierStore(SqliteStore):
         self._counts: dict[str, int] = {}
         self.fragments_in_sqlite = False
         """Whether :meth:`iter_execution_encoded` has SQLite encode (else Python)."""
+        self.visible_through: dict[str, int] | None = None
+        """With a standby (:meth:`hold_back`): per tier, the newest record a read may
+        return, one whose append could be acknowledged; the committer moves it on."""
+
+    @refuses_loop_thread
+    def hold_back(self) -> None:
+        """From now on, reads return only records :attr:`visible_through` lets through
+        (every record there is now, at first)."""
+        with self._connection() as connection:
+            self.visible_through = {
+                tier: connection.execute(
+                    f"SELECT coalesce(max(global_sequence), 0) FROM {tier}_records"
+                ).fetchone()[0]
+                for tier in TIERS
+            }
+
+    def _visible(
+        self, tier: str, condition: str, head: tuple[object, ...]
+    ) -> tuple[str, tuple[object, ...]]:
+        through = None if self.visible_through is None else self.visible_through.get(tier, 0)
+        if through is None:
+            return condition, head
+        return f"{condition} global_sequence <= ? AND", (*head, through)
 
     def _setup(self, connection: sqlite3.Connection) -> None:
         for tier in TIERS:
@@ -311,7 +334,8 @@ class TierStore(SqliteStore):
         of :data:`PAGE_ROWS`. Uses the execution index: the cost is proportional to the
         execution, never to the store."""
         check_tier(tier)
-        return self._records(tier, "execution_id = ? AND", (execution_id,), after)
+        condition, head = self._visible(tier, "execution_id = ? AND", (execution_id,))
+        return self._records(tier, condition, head, after)
 
     @refuses_loop_thread
     def iter_execution_encoded(
@@ -322,19 +346,20 @@ class TierStore(SqliteStore):
         in pages of at most :data:`PAGE_ROWS` records and about :data:`PAGE_BYTES` of
         payload."""
         check_tier(tier)
-        return self._encoded(tier, "execution_id = ? AND", (execution_id,), after)
+        condition, head = self._visible(tier, "execution_id = ? AND", (execution_id,))
+        return self._encoded(tier, condition, head, after)
 
     @refuses_loop_thread
     def iter_scan(self, tier: str, *, after: int = 0) -> Iterator[list[TierRecord]]:
         """Every record of the tier with ``global_sequence > after``, ascending, in pages."""
         check_tier(tier)
-        return self._records(tier, "", (), after)
+        return self._records(tier, *self._visible(tier, "", ()), after)
 
     @refuses_loop_thread
     def iter_scan_encoded(self, tier: str, *, after: int = 0) -> Iterator[Fragments]:
         """As :meth:`iter_scan`, encoded and bounded as :meth:`iter_execution_encoded`."""
         check_tier(tier)
-        return self._encoded(tier, "", (), after)
+        return self._encoded(tier, *self._visible(tier, "", ()), after)
 
     def _records(
         self, tier: str, condition: str, head: tuple[object, ...], after: int

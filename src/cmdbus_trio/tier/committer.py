@@ -137,8 +137,9 @@ class TierCommitter:
     def _take(self, queue: deque[AppendTicket]) -> list[AppendTicket]:
         return take_up_to(queue, self.max_records, lambda ticket: ticket.records)
 
-    def _commit(self, batch: list[AppendTicket]) -> None:
-        """In the thread: make each ticket's request, append them all, encode replies."""
+    def _commit(self, batch: list[AppendTicket]) -> dict[str, int]:
+        """In the thread: make each ticket's request, append them all, encode replies;
+        per tier, the newest record the batch appended (or found a duplicate of)."""
         accepted: list[AppendTicket] = []
         requests: list[Appending] = []
         for ticket in batch:
@@ -148,27 +149,38 @@ class TierCommitter:
                 ticket.error = exc
             else:
                 accepted.append(ticket)
+        newest: dict[str, int] = {}
         if not accepted:
-            return
+            return newest
         started = time.monotonic()
         outcomes = self.store.append_many(requests)
         self._commit_seconds.observe(time.monotonic() - started)
         self._batch_records.observe(sum(ticket.records for ticket in accepted))
-        for ticket, outcome in zip(accepted, outcomes, strict=True):
+        held_back = self.store.visible_through is not None  # (a standby: reads wait)
+        for ticket, request, outcome in zip(accepted, requests, outcomes, strict=True):
             if isinstance(outcome, Exception):
                 ticket.error = outcome
                 continue
+            if held_back:
+                top = max((result.global_sequence for result in outcome), default=0)
+                newest[request.tier] = max(newest.get(request.tier, 0), top)
             try:
                 ticket.replied = ticket.reply(outcome)
             except Exception as exc:  # committed, but its reply could not be made
                 ticket.error = exc
+        return newest
 
-    def _settle(self, batch: list[AppendTicket], outcome: Exception | None) -> None:
-        """On the loop, as a plain callback: it must not raise."""
-        if outcome is not None:  # the store failed (e.g. poisoned): every ticket learns it
+    def _settle(self, batch: list[AppendTicket], outcome: dict[str, int] | Exception) -> None:
+        """On the loop, as a plain callback: it must not raise. A batch that may be
+        acknowledged may be read too (with a standby, reads wait for that)."""
+        visible = self.store.visible_through
+        if visible is not None and not isinstance(outcome, Exception):
+            for tier, newest in outcome.items():
+                visible[tier] = max(visible.get(tier, 0), newest)
+        if isinstance(outcome, Exception):  # the store failed (e.g. poisoned): all learn it
             event(log, logging.ERROR, "commit_failed", store=self.store.name, exc_info=outcome)
         for ticket in batch:
-            if outcome is not None:
+            if isinstance(outcome, Exception):
                 ticket.error = ticket.error or outcome
         self._unsettled.push_now(batch)
 
