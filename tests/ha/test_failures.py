@@ -20,6 +20,7 @@ import pytest
 from cmdbus_trio.client import ClientError
 from cmdbus_trio.client.blocking import IngestClient
 
+from .proxy import free_port, proxy_to
 from .test_pair import LEASE_MS, claimed_keys, ha, in_sync_pair, member, until
 
 pytestmark = pytest.mark.e2e
@@ -137,3 +138,42 @@ def test_with_sync_off_a_failover_loses_acknowledged_records(tmp_path: Path) -> 
             raise AssertionError(f"{ha(b_ports)}") from None
         missing = set(ledger.acked) - claimed_keys(b_ports)
         assert missing, "with sync off, the standby should lack what was acknowledged alone"
+
+
+@pytest.mark.parametrize("way", ["both", "confirmations"])
+def test_a_cut_replication_link_costs_a_pause_and_nothing_else(tmp_path: Path, way: str) -> None:
+    """The replication link runs through a proxy the test cuts (both ways, or only the
+    standby's confirmations) for longer (3 s) than the sync timeout (1 s): the primary
+    says in the lease that no standby is in sync and goes on alone; the standby, which
+    still sees the lease renewed, does not take over; healed, it catches up and is in
+    sync again; then the primary is killed and the standby has every record."""
+    lease = tmp_path / "lease"
+    ha_port = free_port()
+    with ExitStack() as stack:
+        proxy = stack.enter_context(proxy_to(ha_port))
+        via = {
+            "CMDBUS_HA_BIND": f"127.0.0.1:{ha_port}",
+            "CMDBUS_HA_ADVERTISE": f"127.0.0.1:{proxy.port}",
+        }
+        a, a_ports = stack.enter_context(member(tmp_path, "a", lease, **via))
+        until(lambda: ha(a_ports)["role"] == "primary")
+        _, b_ports = stack.enter_context(member(tmp_path, "b", lease))
+        until(lambda: ha(a_ports)["in_sync"] and ha(b_ports)["role"] == "standby")
+        with Ledger(a_ports["cmd_ingest"]) as ledger:
+            ledger.wait_for(30)
+            if way == "confirmations":
+                proxy.cut(forward=True, backward=False)  # (forward: the standby's sends)
+            else:
+                proxy.cut()
+            cut_at = time.monotonic()
+            time.sleep(3)
+            assert not ha(a_ports)["in_sync"] and ha(b_ports)["role"] == "standby"
+            during = [key for key, sent in ledger.acked.items() if sent > cut_at + 1.5]
+            assert during, "the primary should go on alone once it said so in the lease"
+            proxy.heal()
+            until(lambda: ha(a_ports)["in_sync"])
+            ledger.wait_for(len(ledger.acked) + 20)
+        a.send_signal(signal.SIGKILL)
+        a.wait()
+        until(lambda: ha(b_ports)["role"] == "primary", timeout=LEASE_MS / 1000 + 5)
+        assert claimed_keys(b_ports) >= set(ledger.acked)

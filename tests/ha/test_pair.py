@@ -49,16 +49,15 @@ def member(
 ) -> Iterator[tuple[subprocess.Popen[str], dict[str, str]]]:
     home = tmp_path / name
     home.mkdir(exist_ok=True)
-    with serving(
-        home,
-        CMDBUS_HA_LEASE=f"file:{lease}",
-        CMDBUS_HA_NAME=name,
-        CMDBUS_HA_BIND="127.0.0.1:0",
-        CMDBUS_HA_LEASE_MS=str(LEASE_MS),
-        CMDBUS_CMD_INGEST_BIND="127.0.0.1:0",
-        CMDBUS_CMD_CLAIM_BIND="127.0.0.1:0",
-        **env,
-    ) as started:
+    settings = {
+        "CMDBUS_HA_LEASE": f"file:{lease}",
+        "CMDBUS_HA_NAME": name,
+        "CMDBUS_HA_BIND": "127.0.0.1:0",
+        "CMDBUS_HA_LEASE_MS": str(LEASE_MS),
+        "CMDBUS_CMD_INGEST_BIND": "127.0.0.1:0",
+        "CMDBUS_CMD_CLAIM_BIND": "127.0.0.1:0",
+    }
+    with serving(home, **(settings | env)) as started:
         yield started
 
 
