@@ -160,7 +160,9 @@ class Writer:
                     self.listening()
                     started(dict(self.health.addresses))
                     await _first_of(self._drain_requested, until)
-                    self._begin_drain(data)
+                    # Deposed, it has nothing left to acknowledge: its clients go elsewhere.
+                    deposed = not self._drain_requested.is_set()
+                    self._begin_drain(data, DEPOSED_DRAIN_S if deposed else None)
                 if data.cancel_scope.cancelled_caught:
                     event(log, logging.WARNING, "shutdown_budget_exhausted")
                 background.cancel_scope.cancel()
@@ -367,8 +369,9 @@ class Writer:
             settings=self.config.redacted(changed_only=self.config.log_format != "json"),
         )
 
-    def _begin_drain(self, data: trio.Nursery) -> None:
-        budget = self.config.shutdown_timeout_ms / 1000
+    def _begin_drain(self, data: trio.Nursery, budget: float | None = None) -> None:
+        if budget is None:
+            budget = self.config.shutdown_timeout_ms / 1000
         self.health.draining = True
         event(
             log,
@@ -386,6 +389,9 @@ class Writer:
         data.cancel_scope.deadline = trio.current_time() + budget
 
 
+DEPOSED_DRAIN_S = 1.0
+"""The drain of a primary that lost its lease: what it still holds cannot be
+acknowledged, so its in-flight work gets a second, not the shutdown budget."""
 Replicate = Callable[[Mapping[str, Any], trio.Nursery], Awaitable[None]]
 """What a primary does with its stores once open, before it serves (:mod:`.member`)."""
 

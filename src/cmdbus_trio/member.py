@@ -159,11 +159,14 @@ class Member:
 
     async def _as_primary(self, started: Callable[[dict[str, str]], None]) -> None:
         self._set_role(Role.PRIMARY)
+        self.elector.empty = False  # what it serves now is the shard's
         writer = self.writer
         deposed = trio.Event()
 
-        async def watch_lease() -> None:
-            while self.keeper.is_primary():
+        epoch = self.elector.epoch
+
+        async def watch_lease() -> None:  # (lost, even if taken again: a new epoch)
+            while self.keeper.is_primary() and self.elector.epoch == epoch:
                 await self.keeper.wait_changed()
             deposed.set()
 

@@ -39,6 +39,8 @@ class Keeper:
     lease: list[str | None] = attrs.Factory(list)
     writable: bool = True
 
+    epoch: int = 1
+
     def is_primary(self) -> bool:
         return True
 

@@ -209,3 +209,20 @@ async def test_a_hand_over_a_turn_wrote_first_is_still_a_hand_over(
         assert store.current is not None and store.current.record.holder is None
         assert await a.hand_over()
         nursery.cancel_scope.cancel()
+
+
+async def test_a_primary_whose_clock_jumps_forward_stops_at_once_and_takes_its_lease_again(
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    """Its own deadline passes with the jump (30 s, ten leases): it is not primary from
+    that instant (the safe way), and takes its lease again at a new epoch."""
+    store = MemoryStore()
+    a = keeper("a", store)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(a.run)
+        assert a.is_primary()
+        mock_clock.jump(30)
+        assert not a.is_primary()
+        await until(a.is_primary)
+        assert store.current is not None and store.current.record.epoch == 2
+        nursery.cancel_scope.cancel()

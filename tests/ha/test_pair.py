@@ -25,7 +25,7 @@ from ..helpers import metric_sum, metrics_text, serving
 
 pytestmark = pytest.mark.e2e
 
-LEASE_MS = 1000
+LEASE_MS = 2000
 
 
 def ha(ports: dict[str, str]) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from cmdbus_trio.ha.sync import SYNC_TIMEOUT, Synchronizer, Unavailable
 
 @attrs.define
 class FakeSource:
+    epoch: int = 1
     sequence: int = 0
     confirmed: int = -1
     standby: str | None = None
@@ -29,6 +30,7 @@ class FakeKeeper:
     log: list[str] = attrs.Factory(list)
     """What happened, in order: lease writes and acknowledgements."""
     sync: Synchronizer | None = None
+    epoch: int = 1
 
     def is_primary(self) -> bool:
         return self.primary
@@ -185,3 +187,21 @@ async def test_commits_waiting_when_the_role_is_lost_are_not_acknowledged(
     p.sync.poke()
     await trio.sleep(0.1)
     assert isinstance(p.outcomes[1], Unavailable)
+
+
+async def test_a_synchronizer_of_an_earlier_epoch_writes_nothing_to_the_lease(
+    mock_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    """The member lost its lease and took it again (a new epoch, its own new source):
+    what the old synchronizer still holds is not acknowledged, and it never records a
+    standby in sync for an epoch whose acknowledgements do not wait for it."""
+    p = await pair(nursery, SyncMode.ON)
+    p.commit(1)
+    p.keeper.epoch = 2  # taken again
+    p.source.standby = "b"
+    p.confirm(1)
+    await trio.sleep(0.5)
+    assert p.sync.counting_on is None
+    assert not any(line.startswith("lease in_sync=b") for line in p.keeper.log)
+    p.commit(2)
+    assert isinstance(p.outcomes[2], Unavailable)

@@ -32,7 +32,7 @@ from ._errors import (
     TooLarge,
     error_from_reply,
 )
-from ._retry import RECONNECT_FOR, Reconnect, RetryPolicy
+from ._retry import RECONNECT_FOR, Reconnect, RetryPolicy, draining
 
 DEFAULT_MAX_REPLY_BYTES: Final = 64 << 20
 LOCAL_GRACE: Final = 0.1
@@ -225,9 +225,10 @@ class BaseConnection:
         """The connection's I/O state: the subclass's."""
 
     def _redirected(self, error: ClientError) -> bool:
-        """Where to go after ``error``: the primary a member that is not primary named
-        (True: the connection to that member must be closed), or, when the address
-        cannot be reached, the next member given. Nothing else changes the address."""
+        """Where to go after ``error``: the primary a member that is not primary named;
+        else, when the address cannot be reached or says it is away (draining, or a
+        member that knows no primary yet), the next member given. True: the connection
+        must be closed (that member serves no more on it). Nothing else moves it."""
         primary = getattr(error, "primary", None)
         if isinstance(primary, str) and primary != self.address:
             try:
@@ -236,10 +237,11 @@ class BaseConnection:
                 return False
             self.address = primary
             return True
-        if isinstance(error, CannotConnect) and len(self.members) > 1:
+        away = draining(error)
+        if (away or isinstance(error, CannotConnect)) and len(self.members) > 1:
             at = self.members.index(self.address) if self.address in self.members else -1
             self.address = self.members[(at + 1) % len(self.members)]
-        return False
+        return away
 
     @property
     def server(self) -> ServerHello | None:

@@ -77,7 +77,7 @@ def as_face_error(exc: Exception) -> FaceError | None:
         retry_after = DRAIN_RETRY_AFTER_MS if exc.draining else None
         return FaceError(ErrorCode.UNAVAILABLE, str(exc) or "the writer is draining", retry_after)
     if isinstance(exc, StoreUnavailable):
-        return FaceError(ErrorCode.UNAVAILABLE, str(exc))
+        return FaceError(ErrorCode.UNAVAILABLE, str(exc), exc.retry_after_ms)
     if isinstance(exc, VersionConflict):
         return FaceError(ErrorCode.CONFLICT, str(exc))
     if isinstance(exc, RemoteProtocolError | LocalProtocolError) and not exc.fatal:

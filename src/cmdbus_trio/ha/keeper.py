@@ -47,6 +47,11 @@ class LeaseKeeper:
         self.last_error: str | None = None
         """Why the last read or write of the lease failed (None: it succeeded)."""
 
+    @property
+    def epoch(self) -> int:
+        """The lease's epoch as last seen."""
+        return self.elector.epoch
+
     def is_primary(self) -> bool:
         """This member holds the lease now, by its own deadline."""
         return self.elector.holds(trio.current_time())

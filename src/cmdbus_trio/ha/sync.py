@@ -44,17 +44,24 @@ Done = Callable[[Exception | None], None]
 
 class Unavailable(StoreUnavailable):
     """The primary may not acknowledge this commit; ``str()`` says why (the faces
-    answer ``unavailable``, as for a store that cannot take writes)."""
+    answer ``unavailable``). It may have been stored: a client sends it again (with the
+    same msg_id) to whichever member serves next, so it says when to ask again."""
+
+    retry_after_ms = 500
 
 
 class _Source(Protocol):
     sequence: int
     confirmed: int
     standby: str | None
+    epoch: int
 
 
 class _Keeper(Protocol):
     def is_primary(self) -> bool: ...
+
+    @property
+    def epoch(self) -> int: ...
 
     async def record_sync(self, standby: str | None) -> bool: ...
 
@@ -86,7 +93,7 @@ class Synchronizer:
         ``done(Unavailable(...))`` if they may not; maybe before this returns."""
         if self.mode is SyncMode.OFF:
             done(None)
-        elif not self.keeper.is_primary():
+        elif not self._primary():
             done(Unavailable("this member is not primary"))
         elif self.counting_on is None:
             done(None if self.mode is SyncMode.ON else Unavailable("no standby is in sync"))
@@ -110,7 +117,7 @@ class Synchronizer:
 
     async def _step(self) -> None:
         self._settle_confirmed()
-        if not self.keeper.is_primary():
+        if not self._primary():
             self.counting_on = None
             self._fail_all(Unavailable("this member is not primary"))
         elif self.counting_on is not None and self.source.standby != self.counting_on:
@@ -131,6 +138,11 @@ class Synchronizer:
         source and the keeper call this. Confirmed commits are settled at once."""
         self._settle_confirmed()
         self._wake()
+
+    def _primary(self) -> bool:
+        """Primary in the epoch its source streams: a member that lost its lease and
+        took it again is primary in another, with another source and synchronizer."""
+        return self.keeper.is_primary() and self.keeper.epoch == self.source.epoch
 
     def _caught_up(self) -> bool:
         source = self.source

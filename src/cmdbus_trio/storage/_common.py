@@ -23,6 +23,10 @@ class StoreState(enum.StrEnum):
 class StoreUnavailable(Exception):
     """The store refuses writes: it is poisoned (or closed)."""
 
+    retry_after_ms: int | None = None
+    """When to ask again, where that is known (a member of a pair that stopped being
+    primary: the other one serves soon); None: not by waiting (a poisoned store)."""
+
 
 @attrs.frozen
 class WalState:
