@@ -140,11 +140,13 @@ class Writer:
         started: Callable[[dict[str, str]], None],
         *,
         until: trio.Event | None = None,
+        until_budget: Callable[[], float] | None = None,
         replicate: Replicate | None = None,
     ) -> None:
         """Open the stores, serve the ``faces`` until a drain is asked (or ``until`` is
-        set: a primary deposed), drain them, and close the stores. ``replicate`` is
-        handed the open stores first (a primary's replication)."""
+        set: a primary deposed or switching over; ``until_budget`` says its drain's
+        budget), drain them, and close the stores. ``replicate`` is handed the open
+        stores first (a primary's replication)."""
         self._draining = trio.Event()  # (a member may serve again after a standby spell)
         self.health.draining = False
         await self._open_stores(faces)
@@ -160,9 +162,10 @@ class Writer:
                     self.listening()
                     started(dict(self.health.addresses))
                     await _first_of(self._drain_requested, until)
-                    # Deposed, it has nothing left to acknowledge: its clients go elsewhere.
-                    deposed = not self._drain_requested.is_set()
-                    self._begin_drain(data, DEPOSED_DRAIN_S if deposed else None)
+                    budget = None  # (a drain asked: the shutdown budget)
+                    if until_budget is not None and not self._drain_requested.is_set():
+                        budget = until_budget()
+                    self._begin_drain(data, budget)
                 if data.cancel_scope.cancelled_caught:
                     event(log, logging.WARNING, "shutdown_budget_exhausted")
                 background.cancel_scope.cancel()
@@ -389,9 +392,6 @@ class Writer:
         data.cancel_scope.deadline = trio.current_time() + budget
 
 
-DEPOSED_DRAIN_S = 1.0
-"""The drain of a primary that lost its lease: what it still holds cannot be
-acknowledged, so its in-flight work gets a second, not the shutdown budget."""
 Replicate = Callable[[Mapping[str, Any], trio.Nursery], Awaitable[None]]
 """What a primary does with its stores once open, before it serves (:mod:`.member`)."""
 

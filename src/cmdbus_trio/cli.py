@@ -17,7 +17,7 @@ import trio
 
 from . import __version__, app, logs
 from .client._shards import WRITERS_ENV
-from .commands import bench, client, diagnose, import_tier
+from .commands import bench, client, diagnose, ha, import_tier
 from .commands._output import INTERRUPTED, leaves
 from .commands._serve_help import add_setting_arguments
 from .commands.backups import Backup, Check, Restore
@@ -45,6 +45,7 @@ _COMMANDS: dict[str, _Command] = {
     "client": client,
     "bench": bench,
     "diagnose": diagnose,
+    "ha": ha,
     "import-tier": import_tier,
     "backup": Backup(),
     "restore": Restore(),

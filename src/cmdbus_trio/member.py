@@ -49,6 +49,9 @@ log = logging.getLogger(__name__)
 
 RECONNECT_EVERY = 0.2
 """Seconds between a standby's attempts to reach the primary's replication face."""
+DEPOSED_DRAIN_S = 1.0
+"""The drain of a primary that lost its lease: what it still holds cannot be
+acknowledged, so its in-flight work gets a second, not the shutdown budget."""
 
 
 class Member:
@@ -69,6 +72,8 @@ class Member:
         self.sync: Synchronizer | None = None
         self.follower: Follower | None = None
         self._announced = False
+        self._switching = trio.Event()  # asked to hand over and follow (POST /ha/switchover)
+        writer.health.ha_actions = {"switchover": self._switchover, "promote": self._promote}
         metrics.HA_EPOCH.set_function(lambda: self.elector.epoch)
         metrics.HA_IN_SYNC.set_function(lambda: 1 if self.report()["in_sync"] else 0)
         metrics.HA_LAG_RECORDS.set_function(self._lag_records)
@@ -104,6 +109,7 @@ class Member:
 
     async def _as_standby(self, started: Callable[[dict[str, str]], None]) -> None:
         self._set_role(Role.STARTING)  # a standby once it holds a copy of the primary's
+        self.elector.resume()  # (after a switchover: it may take the lease again later)
         follower = Follower(
             self.name,
             self.config.data_dir,
@@ -164,11 +170,23 @@ class Member:
         deposed = trio.Event()
 
         epoch = self.elector.epoch
+        self._switching = trio.Event()
 
         async def watch_lease() -> None:  # (lost, even if taken again: a new epoch)
             while self.keeper.is_primary() and self.elector.epoch == epoch:
                 await self.keeper.wait_changed()
             deposed.set()
+
+        async def watch_switchover() -> None:
+            await self._switching.wait()
+            deposed.set()
+
+        def budget() -> float:  # deposed: a second; handing over: the usual drain
+            return (
+                self.config.shutdown_timeout_ms / 1000
+                if self._switching.is_set()
+                else DEPOSED_DRAIN_S
+            )
 
         def serving(addresses: dict[str, str]) -> None:
             self.elector.faces = {face: self._advertised(face) for face in addresses}
@@ -176,9 +194,13 @@ class Member:
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(watch_lease)
-            await writer.serve(self.faces, serving, until=deposed, replicate=self._replicate)
+            nursery.start_soon(watch_switchover)
+            await writer.serve(
+                self.faces, serving, until=deposed, until_budget=budget, replicate=self._replicate
+            )
             nursery.cancel_scope.cancel()
-        if writer.drain_requested.is_set() and self.keeper.is_primary():
+        handing_over = writer.drain_requested.is_set() or self._switching.is_set()
+        if handing_over and self.keeper.is_primary():
             self._set_role(Role.DRAINING)
             await self.keeper.hand_over()  # the standby in sync (if any) takes it at once
         if self.source is not None:  # then its stream ends, and it reads the lease
@@ -186,7 +208,9 @@ class Member:
         if self.sync is not None:
             self.keeper.listeners.remove(self.sync.poke)
         self.source = self.sync = None
-        if deposed.is_set() and not writer.drain_requested.is_set():
+        if self._switching.is_set():
+            event(log, logging.WARNING, "switched_over", epoch=self.elector.epoch)
+        elif deposed.is_set() and not writer.drain_requested.is_set():
             event(log, logging.WARNING, "deposed", epoch=self.elector.epoch)
 
     async def _replicate(self, stores: Mapping[str, Any], background: trio.Nursery) -> None:
@@ -214,6 +238,38 @@ class Member:
 
     def _tap_failed(self, exc: Exception) -> None:
         event(log, logging.ERROR, "replication_tap_failed", error=str(exc))
+
+    # --- operations (POST /ha/...) ---------------------------------------------------------
+
+    def _switchover(self, force: bool) -> tuple[int, dict[str, object]]:
+        if not (self.role is Role.PRIMARY and self.keeper.is_primary()):
+            return 409, {"error": "this member is not primary: ask the primary (GET /ha)"}
+        if self.sync is None or self.sync.counting_on is None:
+            why = "no standby is in sync: the shard would have no primary until this one came back"
+            return 409, {"error": why}
+        self._switching.set()
+        return 202, {"switching_over": True, "to": self.sync.counting_on}
+
+    def _promote(self, force: bool) -> tuple[int, dict[str, object]]:
+        """A forced promotion: take the lease once it expires, in sync or not."""
+        record = self.elector.seen.record if self.elector.seen else None
+        if self.role is Role.PRIMARY:
+            return 409, {"error": "this member is primary already"}
+        if self.elector.empty:
+            return 409, {"error": "this member holds no copy of the shard yet"}
+        in_sync = record is not None and record.in_sync == self.name
+        loses = "nothing: the lease names this member in sync" if in_sync else (
+            "what the primary acknowledged since the lease last named this member in sync "
+            f"(it is {self._lag_records()} transactions behind, as far as it knows)"
+        )  # fmt: skip
+        if not force:
+            return 400, {"error": f"a forced promotion may lose {loses}; ask with force=1"}
+        self.elector.forced = True
+        return 202, {
+            "promoting": True,
+            "may_lose": loses,
+            "when": "once the lease expires: while a primary renews it, never",
+        }
 
     # --- the standby's side ----------------------------------------------------------------
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 import threading
 import time
 from contextlib import ExitStack
@@ -20,6 +21,7 @@ import pytest
 from cmdbus_trio.client import ClientError
 from cmdbus_trio.client.blocking import IngestClient
 
+from ..helpers import cli
 from .proxy import free_port, proxy_to
 from .test_pair import LEASE_MS, claimed_keys, ha, in_sync_pair, member, until
 
@@ -177,3 +179,50 @@ def test_a_cut_replication_link_costs_a_pause_and_nothing_else(tmp_path: Path, w
         a.wait()
         until(lambda: ha(b_ports)["role"] == "primary", timeout=LEASE_MS / 1000 + 5)
         assert claimed_keys(b_ports) >= set(ledger.acked)
+
+
+def test_operations_status_switchover_and_a_forced_promotion(tmp_path: Path) -> None:
+    """`cmdbus-trio ha`: status of both; a switchover (the primary hands over and
+    follows); then, with the standby out of sync and the primary killed, the standby
+    waits until a forced promotion, which moves its keys on and says what it may lose."""
+    with ExitStack() as stack:
+        a, a_ports, b, b_ports = in_sync_pair(tmp_path, stack)
+        urls = ["--url", a_ports["control"], "--url", b_ports["control"]]
+        status = subprocess.run(
+            cli("ha", "status", *urls, "--json"), capture_output=True, text=True
+        )
+        assert status.returncode == 0, status.stdout
+        assert json.loads(status.stdout.splitlines()[-1])["verdict"] == "ok"
+        switched = subprocess.run(
+            cli("ha", "switchover", "--url", a_ports["control"]), capture_output=True, text=True
+        )
+        assert switched.returncode == 0, switched.stderr
+        until(lambda: ha(b_ports)["role"] == "primary")
+        until(lambda: ha(a_ports)["role"] == "standby" and ha(a_ports)["in_sync"])
+        refused = subprocess.run(
+            cli("ha", "switchover", "--url", a_ports["control"]), capture_output=True, text=True
+        )
+        assert refused.returncode == 1 and "not primary" in refused.stderr
+        # Now a is the standby: stop it, let b go on alone, kill b.
+        a.send_signal(signal.SIGSTOP)
+        with Ledger(b_ports["cmd_ingest"]) as ledger:
+            ledger.wait_for(10)
+        b.send_signal(signal.SIGKILL)
+        b.wait()
+        a.send_signal(signal.SIGCONT)
+        time.sleep(LEASE_MS / 1000 * 2)
+        assert ha(a_ports)["role"] != "primary"  # not in sync: it waits for b
+        status = subprocess.run(
+            cli("ha", "status", *urls, "--json"), capture_output=True, text=True
+        )
+        assert status.returncode == 23, status.stdout  # no primary
+        promoted = subprocess.run(
+            cli("ha", "promote", "--force", "--yes", "--url", a_ports["control"], "--json"),
+            capture_output=True, text=True,
+        )  # fmt: skip
+        assert promoted.returncode == 0, promoted.stderr
+        assert "may_lose" in json.loads(promoted.stdout)
+        until(lambda: ha(a_ports)["role"] == "primary", timeout=LEASE_MS / 1000 + 5)
+        with IngestClient(a_ports["cmd_ingest"]) as ingest:
+            key = ingest.publish({"execution_id": 1, "payload": "{}"}).sort_key
+        assert key > 1 << 40  # its keys moved on: none names a record b gave

@@ -42,6 +42,8 @@ Send = Callable[[Message], Awaitable[None]]
 
 
 PROBES = frozenset({"/livez", "/readyz", "/healthz"})
+HA_ACTIONS = frozenset({"/ha/switchover", "/ha/promote"})
+"""A pair's operations (``cmdbus-trio ha``): POST, with the auth token when one is set."""
 """Paths answered ahead of the others when the control face's share is spent."""
 ENDPOINTS: Final = {
     "/livez": "200 while the event loop turns and no face or task has crashed (liveness)",
@@ -104,6 +106,16 @@ class ControlApp(_PlainApp):
             if not self._debug_allowed(scope):
                 return _json(401, {"error": "debug hooks need Authorization: Bearer <token>"})
             return _debug.HOOKS[path](self.health, scope)
+        if path in HA_ACTIONS:
+            if method != "POST":
+                return _json(405, {"error": "use POST"})
+            if not self._debug_allowed(scope):
+                return _json(401, {"error": f"{path} needs Authorization: Bearer <token>"})
+            act = self.health.ha_actions.get(path.removeprefix("/ha/"))
+            if act is None:
+                return _json(409, {"error": "this writer is not one of a pair (CMDBUS_HA_LEASE)"})
+            status, document = act(b"force=1" in scope.get("query_string", b""))
+            return _json(status, document)
         handler = self._GET.get(path)
         if handler is None:
             return _json(404, {"error": f"no such path {path}"})

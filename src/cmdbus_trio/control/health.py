@@ -52,6 +52,8 @@ class Health:
         self.budgets: dict[str, ByteBudget] = {}  # each data face's (/debug/hold-bytes)
         self.stores: dict[str, Store] = {}
         self.ha: Callable[[], dict[str, object]] = _single
+        self.ha_actions: dict[str, Callable[[bool], tuple[int, dict[str, object]]]] = {}
+        """``POST /ha/<action>`` (switchover, promote): a member's operations."""
         """``GET /ha``: this member's role in its pair (a writer alone: ``single``)."""
         # Read at scrape time, so /metrics is right without anyone calling /readyz.
         metrics.READY.set_function(lambda: 1 if self.readiness().ready else 0)

@@ -233,5 +233,11 @@ class Elector:
         standby in sync, or this member on its return, may take it at once)."""
         self._releasing = True
 
+    def resume(self) -> None:
+        """After a hand-over, as a standby: this member may take the lease again (by the
+        rules) once the new holder lets it go. Until then it never takes it back, so a
+        member stopping is not made primary again by its own last turns."""
+        self._releasing = False
+
     def _released(self, record: LeaseRecord, wall: float) -> LeaseRecord:
         return attrs.evolve(record, holder=None, renewed_at=wall, faces={})
