@@ -168,3 +168,27 @@ async def test_the_trio_client_follows_the_primary_too(tmp_path: Path) -> None:
                     acked.add((await ingest.publish(record, timeout=30)).sort_key)
         assert len(acked) == 60
         assert await trio.to_thread.run_sync(claimed_keys, b_ports) >= acked
+
+
+def test_the_readme_pair_starts_a_primary_and_its_standby(tmp_path: Path) -> None:
+    """examples/pair.sh, as the README runs it (on free ports here)."""
+    import os
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CMDBUS_")}
+    env["CMDBUS_PAIR_BASE"] = "0"
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
+    root = Path(__file__).resolve().parents[2]
+    pair = subprocess.Popen(
+        ["sh", str(root / "examples" / "pair.sh"), str(tmp_path / "pair")],
+        env=env, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        files = [tmp_path / "pair" / name / "ports.json" for name in ("a", "b")]
+        until(lambda: all(f.exists() for f in files))
+        a_ports, b_ports = (json.loads(f.read_text()) for f in files)
+        until(lambda: ha(a_ports)["role"] == "primary" and ha(b_ports)["role"] == "standby")
+        assert ha(b_ports)["primary"] == "a"
+    finally:
+        os.killpg(pair.pid, signal.SIGTERM)
+        assert pair.wait(30) is not None
