@@ -207,6 +207,12 @@ def test_operations_status_switchover_and_a_forced_promotion(tmp_path: Path) -> 
         a.send_signal(signal.SIGSTOP)
         with Ledger(b_ports["cmd_ingest"]) as ledger:
             ledger.wait_for(10)
+        looked = subprocess.run(
+            cli("diagnose", "--url", b_ports["control"], "--interval", "0.2", "--json"),
+            capture_output=True, text=True,
+        )  # fmt: skip
+        assert looked.returncode == 18, looked.stdout  # no standby in sync
+        assert "no standby in sync" in looked.stdout
         b.send_signal(signal.SIGKILL)
         b.wait()
         a.send_signal(signal.SIGCONT)

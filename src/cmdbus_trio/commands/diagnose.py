@@ -30,6 +30,9 @@ and says which of these holds, worst first, each with the evidence lines that sh
   and whether anything was delivered from it at all);
 - **backlog stuck**: a subject has a backlog and nothing was delivered from it between
   the scrapes (no consumer takes from that pool): growing or not, nobody works it;
+- a member of a pair (docs/ha.md): **two primaries** (it and the member its lease names
+  both say they are primary), **no standby in sync** (its primary acknowledges alone),
+  **standby far behind**;
 - **healthy**: none of the above.
 
 "Saturated" and "stalled" look alike from outside (slow or failed requests) and need
@@ -43,6 +46,7 @@ import json
 import socket
 import time
 import urllib.error
+from collections.abc import Sequence
 from typing import Any, Final
 
 from ._addresses import add_control_url_arguments, default_control_url, server_of
@@ -60,17 +64,21 @@ from ._verdicts import (
     saturated,
 )
 from .client import fetch
+from .ha import findings as ha_findings
 
 SEVERITY = [
     "unreachable",
     "stalled",
     "poisoned",
+    "two primaries",
     "face crashed",
     "task crashed",
     "face stuck",
     "not ready",
     "disk slow",
     "no checkpointer",
+    "no standby in sync",
+    "standby far behind",
     "saturated",
     "control face flooded",
     "contended",
@@ -84,10 +92,13 @@ def assess(
     before: Scrape,
     after: Scrape,
     interval: float,
+    also: Sequence[Finding] = (),
 ) -> list[Finding]:
-    """Every finding from two health documents and two scrapes ``interval`` s apart,
-    worst first; ``[healthy]`` when there is none."""
+    """Every finding from two health documents and two scrapes ``interval`` s apart (and
+    ``also``: a pair's, :func:`.ha.findings`), worst first; ``[healthy]`` when there is
+    none."""
     findings = [
+        *also,
         *_stalled(health, before, after),
         *_stores(health[1] or health[0] or {}),
         *_crashed(health[1] or health[0] or {}),
@@ -258,7 +269,7 @@ def diagnose(url: str, *, interval: float, timeout: float) -> list[Finding]:
                 (f"GET {url}/metrics: {exc}",),
             )
         ]
-    return assess((first, second), before, after, interval)
+    return assess((first, second), before, after, interval, ha_findings(url, timeout))
 
 
 HELP = "say whether a writer is healthy, saturated, stalled, poisoned or backlogged"
@@ -280,6 +291,9 @@ EXIT_CODES: Final = {
     "backlog growing": 14,
     "backlog stuck": 15,
     "no checkpointer": 16,
+    "two primaries": 17,
+    "no standby in sync": 18,
+    "standby far behind": 19,
 }
 """The exit status for the verdict (the first finding), so that a script can tell them
 apart. 1 is diagnose's own failure (no ports file, say), 2 bad usage, 130 Ctrl-C."""

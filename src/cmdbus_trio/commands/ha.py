@@ -22,6 +22,7 @@ from typing import Any, Final
 from ._addresses import add_server_argument, default_control_url, server_of
 from ._output import Output, add_output_arguments, fail, human_wanted
 from ._scrape import control_url
+from ._verdicts import Finding
 from .client import TOKEN_VARIABLE, fetch
 
 HELP = "a standby per shard: status, switchover, promote --force"
@@ -125,9 +126,9 @@ def assess(members: list[dict[str, Any]]) -> tuple[str, str]:
     return "ok", "one primary, its standby in sync"
 
 
-def _member(url: str) -> dict[str, Any]:
+def _member(url: str, timeout: float = 5.0) -> dict[str, Any]:
     try:
-        status, body = fetch(f"{url}/ha")
+        status, body = fetch(f"{url}/ha", timeout)
     except OSError as exc:
         return {"role": "unreachable", "error": str(exc)}
     if status != 200:
@@ -148,3 +149,26 @@ def _post(url: str, token: str | None) -> tuple[int, dict[str, Any]]:
         return exc.code, json.loads(exc.read() or b"{}")
     except OSError as exc:
         return 0, {"error": f"{url}: no answer: {exc}"}
+
+
+def findings(url: str, timeout: float = 5.0) -> list[Finding]:
+    """What ``diagnose`` says of a member of a pair at ``url`` (nothing for a writer
+    alone): it and the member it names primary (from ``primary_faces``) looked at."""
+    member = _member(url, timeout)
+    if member.get("role") in (None, "single", "unreachable"):
+        return []
+    members = [{"url": url, **member}]
+    control = (member.get("primary_faces") or {}).get("control")
+    if control and member.get("primary") != member.get("name"):
+        other = control_url(str(control))
+        members.append({"url": other, **_member(other, timeout)})
+    verdict, why = assess([m for m in members if m.get("role") != "unreachable"])
+    evidence = tuple(
+        f"GET {m['url']}/ha: role {m.get('role')}, in_sync {m.get('in_sync')}, "
+        f"behind_records {m.get('behind_records')}, epoch {m.get('epoch')}"
+        for m in members
+    )
+    named = {"far behind": "standby far behind"}.get(verdict, verdict)
+    if named in ("two primaries", "no standby in sync", "standby far behind"):
+        return [Finding(named, why, evidence)]
+    return []
