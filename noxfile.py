@@ -7,6 +7,9 @@ import nox
 nox.options.error_on_missing_interpreters = False  # a missing Python is skipped, not failed
 nox.options.sessions = ["tests", "lint", "typecheck", "deploy"]
 nox.options.reuse_existing_virtualenvs = True
+# uv makes each session's environment in seconds (pip took over a minute a session for
+# `.[test]`: CI's time was mostly installs); without uv, nox's virtualenv does it.
+nox.options.default_venv_backend = "uv|virtualenv"
 
 PYTHONS = ["3.11", "3.12", "3.13"]  # keep in step with pyproject's classifiers
 RUFF = "ruff==0.17.6"

@@ -376,8 +376,8 @@ def preload(server: Server, records: int) -> None:
 def drain(server: Server) -> None:
     """Claim and ack what an earlier workload left (in batches of 64), so that a steady
     workload starts on an empty bus."""
-    for _ in range(30):  # 2 s each; a round that finds nothing ends it
-        if not run_workload(server, [("claim+ack", 16, 64)], 2.0)["rate"]:
+    for _ in range(60):  # 1 s each; a round that finds nothing ends it
+        if not run_workload(server, [("claim+ack", 16, 64)], 1.0)["rate"]:
             return
 
 

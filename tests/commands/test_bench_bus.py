@@ -27,7 +27,7 @@ FLOOR = BUS.parent / "floor_server.py"
 
 
 def test_the_steady_workload_reports_rates_latency_and_cpu(tmp_path: Path) -> None:
-    command = [sys.executable, str(BUS), "--floor", "--rate", "100", "--duration", "2"]
+    command = [sys.executable, str(BUS), "--floor", "--rate", "100", "--duration", "1"]
     done = subprocess.run(
         [*command, "--only", "steady"], capture_output=True, text=True, timeout=120, cwd=tmp_path
     )
