@@ -40,7 +40,7 @@ TARGETS: dict[str, tuple[Any, str, list[str]]] = {
     "retention": (app, "run_retention", ["commands.retention", "events.retention"]),
     "tier retention": (app, "run_tier_retention", ["tier.retention"]),
     "tier committer": (TierCommitter, "run", ["tier.committer"]),
-    "store sizes": (app, "_measure_stores", ["store_sizes"]),
+    "store sizes": (app, "measure_stores", ["store_sizes"]),
     "gate timers": (
         Gate,
         "run_timers",
