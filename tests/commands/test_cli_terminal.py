@@ -97,9 +97,13 @@ def test_one_server_address_for_every_face(monkeypatch: pytest.MonkeyPatch) -> N
     assert default_address("cmd_ingest", server="10.0.0.7") == "10.0.0.7:9100"
     assert default_address("control", server="[::1]") == "[::1]:9090"
     assert server_host("::1") == "[::1]" and server_host(" cmdbus-0 ") == "cmdbus-0"
-    for wrong in ("cmdbus-0:9100", "http://cmdbus-0", ""):
+    for wrong in ("cmdbus-0:9100", "http://cmdbus-0", "", "a,b:9100"):
         with pytest.raises(ValueError, match="--server"):
             server_host(wrong)
+    pair = server_host("cmdbus-0a, ::1")  # the two members of a pair
+    assert pair == "cmdbus-0a,[::1]"
+    assert default_address("cmd_ingest", server=pair) == "cmdbus-0a:9100,[::1]:9100"
+    assert default_address("control", server=pair) == "cmdbus-0a:9090"  # one control face
     monkeypatch.setenv("CMDBUS_SERVER", "10.0.0.8")
     assert server_of(cli_module._parser().parse_args(["client", "lag"])) == "10.0.0.8"
     given = cli_module._parser().parse_args(["client", "lag", "--server", "10.0.0.9"])

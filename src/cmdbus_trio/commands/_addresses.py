@@ -30,9 +30,12 @@ it at once. Nothing is sent before a connection is made, so every command may wa
 
 def server_host(text: str) -> str:
     """``--server``'s value: the writer's host (a name, an IPv4 address, an IPv6 address
-    with or without brackets), without a port: every face is at its default port.
+    with or without brackets), without a port: every face is at its default port. The
+    members of a pair: their hosts, comma-separated (a client goes to the primary).
 
     Error handling: :class:`ValueError` naming what is wrong (a port, a scheme)."""
+    if "," in text:
+        return ",".join(server_host(one) for one in text.split(",") if one.strip())
     host = text.strip()
     if not host or "://" in host or "/" in host:
         raise UsageError(f"--server {text!r}: expected a host, like 10.0.0.7 or cmdbus-0")
@@ -83,7 +86,9 @@ def default_address(face: str, *, server: str | None = None, wait: float = START
     Error handling: :class:`ValueError` when the file does not come, is not a ports
     file, or does not name the face (it is off)."""
     if server is not None:
-        return f"{server}:{DEFAULT_PORTS.get(face, 0)}"
+        hosts = server.split(",")  # (a pair's members; a control face: the first one's)
+        port = DEFAULT_PORTS.get(face, 0)
+        return ",".join(f"{host}:{port}" for host in (hosts[:1] if face == "control" else hosts))
     named = os.environ.get(PORTS_FILE)
     if not named:
         return f"127.0.0.1:{DEFAULT_PORTS.get(face, 0)}"
