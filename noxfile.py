@@ -25,18 +25,28 @@ tested in-process in every session), and running them four times would take CI p
 an hour."""
 
 
+IN_PARALLEL = ["-n", "2"]
+"""The in-process tests run on two workers (pytest-xdist): they share nothing but the
+machine, and two halve CI's time; the tests in subprocesses (system, slow, e2e) run one at
+a time, as the deployment and the benchmarks they measure would."""
+
+
 @nox.session(python=PYTHONS)
 def tests(session: nox.Session) -> None:
     session.install(".[test]")
-    once = [] if session.python == PYTHONS[0] else SYSTEM_ONCE
-    session.run("pytest", *once, *session.posargs)
+    if session.posargs:
+        session.run("pytest", *session.posargs)
+        return
+    session.run("pytest", *SYSTEM_ONCE, *IN_PARALLEL)
+    if session.python == PYTHONS[0]:
+        session.run("pytest", "-m", "system or slow or e2e")
 
 
 @nox.session(name="tests-lowest", python=PYTHONS[0])
 def tests_lowest(session: nox.Session) -> None:
     """The suite against the lowest versions pyproject declares for direct dependencies."""
     session.install("-c", "constraints-lowest.txt", ".[test]")
-    session.run("pytest", *SYSTEM_ONCE, *session.posargs)
+    session.run("pytest", *SYSTEM_ONCE, *(session.posargs or IN_PARALLEL))
 
 
 @nox.session

@@ -95,15 +95,18 @@ def test_a_killed_primary_is_replaced_by_its_standby_with_every_acknowledged_rec
         acked: set[int] = set()
         with IngestClient(a_ports["cmd_ingest"]) as ingest:
             for n in range(200):
-                acked.add(
-                    ingest.publish({"execution_id": n, "payload": json.dumps({"n": n})}).sort_key
-                )
+                record = {"execution_id": n, "payload": json.dumps({"n": n})}
+                acked.add(ingest.publish(record).sort_key)
+            first = ingest.publish({"execution_id": 1, "payload": "{}"}, msg_id="once")
         a.send_signal(signal.SIGKILL)
         a.wait()
         took = until(lambda: ha(b_ports)["role"] == "primary")
         assert took < LEASE_MS / 1000 + 3
         assert claimed_keys(b_ports) >= acked
         assert ha(b_ports)["epoch"] == 2
+        with IngestClient(b_ports["cmd_ingest"]) as ingest:  # its msg_id is known there
+            again = ingest.publish({"execution_id": 1, "payload": "{}"}, msg_id="once")
+        assert again.duplicate and again.sort_key == first.sort_key
         seen = metrics_text(b_ports)
         assert metric_sum(seen, "cmdbus_ha_failovers_total") == 1
         assert metric_sum(seen, "cmdbus_ha_epoch") == 2
