@@ -28,7 +28,9 @@ an hour."""
 IN_PARALLEL = ["-n", "2"]
 """The in-process tests run on two workers (pytest-xdist): they share nothing but the
 machine, and two halve CI's time; the tests in subprocesses (system, slow, e2e) run one at
-a time, as the deployment and the benchmarks they measure would."""
+a time, as the deployment and the benchmarks they measure would. A test that starts a
+writer again on the ports of an earlier one is `slow`: a test beside it, binding port 0,
+may be given a port it let go of."""
 
 
 @nox.session(python=PYTHONS)

@@ -52,6 +52,7 @@ def stop(started: list[Any]) -> None:
         context.__exit__(None, None, None)
 
 
+@pytest.mark.slow  # started again on the same ports: one at a time (noxfile.IN_PARALLEL)
 @pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
 async def test_a_worker_and_a_publisher_ride_through_a_restart(
     tmp_path: Path, how: signal.Signals
@@ -94,6 +95,7 @@ async def test_a_worker_and_a_publisher_ride_through_a_restart(
             stop(started)
 
 
+@pytest.mark.slow  # started again on the same ports: one at a time (noxfile.IN_PARALLEL)
 async def test_a_subscriber_resumes_after_the_last_record_it_received(tmp_path: Path) -> None:
     """Through a drain and a start on the same ports, a subscription goes on after the
     last record it received: every record once, in order, no gap."""
@@ -175,6 +177,7 @@ def test_a_bad_reconnect_window_is_refused_naming_the_option(bad: Any) -> None:
         IngestClient("127.0.0.1:1", reconnect_for=bad)
 
 
+@pytest.mark.slow  # started again on the same ports: one at a time (noxfile.IN_PARALLEL)
 async def test_a_sharded_claim_goes_on_with_the_writers_that_are_there(tmp_path: Path) -> None:
     """Two shards, one writer killed: a sharded `next` is served by the other at once
     (a writer that is away is skipped, not waited for), and once the killed one is back
