@@ -47,6 +47,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+REPLICATION_CONNECTIONS = 4
+"""Connections the replication face serves at once (one standby, reconnecting); more are
+closed at once: a flood of them costs the primary nothing but the accepts."""
 RECONNECT_EVERY = 0.2
 """Seconds between a standby's attempts to reach the primary's replication face."""
 DEPOSED_DRAIN_S = 1.0
@@ -73,6 +76,7 @@ class Member:
         self.follower: Follower | None = None
         self._announced = False
         self._switching = trio.Event()  # asked to hand over and follow (POST /ha/switchover)
+        self._replication_slots = trio.CapacityLimiter(REPLICATION_CONNECTIONS)
         writer.health.ha_actions = {"switchover": self._switchover, "promote": self._promote}
         metrics.HA_EPOCH.set_function(lambda: self.elector.epoch)
         metrics.HA_IN_SYNC.set_function(lambda: 1 if self.report()["in_sync"] else 0)
@@ -310,14 +314,24 @@ class Member:
 
     async def _replication_connection(self, stream: trio.SocketStream) -> None:
         async with stream:
-            source = self.source
             try:
-                if source is None:  # not primary: it says so, and who is
-                    await stream.send_all(_refusal(self.elector))
-                    return
-                await source.serve(stream)
-            except Exception as exc:  # (in a group, from its nursery) this stream's end only
-                event(log, logging.INFO, "standby_disconnected", why=_why(exc))
+                self._replication_slots.acquire_nowait()
+            except trio.WouldBlock:
+                return  # (closed at once)
+            try:
+                await self._replicate_to(stream)
+            finally:
+                self._replication_slots.release()
+
+    async def _replicate_to(self, stream: trio.SocketStream) -> None:
+        source = self.source
+        try:
+            if source is None:  # not primary: it says so, and who is
+                await stream.send_all(_refusal(self.elector))
+                return
+            await source.serve(stream)
+        except Exception as exc:  # (in a group, from its nursery) this stream's end only
+            event(log, logging.INFO, "standby_disconnected", why=_why(exc))
 
     # --- what it says ----------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ import trio
 import trio.testing
 
 from cmdbus_trio.admission import run_in_thread
+from cmdbus_trio.ha._wire import WireError
 from cmdbus_trio.ha.follower import Deposed, Follower, Refused
 from cmdbus_trio.ha.source import Source
 from cmdbus_trio.storage._tier_appends import NewRecord
@@ -201,5 +202,34 @@ async def test_a_deposed_primarys_stream_ends_and_a_wrong_token_is_refused(
             nursery.start_soon(primary.source.serve, ours)
             with pytest.raises(Refused, match="wrong token"):
                 await follower.follow(theirs, lambda: 1)
+            nursery.cancel_scope.cancel()
+    await follower.close()
+
+
+async def test_a_connection_that_says_nothing_displaces_nobody_and_is_closed(
+    primary: Primary, tmp_path: Path
+) -> None:
+    """A second connection to the replication face that never says Hello (a port scan, a
+    careless client) is closed after the hello timeout (0.3 s here; it waits 1 s), and
+    the standby it would have replaced goes on confirming."""
+    standby = tmp_path / "b"
+    standby.mkdir()
+    follower = Follower("b", standby, STORES, offload=offload)
+    await follower.open()
+    await primary.publish(5)
+    ours, theirs = trio.testing.memory_stream_pair()
+    silent_ours, _silent_theirs = trio.testing.memory_stream_pair()
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(primary.source.serve, ours)
+            nursery.start_soon(follower.follow, theirs, lambda: 1)
+            while primary.source.confirmed < primary.source.sequence:
+                await trio.sleep(0.01)
+            with pytest.raises(WireError, match=r"no Hello within 0\.3 s"), trio.move_on_after(1):
+                await primary.source.serve(silent_ours, hello_timeout=0.3)  # (ends it first)
+            assert primary.source.standby == "b"
+            await primary.publish(5, 5)
+            while primary.source.confirmed < primary.source.sequence:
+                await trio.sleep(0.01)
             nursery.cancel_scope.cancel()
     await follower.close()

@@ -43,6 +43,8 @@ TICK_EVERY = 0.2
 """Seconds between :class:`~._wire.Tick` frames on an idle stream."""
 CHUNK = 1 << 20
 """Bytes of a base copy per frame."""
+HELLO_TIMEOUT = 5.0
+"""Seconds a connection to the replication face has to say Hello before it is closed."""
 
 Offload = Callable[[Callable[[], Any]], Any]
 
@@ -130,12 +132,16 @@ class Source:
         while self.confirmed < sequence:
             await self._confirmed.wait()
 
-    async def serve(self, stream: trio.abc.Stream) -> None:
-        """One standby's connection, until it ends or a newer one replaces it."""
-        self._connection += 1
-        mine = self._connection
+    async def serve(self, stream: trio.abc.Stream, hello_timeout: float = HELLO_TIMEOUT) -> None:
+        """One standby's connection, until it ends or a newer one replaces it (only once
+        it said Hello, with the token: a connection that says nothing, or anything else,
+        is closed and displaces nobody)."""
         decoder = FrameDecoder(wire.MAX_FRAME)
-        hello = await _receive(stream, decoder)
+        hello: wire.Message | None = None
+        with trio.move_on_after(hello_timeout):
+            hello = await _receive(stream, decoder)
+        if hello is None:
+            raise wire.WireError(f"no Hello within {hello_timeout} s")
         if not isinstance(hello, wire.Hello):
             raise wire.WireError(f"a standby must say Hello first, not {type(hello).__name__}")
         if self._token is not None and not hmac.compare_digest(hello.token or "", self._token):
@@ -144,6 +150,8 @@ class Source:
         if hello.epoch > self.epoch:
             await stream.send_all(wire.encode(wire.Refused("deposed", self.epoch)))
             return
+        self._connection += 1  # (it replaces the one before: a standby reconnecting)
+        mine = self._connection
         await stream.send_all(wire.encode(wire.Welcome(self.epoch, self.primary)))
         event(log, logging.INFO, "standby_connected", standby=hello.name, epoch=self.epoch)
         self.standby = hello.name
