@@ -166,9 +166,8 @@ class OneWayCut(trio.abc.HalfCloseableStream):
         await self.inner.aclose()
 
 
-async def test_a_silent_standby_holds_an_answer_for_the_timeout_no_longer(setup: Setup) -> None:
-    """Its confirmations are lost (a one-way cut) for longer (the rest of the test) than
-    the sync timeout (1 s): the answer waits that long, and the lease hears first."""
+async def in_sync_then_cut(setup: Setup) -> None:
+    """The standby follows through a link the test then cuts one way (its side's sends)."""
     ours, theirs = trio.testing.memory_stream_pair()
     cut = OneWayCut(theirs)
     setup.nursery.start_soon(setup.source.serve, ours)
@@ -176,6 +175,12 @@ async def test_a_silent_standby_holds_an_answer_for_the_timeout_no_longer(setup:
     while not setup.sync.in_sync:
         await trio.sleep(0.01)
     cut.cut = True
+
+
+async def test_a_silent_standby_holds_an_answer_for_the_timeout_no_longer(setup: Setup) -> None:
+    """Its confirmations are lost (a one-way cut) for longer (the rest of the test) than
+    the sync timeout (1 s): the answer waits that long, and the lease hears first."""
+    await in_sync_then_cut(setup)
     start = trio.current_time()
     await publish(setup, 1)
     waited = trio.current_time() - start
@@ -184,13 +189,7 @@ async def test_a_silent_standby_holds_an_answer_for_the_timeout_no_longer(setup:
 
 
 async def test_a_primary_that_cannot_tell_the_lease_answers_unavailable(setup: Setup) -> None:
-    ours, theirs = trio.testing.memory_stream_pair()
-    cut = OneWayCut(theirs)
-    setup.nursery.start_soon(setup.source.serve, ours)
-    setup.nursery.start_soon(setup.follower.follow, cut, lambda: 1)
-    while not setup.sync.in_sync:
-        await trio.sleep(0.01)
-    cut.cut = True
+    await in_sync_then_cut(setup)
     setup.keeper.writable = False  # deposed: another member wrote the lease
     with pytest.raises(StoreUnavailable, match="cannot record in the lease"):
         await publish(setup, 1)

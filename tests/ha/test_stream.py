@@ -7,7 +7,6 @@ backlog or its history went another way; a deposed primary's frames end the stre
 from __future__ import annotations
 
 import json
-import sqlite3
 from collections.abc import AsyncIterator, Callable
 from functools import partial
 from pathlib import Path
@@ -25,6 +24,8 @@ from cmdbus_trio.ha.source import Source
 from cmdbus_trio.storage._tier_appends import NewRecord
 from cmdbus_trio.storage.buslog import BusEntry, BusLog
 from cmdbus_trio.storage.tier import TierStore
+
+from ..storage.test_replica_pages import dump
 
 STORES = ("commands", "tier")
 
@@ -63,14 +64,6 @@ async def primary(tmp_path: Path) -> AsyncIterator[Primary]:
     yield Primary(commands, tier, source, path)
     for store in (commands, tier):
         await offload(store.close)
-
-
-def dump(path: Path) -> list[str]:
-    connection = sqlite3.connect(path)
-    try:
-        return list(connection.iterdump())
-    finally:
-        connection.close()
 
 
 async def follow_until_caught_up(
