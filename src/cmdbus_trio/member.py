@@ -65,11 +65,15 @@ class Member:
         self.config = config
         self.faces = faces
         self.name = config.ha_name
-        self._limiter = trio.CapacityLimiter(2)  # the lease's and the replication's I/O
+        self._limiter = trio.CapacityLimiter(2)  # the replication's I/O (copies, journals)
+        # The lease's own thread: a renewal never waits behind a base copy (it did, and
+        # the primary lost its lease while it copied its stores to a standby).
+        self._lease_limiter = trio.CapacityLimiter(1)
         self.mode = SyncMode(config.ha_sync)
         empty = not any((config.data_dir / name).exists() for name in datadir.STORE_FILES)
         self.elector = Elector(self.name, config.ha_lease_ms / 1000, self.mode, empty=empty)
-        self.keeper = LeaseKeeper(self.elector, open_lease_store(config.ha_lease), self._offload)
+        lease_io = partial(run_in_thread, limiter=self._lease_limiter)
+        self.keeper = LeaseKeeper(self.elector, open_lease_store(config.ha_lease), lease_io)
         self.role = Role.STARTING
         self.source: Source | None = None
         self.sync: Synchronizer | None = None
