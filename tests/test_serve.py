@@ -57,6 +57,7 @@ def test_ports_file_lists_enabled_faces_only(tmp_path: Path) -> None:
     assert "tier" not in ports
 
 
+@pytest.mark.slow  # a port let go of, then used: one at a time (noxfile.IN_PARALLEL)
 def test_flag_overrides_env_for_the_control_bind(tmp_path: Path) -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

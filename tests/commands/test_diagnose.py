@@ -319,6 +319,7 @@ def test_every_verdict_has_an_exit_code_of_its_own() -> None:
     assert not {1, 2, 130} & set(EXIT_CODES.values())
 
 
+@pytest.mark.slow  # a port let go of, then used: one at a time (noxfile.IN_PARALLEL)
 def test_an_unreachable_writer_exits_with_its_code(tmp_path: Path) -> None:
     with socket.socket() as unused:  # a port nobody listens on
         unused.bind(("127.0.0.1", 0))
