@@ -40,6 +40,7 @@ from .logs import event
 from .storage import datadir
 from .storage.restores import jump_keys
 from .storage.tier import TierStore
+from .supervision import leaf
 from .tier.committer import Tier
 
 if TYPE_CHECKING:
@@ -400,18 +401,12 @@ def _refusal(elector: Elector) -> bytes:
     return wire.encode(wire.Refused("not primary", elector.epoch, elector.primary))
 
 
-def _leaf(exc: BaseException) -> BaseException:
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    return exc
-
-
 def _why(exc: BaseException) -> str:
-    leaf = _leaf(exc)
-    return f"{type(leaf).__name__}: {leaf}"
+    inner = leaf(exc)
+    return f"{type(inner).__name__}: {inner}"
 
 
 def _expected(exc: BaseException) -> bool:
     """A stream's ordinary end: the other member went, or the lease moved on."""
     ended = (OSError, EOFError, trio.BrokenResourceError, trio.ClosedResourceError)
-    return isinstance(_leaf(exc), (*ended, Deposed, Refused))
+    return isinstance(leaf(exc), (*ended, Deposed, Refused))

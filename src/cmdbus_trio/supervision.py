@@ -23,12 +23,12 @@ class StartupError(Exception):
 
     def __init__(self, face: str, bind: Bind, cause: BaseException) -> None:
         setting = f"CMDBUS_{face.upper()}_BIND (--{face.replace('_', '-')}-bind)"
-        why = f"{_leaf(cause)}; choose another address with {setting}"
+        why = f"{leaf(cause)}; choose another address with {setting}"
         super().__init__(f"cannot start the {face} face on {bind}: {why}")
         self.face = face
 
 
-def _leaf(exc: BaseException) -> BaseException:
+def leaf(exc: BaseException) -> BaseException:
     """The one error inside nested single-member exception groups (trio wraps each level)."""
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
@@ -49,8 +49,8 @@ async def supervised(run: StartFn, task_status: trio.TaskStatus[Any], kind: str,
     except Exception as exc:
         if not started:
             raise
-        leaf = _leaf(exc)
-        error = f"{type(leaf).__name__}: {leaf}"
+        inner = leaf(exc)
+        error = f"{type(inner).__name__}: {inner}"
         event(log, logging.ERROR, f"{kind}_crashed", **{kind: name}, error=error, exc_info=exc)
         return False
     return True

@@ -58,6 +58,19 @@ def keeper(name: str, store: Any, duration: float = 3.0) -> LeaseKeeper:
     return LeaseKeeper(Elector(name, duration), store, on_the_loop)
 
 
+def killable(nursery: trio.Nursery, member: LeaseKeeper) -> trio.CancelScope:
+    """Run ``member``'s keeper in ``nursery``; cancelling the scope is its death (it
+    renews no more and writes nothing)."""
+    scope = trio.CancelScope()
+
+    async def run() -> None:
+        with scope:
+            await member.run()
+
+    nursery.start_soon(run)
+    return scope
+
+
 async def until(check: Callable[[], bool], step: float = 0.01) -> float:
     while not check():
         await trio.sleep(step)
@@ -71,13 +84,7 @@ async def test_a_killed_primary_is_replaced_by_its_standby_in_sync_never_two_at_
     a, b = keeper("a", store), keeper("b", store)
     primaries: list[tuple[float, bool, bool]] = []
     async with trio.open_nursery() as nursery:
-        a_scope = trio.CancelScope()
-
-        async def run_a() -> None:
-            with a_scope:
-                await a.run()
-
-        nursery.start_soon(run_a)
+        a_scope = killable(nursery, a)
         await until(a.is_primary)
         assert await a.record_sync("b")
         await nursery.start(b.run)
@@ -175,13 +182,7 @@ async def test_two_members_on_a_file_lease_in_threads(tmp_path: Path) -> None:
     b = LeaseKeeper(Elector("b", 1.0), FileLeaseStore(tmp_path / "lease"), in_thread)
     with trio.fail_after(20):
         async with trio.open_nursery() as nursery:
-            a_scope = trio.CancelScope()
-
-            async def run_a() -> None:
-                with a_scope:
-                    await a.run()
-
-            nursery.start_soon(run_a)
+            a_scope = killable(nursery, a)
             await until(a.is_primary)
             assert await a.record_sync("b")
             await nursery.start(b.run)
