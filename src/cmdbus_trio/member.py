@@ -84,7 +84,7 @@ class Member:
         self._replication_slots = trio.CapacityLimiter(REPLICATION_CONNECTIONS)
         writer.health.ha_actions = {"switchover": self._switchover, "promote": self._promote}
         metrics.HA_EPOCH.set_function(lambda: self.elector.epoch)
-        metrics.HA_IN_SYNC.set_function(lambda: 1 if self.report()["in_sync"] else 0)
+        metrics.HA_IN_SYNC.set_function(lambda: 1 if self._in_sync() else 0)
         metrics.HA_LAG_RECORDS.set_function(self._lag_records)
         metrics.HA_LAG_SECONDS.set_function(
             lambda: self.source.lag_seconds() if self.source is not None else 0.0
@@ -371,16 +371,20 @@ class Member:
             return max(0, source.sequence - max(source.confirmed, 0))
         return follower.behind if follower is not None else 0
 
+    def _in_sync(self) -> bool:
+        """A primary: its acknowledgements wait for a standby in sync; a standby: the
+        lease names it in sync."""
+        if self.role is Role.PRIMARY and self.keeper.is_primary():
+            return self.sync is not None and self.sync.in_sync
+        record = self.elector.seen.record if self.elector.seen else None
+        return record is not None and record.in_sync == self.name
+
     def report(self) -> dict[str, object]:
         """``GET /ha``."""
         record = self.elector.seen.record if self.elector.seen else None
         primary = self.role is Role.PRIMARY and self.keeper.is_primary()
-        follower, sync = self.follower, self.sync
-        in_sync = (
-            sync is not None and sync.in_sync
-            if primary
-            else record is not None and record.in_sync == self.name
-        )
+        follower = self.follower
+        in_sync = self._in_sync()
         behind = follower.behind if follower is not None else 0
         holder = record.holder if record is not None else None
         role = self.role.value
