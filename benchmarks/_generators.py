@@ -12,7 +12,8 @@ in hand, and to its ack's confirmation). START_AT is a time.monotonic() instant
 (CLOCK_MONOTONIC, the same in every process of the machine): every worker starts then, so
 the parent can sample the server's CPU over exactly the window. Prints one JSON line:
 ops, latencies (seconds; consume: to delivery), acked (consume: to the ack's
-confirmation) and the worker's own CPU seconds over the window.
+confirmation), published (produce: to the publish's acknowledgement) and the worker's own
+CPU seconds over the window.
 """
 
 from __future__ import annotations
@@ -317,6 +318,7 @@ async def run(
     claims = [0] * clients  # claim requests that found records
     latencies: list[float] = []
     acked: list[float] = []  # consume: from publish to the ack's confirmation
+    published: list[float] = []  # produce: from publish to its acknowledgement
     end_at = start_at + span
 
     async def client(index: int) -> None:
@@ -326,7 +328,9 @@ async def run(
             tick = start_at + index / (clients * count)
             while tick < end_at and time.monotonic() < end_at:  # behind: not past the end
                 await asyncio.sleep(max(0.0, tick - time.monotonic()))
-                await c.publish(n, 1, False, time.monotonic())
+                sent = time.monotonic()
+                await c.publish(n, 1, False, sent)
+                published.append(time.monotonic() - sent)
                 ops[index] += 1
                 n += 1
                 tick += 1 / count
@@ -362,6 +366,7 @@ async def run(
         "ops": sum(ops),
         "latencies": latencies,
         "acked": acked,
+        "published": published,
         "cpu": cpu,
         "empty": sum(empty),
         "claims": sum(claims),

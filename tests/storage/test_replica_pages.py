@@ -15,6 +15,7 @@ import pytest
 
 from cmdbus_trio.storage._bus_writes import Settlements
 from cmdbus_trio.storage._tier_appends import NewRecord
+from cmdbus_trio.storage import _wal_tap
 from cmdbus_trio.storage._wal_tap import Committed
 from cmdbus_trio.storage.buslog import BusEntry, BusLog
 from cmdbus_trio.storage.replica import Position, Replica, ReplicaError
@@ -66,11 +67,16 @@ def bus_work(log: BusLog, rng: random.Random, step: int) -> None:
         log.checkpoint_past(0)
 
 
-@pytest.mark.parametrize(("seed", "lose"), [(1, None), (2, None), (3, None), (1, 50)])
+@pytest.mark.parametrize(
+    ("seed", "lose", "frames"), [(1, None, 64), (2, None, 64), (3, None, 1), (1, 50, 64)]
+)
 def test_a_replica_of_a_bus_log_holds_what_the_primary_holds(
-    tmp_path: Path, seed: int, lose: int | None
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seed: int, lose: int | None, frames: int
 ) -> None:
-    """``lose``: the negative control, a replica that misses one transaction differs."""
+    """``lose``: the negative control, a replica that misses one transaction differs.
+    ``frames``: the tap's reads at a time (1: every commit takes several reads, and one
+    after a checkpoint stops at the earlier generation's tail)."""
+    monkeypatch.setattr(_wal_tap, "READ_FRAMES", frames)
     rng = random.Random(seed)
     primary_path, replica_path = tmp_path / "primary.sqlite3", tmp_path / "replica.sqlite3"
     log = BusLog.open(primary_path, name="commands")

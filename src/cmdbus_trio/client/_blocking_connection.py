@@ -70,6 +70,7 @@ class Connection(BaseConnection):
     def _init_transport(self) -> None:
         self._sock: socket.socket | None = None
         self._lock = threading.RLock()
+        self._heard = 0  # reads that brought bytes: did a silent member say anything?
 
     @classmethod
     def connect(cls, address: str, **options: Any) -> Self:
@@ -144,18 +145,30 @@ class Connection(BaseConnection):
             # One window at a time: a blocking socket cannot read while it sends, and the
             # writer stops reading a connection whose unsent replies pass its cap, so a
             # batch sent whole could wait on itself until the writer's read timeout.
-            for window in _send_windows(frames, ids):
-                try:
-                    sock.sendall(b"".join(frame for frame, _ in window))
-                except OSError as exc:
+            heard = self._heard
+            try:
+                for window in _send_windows(frames, ids):
+                    self._send_window(sock, window)
+                    wanted = {request_id for _, request_id in window}
+                    while not wanted <= replies.keys():
+                        reply = self._next_reply(local, batch[0].op)
+                        if reply.id in wanted and reply.id not in replies:
+                            replies[reply.id] = reply.error if reply.error else reply.result or {}
+            except DeadlineExceeded:
+                if heard == self._heard and self._next_member():
+                    # Not a byte in all that time: the member is paused, cut off or
+                    # wedged, as far as a client can tell. The next call goes to the next
+                    # member, which serves or names the primary (one that was only slow).
                     self._drop()
-                    raise ConnectionLost(f"sending to {self.address} failed: {exc!r}") from None
-                wanted = {request_id for _, request_id in window}
-                while not wanted <= replies.keys():
-                    reply = self._next_reply(local, batch[0].op)
-                    if reply.id in wanted and reply.id not in replies:
-                        replies[reply.id] = reply.error if reply.error else reply.result or {}
+                raise
             return [replies[request_id] for request_id in ids]
+
+    def _send_window(self, sock: socket.socket, window: list[tuple[bytes, int]]) -> None:
+        try:
+            sock.sendall(b"".join(frame for frame, _ in window))
+        except OSError as exc:
+            self._drop()
+            raise ConnectionLost(f"sending to {self.address} failed: {exc!r}") from None
 
     def _next_reply(self, local_deadline: float | None, op: str) -> Reply:
         """The next reply frame; raises on a connection-level error, EOF or timeout."""
@@ -186,6 +199,7 @@ class Connection(BaseConnection):
                 sock.settimeout(None)
             try:
                 data = sock.recv(RECEIVE_CHUNK)
+                self._heard += 1
             except TimeoutError:
                 raise DeadlineExceeded(f"{op}: no reply in time") from None
             except OSError as exc:
@@ -217,7 +231,9 @@ class Connection(BaseConnection):
             sock = socket.create_connection((host, port), timeout=timeout)
         except TimeoutError:
             if cut_short:
-                raise DeadlineExceeded(f"no connection to {self.address} in time") from None
+                late = self.address
+                self._next_member()  # the next call tries another
+                raise DeadlineExceeded(f"no connection to {late} in time") from None
             raise CannotConnect(cannot_connect(self.address, TimeoutError())) from None
         except OSError as exc:
             raise CannotConnect(cannot_connect(self.address, exc)) from None
@@ -234,7 +250,9 @@ class Connection(BaseConnection):
             if isinstance(exc, ClientError):
                 raise  # a hello refused, or a server that is not ours: waiting won't help
             if cut_short and isinstance(exc, TimeoutError):
-                raise DeadlineExceeded(f"no hello from {self.address} in time") from None
+                late = self.address
+                self._next_member()  # the next call tries another
+                raise DeadlineExceeded(f"no hello from {late} in time") from None
             # Until the hello is answered no request was sent: any call may be sent
             # again, as when the connect itself fails.
             raise CannotConnect(f"hello with {self.address} failed: {exc!r}") from None

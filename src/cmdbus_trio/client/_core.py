@@ -238,10 +238,17 @@ class BaseConnection:
             self.address = primary
             return True
         away = draining(error)
-        if (away or isinstance(error, CannotConnect)) and len(self.members) > 1:
-            at = self.members.index(self.address) if self.address in self.members else -1
-            self.address = self.members[(at + 1) % len(self.members)]
+        if away or isinstance(error, CannotConnect):
+            self._next_member()
         return away
+
+    def _next_member(self) -> bool:
+        """Go to the member after the current one; False when there is only one."""
+        if len(self.members) < 2:
+            return False
+        at = self.members.index(self.address) if self.address in self.members else -1
+        self.address = self.members[(at + 1) % len(self.members)]
+        return True
 
     @property
     def server(self) -> ServerHello | None:

@@ -63,6 +63,7 @@ class Connection(BaseConnection):
         self._transport: trio.SocketStream | None = None
         self._pending: dict[int, _Slot] = {}
         self._reading = False
+        self._heard = 0  # reads that brought bytes: did a silent member say anything?
         self._send_lock = trio.StrictFIFOLock()
         self._connect_lock = trio.Lock()
 
@@ -115,8 +116,15 @@ class Connection(BaseConnection):
         try:
             await self._send(stream, frame)
             local = remaining + LOCAL_GRACE + (call.wait or 0.0)
+            heard = self._heard
             with trio.move_on_after(local):
                 return await self._wait(slot)
+            silent = self.address
+            if heard == self._heard and self._next_member():
+                # Not a byte in all that time: the member is paused, cut off or wedged,
+                # as far as a client can tell. The next call goes to the next member,
+                # which serves or names the primary (a primary that was only slow).
+                self._break(ConnectionLost(f"{silent} said nothing in time"))
             raise DeadlineExceeded(f"{call.op}: no reply in time")
         finally:
             if self._pending.get(request_id) is slot:  # ids restart when we reconnect
@@ -158,7 +166,9 @@ class Connection(BaseConnection):
                 # again, as when the connect itself fails. (A hello refused, or a server
                 # that is not ours, raises as it is: waiting would not change it.)
                 if cut_short and isinstance(exc, trio.TooSlowError):
-                    raise DeadlineExceeded(f"no connection to {self.address} in time") from None
+                    late = self.address
+                    self._next_member()  # the next call tries another
+                    raise DeadlineExceeded(f"no connection to {late} in time") from None
                 if transport is None:
                     raise CannotConnect(cannot_connect(self.address, exc)) from None
                 cause = exc.__cause__ if isinstance(exc, trio.BrokenResourceError) else None
@@ -215,6 +225,7 @@ class Connection(BaseConnection):
         cause: Exception | None = None
         try:
             data = await stream.receive_some(RECEIVE_CHUNK)
+            self._heard += 1
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             data, cause = b"", exc
         if self._stream is not stream:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import hmac
+import itertools
 import logging
 import os
 import threading
@@ -116,8 +117,18 @@ class Source:
     def lag_seconds(self) -> float:
         """How long the oldest transaction the standby has not confirmed has waited."""
         with self._lock:
-            waiting = next((e for e in self._entries if e.sequence > self.confirmed), None)
-        return 0.0 if waiting is None else time.monotonic() - waiting.at
+            waiting = self._after(self.confirmed, 1)
+        return time.monotonic() - waiting[0].at if waiting else 0.0
+
+    def _after(self, sequence: int, most: int | None = None) -> list[_Entry]:
+        """The backlog's entries after ``sequence`` (``most`` of them), counted from the
+        newest (their sequences are consecutive): a sender asks for the few it has not
+        sent, at each commit, of a backlog of thousands. Under the lock."""
+        if not self._entries:
+            return []
+        count = min(len(self._entries), max(0, self._entries[-1].sequence - sequence))
+        after = list(itertools.islice(reversed(self._entries), count))[::-1]
+        return after if most is None else after[:most]
 
     # --- on the loop ---------------------------------------------------------------------
 
@@ -200,7 +211,7 @@ class Source:
             with self._lock:
                 if sent < self.floor:  # fell out of the backlog while copying
                     raise wire.WireError("the standby fell behind the backlog: it starts again")
-                pending = [entry for entry in self._entries if entry.sequence > sent]
+                pending = self._after(sent)
             for entry in pending:
                 of = entry.committed.store
                 if entry.sequence > resume.get(of, entry.sequence):
@@ -217,8 +228,12 @@ class Source:
         if position.sequence == 0:
             return False  # it has nothing yet
         with self._lock:  # (the entry at its position tells the epoch that made it)
-            entry = next((e for e in self._entries if e.sequence == position.sequence), None)
-        return entry is not None and entry.epoch == position.epoch
+            found = self._after(position.sequence - 1, 1)
+        return (
+            bool(found)
+            and found[0].sequence == position.sequence
+            and found[0].epoch == position.epoch
+        )
 
     async def _base_copy(self, stream: trio.abc.Stream, name: str, store: SqliteStore) -> int:
         """Send a copy of ``store`` as of now; the sequence it holds everything through."""

@@ -43,6 +43,10 @@ class Committed:
     database_pages: int
 
 
+READ_FRAMES = 64
+"""Frames a read asks for at once (256 KiB of 4 KiB pages): a commit's are usually a few."""
+
+
 class WalTap:
     """Reads what each commit of a store appended to its WAL and hands it to
     ``committed``. Attach it before the snapshot a standby starts from is taken: its
@@ -87,18 +91,26 @@ class WalTap:
         if (salt1, salt2) != self._salts:  # a new generation: from its first frame
             self._salts, self._offset = (salt1, salt2), WAL_HEADER.size + 8
         frame_bytes = FRAME_HEADER_BYTES + page_size
-        size = os.fstat(self._file).st_size
-        data = os.pread(self._file, max(0, size - self._offset), self._offset)
-        view = memoryview(data)
         pages: list[tuple[int, bytes]] = []
         taken, database_pages = 0, 0  # frames up to the last commit frame, its size
-        for start in range(0, len(data) - frame_bytes + 1, frame_bytes):
-            number, after_commit, frame_salt1, frame_salt2 = FRAME_HEADER.unpack_from(view, start)
-            if (frame_salt1, frame_salt2) != self._salts:
-                break  # an earlier generation's frame
-            pages.append((number, bytes(view[start + FRAME_HEADER_BYTES : start + frame_bytes])))
-            if after_commit:
-                taken, database_pages = len(pages), after_commit
+        # A bounded read at a time, not to the end of the file: after a checkpoint the
+        # WAL starts again from its top, and the file's tail is an earlier generation's
+        # (megabytes a commit would copy only to throw away).
+        at, more = self._offset, True
+        while more:
+            data = os.pread(self._file, READ_FRAMES * frame_bytes, at)
+            view = memoryview(data)
+            more = len(data) == READ_FRAMES * frame_bytes
+            for start in range(0, len(data) - frame_bytes + 1, frame_bytes):
+                number, after_commit, salt1, salt2 = FRAME_HEADER.unpack_from(view, start)
+                if (salt1, salt2) != self._salts:
+                    more = False  # an earlier generation's frame
+                    break
+                page = bytes(view[start + FRAME_HEADER_BYTES : start + frame_bytes])
+                pages.append((number, page))
+                if after_commit:
+                    taken, database_pages = len(pages), after_commit
+            at += len(data)
         if not taken:
             return None
         self._offset += taken * frame_bytes
