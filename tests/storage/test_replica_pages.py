@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from cmdbus_trio.storage import _wal_tap
 from cmdbus_trio.storage._bus_writes import Settlements
 from cmdbus_trio.storage._tier_appends import NewRecord
-from cmdbus_trio.storage import _wal_tap
 from cmdbus_trio.storage._wal_tap import Committed
 from cmdbus_trio.storage.buslog import BusEntry, BusLog
 from cmdbus_trio.storage.replica import Position, Replica, ReplicaError
