@@ -41,7 +41,7 @@ def tests(session: nox.Session) -> None:
         return
     session.run("pytest", *SYSTEM_ONCE, *IN_PARALLEL)
     if session.python == PYTHONS[0]:
-        session.run("pytest", "-m", "system or slow or e2e")
+        session.run("pytest", "-m", "system or slow or e2e", "--durations=25")  # CI's budget
 
 
 @nox.session(name="tests-lowest", python=PYTHONS[0])

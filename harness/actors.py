@@ -420,7 +420,8 @@ def _worker_v1(args: argparse.Namespace, record: Recorder) -> None:
     while True:
         try:
             claim, tier, events = (
-                V1(args.ports[face]) for face in ("cmd_claim", "tier", "evt_ingest")
+                V1(args.ports.get("v1", args.ports)[face])  # (a pair's: one address)
+                for face in ("cmd_claim", "tier", "evt_ingest")
             )
         except OSError as exc:
             record("transient", what="connect", error=type(exc).__name__)

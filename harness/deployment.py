@@ -164,8 +164,20 @@ class Deployment:
             self.writer.wait()
             return None
 
+    def stop(self) -> int | None:
+        """The end of a run: the writer stopped as :meth:`stop_writer` does."""
+        return self.stop_writer()
+
     def writer_log(self) -> str:
         return (self.root / "writer.log").read_text(errors="replace")
+
+    def controls(self) -> list[str]:
+        """Every control face the probes ask."""
+        return [self.addresses["control"]]
+
+    def control(self) -> str:
+        """The control face whose /metrics says how the run went."""
+        return self.addresses["control"]
 
     # --- actors ---------------------------------------------------------------------------
 
@@ -249,10 +261,12 @@ class Deployment:
         while self._probing.is_set():
             rounds += 1
             scrape = ("/metrics",) if rounds % SCRAPE_EVERY == 0 else ()  # a Prometheus
-            for path in ("/readyz", "/healthz", *scrape):
+            for control, path in itertools.product(
+                self.controls(), ("/readyz", "/healthz", *scrape)
+            ):
                 started = time.monotonic()
                 try:
-                    url = f"http://{self.addresses['control']}{path}"
+                    url = f"http://{control}{path}"
                     with urllib.request.urlopen(url, timeout=2) as response:
                         status: int | None = response.status
                         response.read()
@@ -266,7 +280,7 @@ class Deployment:
             time.sleep(period)
 
     def metrics(self) -> str:
-        url = f"http://{self.addresses['control']}/metrics"
+        url = f"http://{self.control()}/metrics"
         with urllib.request.urlopen(url, timeout=5) as response:
             return str(response.read().decode())
 
@@ -298,6 +312,7 @@ def run(
     seed: int = 1,
     workers: int = 1,
     env: dict[str, str] | None = None,
+    pair: bool = False,
     log: Callable[[str], None] = lambda _: None,
 ) -> Outcome:
     """Run the deployment: two servers (trio and blocking clients) publishing ``bursts``
@@ -309,9 +324,15 @@ def run(
     mid-run from the beginning and one created and abandoned mid-run, then deleted; a
     push subscriber that resumes from its cursor once; a reader of finished executions.
     With ``faults``, the writer is SIGKILLed and restarted
-    twice as well. Returns once every command and event has been consumed."""
+    twice as well. ``pair``: a primary and its standby (harness/pair.py), whose faults are
+    the primary's. Returns once every command and event has been consumed."""
     rng = random.Random(seed)
-    deployment = Deployment(root, env=env)
+    if pair:
+        from harness.pair import PairDeployment
+
+        deployment: Deployment = PairDeployment(root, env=env)
+    else:
+        deployment = Deployment(root, env=env)
     started = deployment.start_writer()
     restarts: list[tuple[float, float]] = []
     drained: list[int | None] = []  # each rollout's drain: the writer's exit code
@@ -382,7 +403,7 @@ def run(
         tier = _read_tier(deployment)
     finally:
         deployment.stop_actors()
-        writer_exit = deployment.stop_writer()
+        writer_exit = deployment.stop()
     return Outcome(
         root=root,
         faults=faults,

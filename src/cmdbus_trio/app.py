@@ -150,10 +150,11 @@ class Writer:
         self._draining = trio.Event()  # (a member may serve again after a standby spell)
         self.health.draining = False
         await self._open_stores(faces)
+        settled = None
         try:
             async with trio.open_nursery() as background:
                 if replicate is not None:
-                    await replicate(self._stores, background)
+                    settled = await replicate(self._stores, background)
                 await self._start_background(background)
                 async with trio.open_nursery() as data:
                     for face in faces:
@@ -168,6 +169,8 @@ class Writer:
                     self._begin_drain(data, budget)
                 if data.cancel_scope.cancelled_caught:
                     event(log, logging.WARNING, "shutdown_budget_exhausted")
+                if settled is not None:
+                    await settled()
                 background.cancel_scope.cancel()
         finally:
             await self._close_stores()  # every face has returned: no thread uses them
@@ -392,8 +395,10 @@ class Writer:
         data.cancel_scope.deadline = trio.current_time() + budget
 
 
-Replicate = Callable[[Mapping[str, Any], trio.Nursery], Awaitable[None]]
-"""What a primary does with its stores once open, before it serves (:mod:`.member`)."""
+Replicate = Callable[[Mapping[str, Any], trio.Nursery], Awaitable[Callable[[], Awaitable[None]]]]
+"""What a primary does with its stores once open, before it serves (:mod:`.member`);
+what it returns is awaited once the faces have drained, before the committers stop: until
+the last commits (a drain's lease releases) are settled."""
 
 
 async def _first_of(first: trio.Event, second: trio.Event | None) -> None:

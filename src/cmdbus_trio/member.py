@@ -20,7 +20,7 @@ it), and follows the new primary from a base copy: what it wrote since is discar
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +56,9 @@ RECONNECT_EVERY = 0.2
 DEPOSED_DRAIN_S = 1.0
 """The drain of a primary that lost its lease: what it still holds cannot be
 acknowledged, so its in-flight work gets a second, not the shutdown budget."""
+HAND_OVER_WAIT_S = 1.0
+"""How long a primary handing over waits for its standby to confirm its last commits
+(the lease passes then anyway: what was not confirmed was never acknowledged)."""
 
 
 class Member:
@@ -211,6 +214,9 @@ class Member:
         handing_over = writer.drain_requested.is_set() or self._switching.is_set()
         if handing_over and self.keeper.is_primary():
             self._set_role(Role.DRAINING)
+            if self.source is not None:  # the standby has every commit before it serves
+                with trio.move_on_after(HAND_OVER_WAIT_S):
+                    await self.source.wait_confirmed(self.source.sequence)
             await self.keeper.hand_over()  # the standby in sync (if any) takes it at once
         if self.source is not None:  # then its stream ends, and it reads the lease
             self.source.close()
@@ -222,8 +228,11 @@ class Member:
         elif deposed.is_set() and not writer.drain_requested.is_set():
             event(log, logging.WARNING, "deposed", epoch=self.elector.epoch)
 
-    async def _replicate(self, stores: Mapping[str, Any], background: trio.Nursery) -> None:
-        """The open stores' commits numbered, streamed, and waited for (as the mode says)."""
+    async def _replicate(
+        self, stores: Mapping[str, Any], background: trio.Nursery
+    ) -> Callable[[], Awaitable[None]]:
+        """The open stores' commits numbered, streamed, and waited for (as the mode says);
+        returns what settles the last of them."""
         logs = {
             name: store.log if isinstance(store, Bus) else store.store
             for name, store in stores.items()
@@ -244,6 +253,7 @@ class Member:
                 store.committer.wait_for(sync)
         await background.start(sync.run)
         self.source, self.sync = source, sync
+        return sync.settled
 
     def _tap_failed(self, exc: Exception) -> None:
         event(log, logging.ERROR, "replication_tap_failed", error=str(exc))

@@ -173,6 +173,45 @@ async def test_the_trio_client_follows_the_primary_too(tmp_path: Path) -> None:
         assert await trio.to_thread.run_sync(claimed_keys, b_ports) >= acked
 
 
+async def test_a_subscriber_given_both_members_follows_the_primary_without_a_gap(
+    tmp_path: Path,
+) -> None:
+    """A push subscription opened through the standby (which names the primary) goes
+    on through a kill of the primary, on the new one, after the last record it got."""
+    from cmdbus_trio.client.trio import IngestClient as TrioIngestClient
+    from cmdbus_trio.client.trio import SubscribeClient
+
+    with ExitStack() as stack:
+        a, a_ports, _, b_ports = await trio.to_thread.run_sync(in_sync_pair, tmp_path, stack)
+        events, pushes = (
+            f"{b_ports[face]},{a_ports[face]}" for face in ("evt_ingest", "evt_subscribe")
+        )
+        published: list[int] = []
+        seen: list[int] = []
+        with trio.fail_after(60):
+            async with (
+                TrioIngestClient(events) as ingest,
+                SubscribeClient(pushes) as subscriber,
+                trio.open_nursery() as nursery,
+            ):
+
+                async def follow() -> None:
+                    async for batch in subscriber.subscribe(0):
+                        seen.extend(record.sort_key for record in batch)
+                        if len(seen) >= 40:
+                            return
+
+                nursery.start_soon(follow)
+                for n in range(40):
+                    if n == 20:
+                        while len(seen) < 20:  # live on the primary, not waiting at b
+                            await trio.sleep(0.05)
+                        a.send_signal(signal.SIGKILL)
+                    record = {"execution_id": n, "payload": '{"event_type": "e"}'}
+                    published.append((await ingest.publish(record, timeout=30)).sort_key)
+        assert seen == published == list(range(1, 41))
+
+
 def test_the_readme_pair_starts_a_primary_and_its_standby(tmp_path: Path) -> None:
     """examples/pair.sh, as the README runs it (on free ports here)."""
     import os

@@ -205,3 +205,31 @@ async def test_a_synchronizer_of_an_earlier_epoch_writes_nothing_to_the_lease(
     assert not any(line.startswith("lease in_sync=b") for line in p.keeper.log)
     p.commit(2)
     assert isinstance(p.outcomes[2], Unavailable)
+
+
+async def test_a_stopping_primary_settles_its_last_commits_before_its_committers_stop(
+    mock_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    """``settled`` returns once no commit waits: at the confirmation, or (the standby
+    silent for longer than the timeout) once the primary went on alone; never later than
+    twice the timeout."""
+    p = await pair(nursery, SyncMode.ON)
+    start = trio.current_time()
+    await p.sync.settled()  # nothing waits
+    assert trio.current_time() == start
+    await in_sync(p)
+    p.commit(1)
+
+    async def confirm_later() -> None:
+        await trio.sleep(0.3)
+        p.confirm(1)
+
+    nursery.start_soon(confirm_later)
+    start = trio.current_time()
+    await p.sync.settled()
+    assert p.outcomes[1] is None and trio.current_time() - start == pytest.approx(0.3)
+    p.commit(2)  # never confirmed
+    start = trio.current_time()
+    await p.sync.settled()
+    assert p.outcomes[2] is None  # acknowledged alone, once the lease said so
+    assert SYNC_TIMEOUT <= trio.current_time() - start < SYNC_TIMEOUT * 2

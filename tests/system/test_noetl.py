@@ -52,6 +52,23 @@ def test_a_day_in_a_minute_with_the_writer_killed_twice(tmp_path: Path) -> None:
     assert len(outcome.restarts) == 4 and outcome.drained == [0, 0]
 
 
+def test_a_day_in_a_minute_on_a_primary_and_its_standby_through_failovers(
+    tmp_path: Path,
+) -> None:
+    """The same on a pair (docs/ha.md): the primary SIGKILLed twice (its standby takes
+    over once the lease expires) and handed over twice (SIGTERM, as a rollout does), each
+    time started again to follow the new primary. The Python clients are given both
+    members, the v1 workers one address that reaches the primary: nothing acknowledged
+    lost, sort keys never reused, and no error a failover causes reaches a program on the
+    Python clients."""
+    outcome = run(tmp_path, faults=True, seed=3, pair=True)
+    problems = violations(outcome)
+    assert not problems, report(figures(outcome), problems)
+    assert len(outcome.restarts) == 4 and outcome.drained == [0, 0]
+    assert outcome.writer_log.count('"lease_acquired"') == 5  # the first, then a failover each
+    assert {x["dialect"] for x in outcome.kind("acked")} == {"v1", "v2"}
+
+
 def test_noetl_workers_and_a_publisher_run_unchanged_on_a_writer_given_noetl_names(
     tmp_path: Path,
 ) -> None:

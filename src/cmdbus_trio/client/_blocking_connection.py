@@ -102,13 +102,18 @@ class Connection(BaseConnection):
                     raise outcome
                 return call.parse(outcome)
             except ClientError as error:
-                if self._redirected(error):
-                    with self._lock:
-                        self._drop()
+                self._follow(error)
                 pause = attempts.pause_after(error)
                 if pause is None:
                     raise
                 time.sleep(pause)
+
+    def _follow(self, error: ClientError) -> None:
+        """After ``error``, the connection closed if the next attempt goes elsewhere (the
+        primary a member named, or the next member: :meth:`_redirected`)."""
+        if self._redirected(error):
+            with self._lock:
+                self._drop()
 
     def call_many(
         self, batch: Sequence[Call[Any]], *, timeout: float | None = None

@@ -97,12 +97,17 @@ class Connection(BaseConnection):
             try:
                 return call.parse(await self._attempt(call, deadline))
             except ClientError as error:
-                if self._redirected(error):
-                    self._break(ConnectionLost(f"going to the primary, {self.address}"))
+                self._follow(error)
                 pause = attempts.pause_after(error)
                 if pause is None:
                     raise
                 await trio.sleep(pause)
+
+    def _follow(self, error: ClientError) -> None:
+        """After ``error``, the connection closed if the next attempt goes elsewhere (the
+        primary a member named, or the next member: :meth:`_redirected`)."""
+        if self._redirected(error):
+            self._break(ConnectionLost(f"going to the primary, {self.address}"))
 
     async def _attempt(self, call: Call[Any], deadline: float) -> dict[str, Any]:
         stream = await self._connected(deadline)

@@ -295,6 +295,7 @@ class SubscribeClient(Connection):
                     yield batch
                 return
             except ClientError as error:
+                self._follow(error)  # a pair's standby, or a member gone: to the primary
                 attempts = attempts or Attempts(None, call, None, trio.current_time, self.reconnect)
                 pause = attempts.pause_after(error)
                 if pause is None:

@@ -79,6 +79,7 @@ class Synchronizer:
         self._waiting: list[tuple[int, int, float, Done]] = []  # heap: sequence, order, since
         self._order = itertools.count()
         self._changed = trio.Event()
+        self._emptied = trio.Event()  # set each time the last waiting commit is settled
 
     @property
     def in_sync(self) -> bool:
@@ -104,6 +105,14 @@ class Synchronizer:
             heapq.heappush(self._waiting, (sequence, next(self._order), since, done))
             self._wake()
 
+    async def settled(self) -> None:
+        """Until no commit waits: each confirmed, or settled as the mode says once the
+        standby is given up on (within :attr:`timeout`). A stopping primary's last
+        commits, before its committers stop."""
+        with trio.move_on_after(self.timeout * 2):
+            while self._waiting:
+                await self._emptied.wait()
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Settle the waiting commits as the standby confirms, go on without it when it
         stops, count on it again when it has caught up. Runs until cancelled; waiting
@@ -122,7 +131,9 @@ class Synchronizer:
             self._fail_all(Unavailable("this member is not primary"))
         elif self.counting_on is not None and self.source.standby != self.counting_on:
             await self._go_on_alone("the standby's connection ended")
-        elif self._waiting and trio.current_time() - self._oldest_since() >= self.timeout:
+        elif trio.current_time() >= self._next_deadline():
+            # (the very sum the wait below sleeps until: `now - since >= timeout` can be
+            # false at that instant by a rounding, and this loop would spin)
             await self._go_on_alone(f"the standby confirmed nothing for {self.timeout} s")
         elif self._caught_up():
             standby = self.source.standby
@@ -170,11 +181,18 @@ class Synchronizer:
         confirmed = self.source.confirmed
         while self._waiting and self._waiting[0][0] <= confirmed:
             heapq.heappop(self._waiting)[3](None)
+        if not self._waiting:
+            self._now_empty()
 
     def _settle_all(self, outcome: Exception | None) -> None:
         waiting, self._waiting = self._waiting, []
         for _, _, _, done in sorted(waiting):
             done(outcome)
+        self._now_empty()
+
+    def _now_empty(self) -> None:
+        self._emptied.set()
+        self._emptied = trio.Event()
 
     def _fail_all(self, error: Exception) -> None:
         self._settle_all(error)
