@@ -59,6 +59,10 @@ from cmdbus_trio.commands.spawn import spawn_writer
 DEPLOYMENTS = ("single", "pair", "nats-r3")
 FAULTS = {"kill": signal.SIGKILL, "pause": signal.SIGSTOP}
 PUBLISHERS = 16
+CROWD = 64
+"""Publishers of the second saturation run: with 16, each waiting for its answer, the
+rate is 16 over a publish's latency, which a standby's fsync lengthens; with 64 it is the
+CPU's."""
 FAILOVER_RATE = 200.0
 RECORD = {"execution_id": 1, "payload": json.dumps({"pad": "x" * 200})}
 NATS_SERVER = shutil.which("nats-server") or str(Path(sys.executable).parent / "nats-server")
@@ -205,12 +209,14 @@ async def nats_leader(servers: dict[str, str]) -> str:
 # --- steady rates and saturation -------------------------------------------------------------
 
 
-def workload(deployment: Deployment, kind: str, count: float, seconds: float) -> dict[str, Any]:
-    """bus.py's generators, 16 clients on the primary; each member's CPU over the window."""
+def workload(
+    deployment: Deployment, kind: str, count: float, seconds: float, clients: int = PUBLISHERS
+) -> dict[str, Any]:
+    """bus.py's generators, ``clients`` on the primary; each member's CPU over the window."""
     primary = deployment.primary()
     start_at = time.monotonic() + 2.0
     workers = bus.generators(
-        deployment.target, deployment.address(primary), kind, PUBLISHERS, count, start_at, seconds
+        deployment.target, deployment.address(primary), kind, clients, count, start_at, seconds
     )
     time.sleep(max(0.0, start_at - time.monotonic()))
     before = {name: bus.cpu_seconds(p.pid) for name, p in deployment.processes.items()}
@@ -235,6 +241,7 @@ def measure(deployment: Deployment, rates: list[float], seconds: float) -> dict[
         for rate in rates
     }
     result["saturation"] = workload(deployment, "publish", 1, seconds)
+    result[f"saturation x{CROWD}"] = workload(deployment, "publish", 1, seconds, CROWD)
     return result
 
 

@@ -101,9 +101,10 @@ class PairDeployment(Deployment):
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self.member_env: dict[str, dict[str, str]] = {}
         self.member_addresses: dict[str, dict[str, str]] = {}
+        faces = (*FACES, "ha")
+        ports = iter(free_ports(len(faces) * len(MEMBERS)))  # in one call: all distinct
         for name in MEMBERS:
-            ports = dict(zip((*FACES, "ha"), free_ports(len(FACES) + 1), strict=True))
-            addresses = {face: f"127.0.0.1:{port}" for face, port in ports.items()}
+            addresses = {face: f"127.0.0.1:{next(ports)}" for face in faces}
             home = root / name
             home.mkdir(parents=True, exist_ok=True)
             self.member_addresses[name] = addresses

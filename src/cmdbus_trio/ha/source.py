@@ -43,7 +43,7 @@ BACKLOG_BYTES = 64 << 20
 TICK_EVERY = 0.2
 """Seconds between :class:`~._wire.Tick` frames on an idle stream."""
 CHUNK = 1 << 20
-"""Bytes of a base copy per frame."""
+"""Bytes of a base copy per frame, and about the most the stream sends at once."""
 HELLO_TIMEOUT = 5.0
 """Seconds a connection to the replication face has to say Hello before it is closed."""
 
@@ -212,13 +212,20 @@ class Source:
                 if sent < self.floor:  # fell out of the backlog while copying
                     raise wire.WireError("the standby fell behind the backlog: it starts again")
                 pending = self._after(sent)
+            frames: list[bytes] = []  # one send for many: a commit's pages and the tick
+            size = 0
             for entry in pending:
                 of = entry.committed.store
                 if entry.sequence > resume.get(of, entry.sequence):
                     for part in wire.split(of, entry.epoch, entry.sequence, entry.committed):
-                        await stream.send_all(wire.encode(part))
+                        frames.append(wire.encode(part))
+                        size += len(frames[-1])
+                if size >= CHUNK:
+                    await stream.send_all(b"".join(frames))
+                    frames, size = [], 0
                 sent = entry.sequence
-            await stream.send_all(wire.encode(wire.Tick(self.epoch, sent)))
+            frames.append(wire.encode(wire.Tick(self.epoch, sent)))
+            await stream.send_all(b"".join(frames))
             with trio.move_on_after(TICK_EVERY):
                 await grew.wait()
 
