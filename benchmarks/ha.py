@@ -287,11 +287,15 @@ class Publisher:
         import nats
 
         followers = [a for name, a in self.deployment.nats.items() if name != leader]
+        async def quiet(error: Exception) -> None:  # a killed server's refusals, expected
+            self.errors += 1
+
         connection = await nats.connect(
             servers=[f"nats://{a}" for a in [*followers, self.deployment.nats[leader]]],
             dont_randomize=True,
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.1,
+            error_cb=quiet,
         )
         stream = connection.jetstream()
         data = json.dumps(RECORD).encode()
