@@ -70,7 +70,6 @@ class Connection(BaseConnection):
     def _init_transport(self) -> None:
         self._sock: socket.socket | None = None
         self._lock = threading.RLock()
-        self._heard = 0  # reads that brought bytes: did a silent member say anything?
 
     @classmethod
     def connect(cls, address: str, **options: Any) -> Self:
@@ -160,10 +159,7 @@ class Connection(BaseConnection):
                         if reply.id in wanted and reply.id not in replies:
                             replies[reply.id] = reply.error if reply.error else reply.result or {}
             except DeadlineExceeded:
-                if heard == self._heard and self._next_member():
-                    # Not a byte in all that time: the member is paused, cut off or
-                    # wedged, as far as a client can tell. The next call goes to the next
-                    # member, which serves or names the primary (one that was only slow).
+                if self._left_silent(heard):
                     self._drop()
                 raise
             return [replies[request_id] for request_id in ids]

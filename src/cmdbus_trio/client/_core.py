@@ -219,6 +219,7 @@ class BaseConnection:
         self._connect_timeout = connect_timeout
         self._protocol = ClientProtocol()
         self._closed = False
+        self._heard = 0  # reads that brought bytes (see _left_silent)
         self._init_transport()
 
     def _init_transport(self) -> None:
@@ -241,6 +242,13 @@ class BaseConnection:
         if away or isinstance(error, CannotConnect):
             self._next_member()
         return away
+
+    def _left_silent(self, heard: int) -> bool:
+        """After a call ran out of time: when nothing came on the connection since it
+        had ``heard`` reads (the member is paused, cut off or wedged, as far as a client
+        can tell), go to the next member, which serves or names the primary (a primary
+        that was only slow costs a round trip). True: the connection must be closed."""
+        return heard == self._heard and self._next_member()
 
     def _next_member(self) -> bool:
         """Go to the member after the current one; False when there is only one."""

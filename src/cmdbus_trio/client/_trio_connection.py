@@ -63,7 +63,6 @@ class Connection(BaseConnection):
         self._transport: trio.SocketStream | None = None
         self._pending: dict[int, _Slot] = {}
         self._reading = False
-        self._heard = 0  # reads that brought bytes: did a silent member say anything?
         self._send_lock = trio.StrictFIFOLock()
         self._connect_lock = trio.Lock()
 
@@ -125,10 +124,7 @@ class Connection(BaseConnection):
             with trio.move_on_after(local):
                 return await self._wait(slot)
             silent = self.address
-            if heard == self._heard and self._next_member():
-                # Not a byte in all that time: the member is paused, cut off or wedged,
-                # as far as a client can tell. The next call goes to the next member,
-                # which serves or names the primary (a primary that was only slow).
+            if self._left_silent(heard):
                 self._break(ConnectionLost(f"{silent} said nothing in time"))
             raise DeadlineExceeded(f"{call.op}: no reply in time")
         finally:

@@ -191,8 +191,9 @@ class Synchronizer:
         self._now_empty()
 
     def _now_empty(self) -> None:
-        self._emptied.set()
-        self._emptied = trio.Event()
+        if self._emptied.statistics().tasks_waiting:  # (at a drain only: no event a commit)
+            self._emptied.set()
+            self._emptied = trio.Event()
 
     def _fail_all(self, error: Exception) -> None:
         self._settle_all(error)
