@@ -24,7 +24,7 @@ from cmdbus_trio.storage._wal_tap import Committed
 from cmdbus_trio.storage.replica import Position, Replica, install_base
 
 from . import _wire as wire
-from .source import Offload, _receive
+from .source import Offload, receive_message
 
 FOLD_BYTES = 16 << 20
 """Journal bytes a replica holds before they are folded into its database."""
@@ -92,7 +92,7 @@ class Follower:
         decoder = FrameDecoder(wire.MAX_FRAME)
         hello = wire.Hello(self.name, self._token, epoch_seen(), self.positions())
         await stream.send_all(wire.encode(hello))
-        answer = await _receive(stream, decoder)
+        answer = await receive_message(stream, decoder)
         if isinstance(answer, wire.Refused):
             raise Refused(answer.reason)
         if not isinstance(answer, wire.Welcome):
@@ -102,7 +102,7 @@ class Follower:
         ready: list[tuple[Position, Committed]] = []
         base: Any = None  # (store, start message, file, digest) while a copy comes
         while True:
-            message = await _receive(stream, decoder)
+            message = await receive_message(stream, decoder)
             if getattr(message, "epoch", epoch) != epoch or epoch < epoch_seen():
                 raise Deposed(f"the primary of epoch {epoch} was deposed")
             if isinstance(message, wire.Pages):

@@ -150,7 +150,7 @@ class Source:
         decoder = FrameDecoder(wire.MAX_FRAME)
         hello: wire.Message | None = None
         with trio.move_on_after(hello_timeout):
-            hello = await _receive(stream, decoder)
+            hello = await receive_message(stream, decoder)
         if hello is None:
             raise wire.WireError(f"no Hello within {hello_timeout} s")
         if not isinstance(hello, wire.Hello):
@@ -182,7 +182,7 @@ class Source:
         self, stream: trio.abc.Stream, decoder: FrameDecoder, mine: int
     ) -> None:
         while self._connection == mine:
-            message = await _receive(stream, decoder)
+            message = await receive_message(stream, decoder)
             if not isinstance(message, wire.Confirm) or message.epoch != self.epoch:
                 raise wire.WireError(f"a standby may only confirm, not send {message!r:.80}")
             if message.sequence > self.confirmed:
@@ -272,7 +272,8 @@ def _read_chunk(path: os.PathLike[str], offset: int) -> bytes:
         return copy.read(CHUNK)
 
 
-async def _receive(stream: trio.abc.Stream, decoder: FrameDecoder) -> wire.Message:
+async def receive_message(stream: trio.abc.Stream, decoder: FrameDecoder) -> wire.Message:
+    """The next message on a replication stream (either end), read as it comes."""
     while True:
         frame = decoder.next_frame()
         if frame is not NEED_DATA:
