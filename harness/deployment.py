@@ -143,6 +143,8 @@ class Deployment:
         deadline = time.monotonic() + 30
         while not self.ports_file.exists():
             if self.writer.poll() is not None or time.monotonic() > deadline:
+                self.writer.kill()  # (a writer that never listened must not outlive the run)
+                self.writer.wait()
                 raise AssertionError(f"the writer did not start:\n{self.writer_log()[-3000:]}")
             time.sleep(0.02)
         return time.time()

@@ -145,13 +145,20 @@ class PairDeployment(Deployment):
 
     def start_writer(self) -> float:
         """Start every member not running (the first to start takes the lease); returns
-        once one is primary and the other is its standby in sync."""
-        for name in MEMBERS:
-            process = self.processes.get(name)
-            if process is None or process.poll() is not None:
-                self._start(name)
-                self._until(lambda: self.primary() is not None, f"a primary after {name}")
-        self._until(self._in_sync, "a standby in sync")
+        once one is primary and the other is its standby in sync. Fails with none left
+        running."""
+        try:
+            for name in MEMBERS:
+                process = self.processes.get(name)
+                if process is None or process.poll() is not None:
+                    self._start(name)
+                    self._until(lambda: self.primary() is not None, f"a primary after {name}")
+            self._until(self._in_sync, "a standby in sync")
+        except BaseException:
+            for process in self.processes.values():
+                process.kill()
+                process.wait()
+            raise
         return time.time()
 
     def _start(self, name: str) -> None:

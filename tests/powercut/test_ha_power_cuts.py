@@ -171,3 +171,37 @@ def test_the_checker_catches_a_standby_that_takes_over_without_what_was_acknowle
     checked(tmp_path, pair, "b", ledger, tally)
     print(f"\n{Tally.HEADER}\n{tally.row()}")
     assert tally.lost > 0, "a standby without the last records lost nothing: the check is blind"
+
+
+def test_a_primary_acknowledging_alone_keeps_it_through_its_power_cut(
+    tmp_path: Path, shim: Path
+) -> None:
+    """The primary's own disk: the standby is stopped, the primary goes on alone, its
+    power is cut and the standby killed; the primary, back on what its disk kept (the
+    last primary, with no standby in sync: it takes the lease again), has everything it
+    acknowledged. (With a standby in sync, the standby's copy would hide a primary that
+    acknowledged before its own fsync.)"""
+    ledger, tally = Ledger(), Tally("ha alone")
+    pair = Pair(tmp_path, shim)
+    try:
+        pair.start("a")
+        until(lambda: pair.role("a") == "primary")
+        pair.start("b")
+        until(pair.in_sync)
+        pair.processes["b"].send_signal(signal.SIGSTOP)
+        stop, threads = load(pair.ports["a"], ledger, "0")
+        until(lambda: not ha(pair.ports["a"])["in_sync"])  # alone, the lease says so
+        time.sleep(1.0)
+        tally.bypassed += pair.power_cut("a")
+        stop_load(stop, threads)
+        tally.cuts += 1
+        pair.processes["b"].kill()
+        pair.stacks["b"].close()
+        pair.start("a")
+        until(lambda: pair.role("a") == "primary", LEASE_MS / 1000 + 10)
+    finally:
+        pair.close()
+    checked(tmp_path, pair, "a", ledger, tally)
+    print(f"\n{Tally.HEADER}\n{tally.row()}")
+    assert tally.acknowledged > 100, "the load did little"
+    assert tally.violations == 0, tally.examples
