@@ -287,6 +287,7 @@ class Publisher:
         import nats
 
         followers = [a for name, a in self.deployment.nats.items() if name != leader]
+
         async def quiet(error: Exception) -> None:  # a killed server's refusals, expected
             self.errors += 1
 

@@ -31,6 +31,8 @@ from harness.deployment import FACES, Deployment, free_ports
 LEASE_MS = 1000
 """Below every idle gap of the run, so bursts come before and after each takeover."""
 MEMBERS = ("a", "b")
+ASK_EVERY = 0.25
+"""Seconds an answer to "which member is primary" is kept."""
 V1_FACES = ("cmd_claim", "tier", "evt_ingest")
 
 
@@ -98,6 +100,7 @@ def _pipe(source: socket.socket, sink: socket.socket) -> None:
 class PairDeployment(Deployment):
     def __init__(self, root: Path, *, env: dict[str, str] | None = None) -> None:
         super().__init__(root, env=env)
+        self._primary_seen: tuple[float, str | None] = (-ASK_EVERY, None)
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self.member_env: dict[str, dict[str, str]] = {}
         self.member_addresses: dict[str, dict[str, str]] = {}
@@ -124,22 +127,34 @@ class PairDeployment(Deployment):
         addresses = {**self.addresses, "v1": self.service.addresses}  # (actors.py reads it)
         (root / "addresses.json").write_text(json.dumps(addresses))
 
-    def primary(self) -> str | None:
-        for name in MEMBERS:
-            answer = ha(self.member_addresses[name]["control"])
-            if answer is not None and answer["role"] == "primary":
-                return name
-        return None
+    def primary(self, fresh: bool = True) -> str | None:
+        """The member that says it is primary; not ``fresh``: as asked at most every
+        :data:`ASK_EVERY` (v1 workers reconnecting in a burst through the Service would
+        otherwise ask /ha as fast as a flood does, and be paced as one)."""
+        asked_at, answer = self._primary_seen
+        if not fresh and time.monotonic() - asked_at < ASK_EVERY:
+            return answer
+        answer = next(
+            (
+                name
+                for name in MEMBERS
+                if (said := ha(self.member_addresses[name]["control"])) is not None
+                and said["role"] == "primary"
+            ),
+            None,
+        )
+        self._primary_seen = (time.monotonic(), answer)
+        return answer
 
     def _primary_ports_file(self) -> str | None:
-        name = self.primary()
+        name = self.primary(fresh=False)
         return None if name is None else str(self.root / name / "ports.json")
 
     def controls(self) -> list[str]:
         return [self.member_addresses[name]["control"] for name in MEMBERS]
 
     def control(self) -> str:
-        return self.member_addresses[self.primary() or MEMBERS[0]]["control"]
+        return self.member_addresses[self.primary(fresh=False) or MEMBERS[0]]["control"]
 
     # --- the members ------------------------------------------------------------------
 
@@ -186,7 +201,7 @@ class PairDeployment(Deployment):
         while not check():
             if time.monotonic() > deadline:
                 raise AssertionError(f"timed out waiting for {what}:\n{self.writer_log()[-3000:]}")
-            time.sleep(0.05)
+            time.sleep(ASK_EVERY)  # (as a person would ask, not a flood: see primary())
 
     def kill_writer(self) -> float:
         """SIGKILL the primary."""

@@ -263,7 +263,7 @@ class Member:
     def _switchover(self, force: bool) -> tuple[int, dict[str, object]]:
         if not (self.role is Role.PRIMARY and self.keeper.is_primary()):
             return 409, {"error": "this member is not primary: ask the primary (GET /ha)"}
-        if self.sync is None or self.sync.counting_on is None:
+        if self.sync is None or not self.sync.in_sync:
             why = "no standby is in sync: the shard would have no primary until this one came back"
             return 409, {"error": why}
         self._switching.set()

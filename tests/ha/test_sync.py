@@ -233,3 +233,21 @@ async def test_a_stopping_primary_settles_its_last_commits_before_its_committers
     await p.sync.settled()
     assert p.outcomes[2] is None  # acknowledged alone, once the lease said so
     assert SYNC_TIMEOUT <= trio.current_time() - start < SYNC_TIMEOUT * 2
+
+
+async def test_a_standby_under_a_steady_load_is_recorded_in_sync(
+    mock_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    """A commit is always on its way: when a confirmation comes, a newer commit has been
+    made. The standby is counted on once it is close behind, and the lease names it once
+    it has confirmed all that was acknowledged without it."""
+    p = await pair(nursery, SyncMode.ON)
+    p.source.standby = "b"
+    for n in range(1, 40):
+        p.commit(n + 1)  # the next one, before...
+        p.confirm(n)  # ...the confirmation of the one before
+        await trio.sleep(0.01)
+    assert p.sync.in_sync and "lease in_sync=b (counting on b)" in p.keeper.log
+    assert 40 not in p.outcomes  # it waits for the standby, which has not confirmed it
+    p.confirm(40)
+    assert all(outcome is None for outcome in p.outcomes.values()) and len(p.outcomes) == 39

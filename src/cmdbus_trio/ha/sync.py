@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 
 SYNC_TIMEOUT = 1.0
 """Seconds an acknowledgement waits for the standby before the primary goes on alone."""
+CATCH_UP_WITHIN = 16
+"""Transactions a standby may be behind when acknowledgements start to wait for it: the
+ones on their way (it is recorded in sync once it has confirmed them)."""
 
 Done = Callable[[Exception | None], None]
 
@@ -75,7 +78,9 @@ class Synchronizer:
         self.keeper = keeper
         self.timeout = timeout
         self.counting_on: str | None = None
-        """The standby acknowledgements wait for (the lease names it in sync)."""
+        """The standby acknowledgements wait for (once it has confirmed what was
+        acknowledged without it, the lease names it in sync)."""
+        self._alone_through: int | None = None  # counting on it: not yet recorded
         self._waiting: list[tuple[int, int, float, Done]] = []  # heap: sequence, order, since
         self._order = itertools.count()
         self._changed = trio.Event()
@@ -83,7 +88,7 @@ class Synchronizer:
 
     @property
     def in_sync(self) -> bool:
-        return self.counting_on is not None
+        return self.counting_on is not None and self._alone_through is None
 
     def sequence(self) -> int:
         """The newest commit numbered (read in a committer's thread after its commit)."""
@@ -127,7 +132,7 @@ class Synchronizer:
     async def _step(self) -> None:
         self._settle_confirmed()
         if not self._primary():
-            self.counting_on = None
+            self.counting_on = self._alone_through = None
             self._fail_all(Unavailable("this member is not primary"))
         elif self.counting_on is not None and self.source.standby != self.counting_on:
             await self._go_on_alone("the standby's connection ended")
@@ -136,9 +141,15 @@ class Synchronizer:
             # false at that instant by a rounding, and this loop would spin)
             await self._go_on_alone(f"the standby confirmed nothing for {self.timeout} s")
         elif self._caught_up():
-            standby = self.source.standby
-            self.counting_on = standby  # first: acknowledgements wait for it from now on
-            if await self.keeper.record_sync(standby):  # then the lease may say so
+            # First: acknowledgements wait for it from now on. Then, once it has confirmed
+            # all that may have been acknowledged alone, the lease may say so. (Waiting for
+            # an instant when it has confirmed every commit made would, under a steady
+            # load, wait for ever: a commit is always on its way.)
+            self.counting_on, self._alone_through = self.source.standby, self.source.sequence
+        if self._alone_through is not None and self.source.confirmed >= self._alone_through:
+            standby = self.counting_on
+            if await self.keeper.record_sync(standby):
+                self._alone_through = None
                 event(log, logging.WARNING, "standby_in_sync", standby=standby)
         changed = self._changed
         with trio.move_on_at(self._next_deadline()):
@@ -161,14 +172,16 @@ class Synchronizer:
             self.mode is not SyncMode.OFF
             and self.counting_on is None
             and source.standby is not None
-            and source.confirmed >= source.sequence
+            and source.confirmed >= 0  # (it confirmed on this connection: copies are done)
+            and source.sequence - source.confirmed <= CATCH_UP_WITHIN
         )
 
     async def _go_on_alone(self, why: str) -> None:
         """The standby stopped: the lease says so first, then what waits is settled."""
-        standby, self.counting_on = self.counting_on, None
+        standby, through = self.counting_on, self._alone_through
+        self.counting_on = self._alone_through = None
         if not await self.keeper.record_sync(None):
-            self.counting_on = standby  # (the lease may still name it: wait for it)
+            self.counting_on, self._alone_through = standby, through  # (the lease may name it)
             self._fail_all(Unavailable("cannot record in the lease that no standby is in sync"))
             return
         event(log, logging.WARNING, "standby_out_of_sync", standby=standby, why=why)
