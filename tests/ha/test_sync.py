@@ -134,6 +134,12 @@ async def test_a_standby_that_stops_confirming_is_recorded_out_of_sync_before_ac
     assert trio.current_time() - start >= SYNC_TIMEOUT
     p.commit(3)  # alone now, at once
     assert p.outcomes[3] is None
+    p.sync.poke()  # (as the lease's turns do)
+    await trio.sleep(SYNC_TIMEOUT * 1.5)  # still connected, close behind, confirming nothing:
+    assert p.sync.counting_on is None  # not counted on again (each ack would wait 1 s)
+    p.confirm(3)  # it confirms again
+    await trio.sleep(0.1)
+    assert p.sync.counting_on == "b"
 
 
 async def test_strict_answers_unavailable_when_the_standby_stops(

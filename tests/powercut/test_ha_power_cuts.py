@@ -12,38 +12,23 @@ it takes over with what it had, and the checker must find acknowledged records l
 
 from __future__ import annotations
 
-import json
 import random
 import signal
 import threading
 import time
-import urllib.request
-from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from ..ha.test_pair import ha, until
 from ..helpers import serving
 from .harness import LOAD, Ledger, Tally, _check, _quietly, cut
 
 pytestmark = pytest.mark.slow
 
 LEASE_MS = 1000
-
-
-def ha(ports: dict[str, str]) -> dict[str, Any]:
-    with urllib.request.urlopen(f"http://{ports['control']}/ha", timeout=5) as answer:
-        document: dict[str, Any] = json.loads(answer.read())
-        return document
-
-
-def until(check: Callable[[], bool], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 class Pair:
@@ -70,6 +55,12 @@ class Pair:
         }
         process, ports = self.stacks[name].enter_context(serving(home, **env))
         self.processes[name], self.ports[name] = process, ports
+
+    def start_both(self) -> None:
+        """``a``, primary once the lease is its, then ``b``, which follows it."""
+        self.start("a")
+        until(lambda: self.role("a") == "primary")
+        self.start("b")
 
     def role(self, name: str) -> str:
         return str(ha(self.ports[name])["role"])
@@ -122,9 +113,7 @@ def test_a_primary_s_power_cuts_while_its_standby_runs_lose_nothing_acknowledged
     ledger, tally = Ledger(), Tally("ha sync=on")
     pair = Pair(tmp_path, shim)
     try:
-        pair.start("a")
-        until(lambda: pair.role("a") == "primary")
-        pair.start("b")
+        pair.start_both()
         for cycle in range(power_cuts_wanted):
             until(pair.in_sync)
             primary = next(name for name in ("a", "b") if pair.role(name) == "primary")
@@ -153,9 +142,7 @@ def test_the_checker_catches_a_standby_that_takes_over_without_what_was_acknowle
     ledger, tally = Ledger(), Tally("ha sync=off")
     pair = Pair(tmp_path, shim, CMDBUS_HA_SYNC="off")
     try:
-        pair.start("a")
-        until(lambda: pair.role("a") == "primary")
-        pair.start("b")
+        pair.start_both()
         caught_up = {"role": "standby", "behind_records": 0}  # (never "in sync" with off)
         until(lambda: ha(pair.ports["b"]).items() >= caught_up.items())
         pair.processes["b"].send_signal(signal.SIGSTOP)
@@ -184,9 +171,7 @@ def test_a_primary_acknowledging_alone_keeps_it_through_its_power_cut(
     ledger, tally = Ledger(), Tally("ha alone")
     pair = Pair(tmp_path, shim)
     try:
-        pair.start("a")
-        until(lambda: pair.role("a") == "primary")
-        pair.start("b")
+        pair.start_both()
         until(pair.in_sync)
         pair.processes["b"].send_signal(signal.SIGSTOP)
         stop, threads = load(pair.ports["a"], ledger, "0")

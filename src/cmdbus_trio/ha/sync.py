@@ -81,6 +81,7 @@ class Synchronizer:
         """The standby acknowledgements wait for (once it has confirmed what was
         acknowledged without it, the lease names it in sync)."""
         self._alone_through: int | None = None  # counting on it: not yet recorded
+        self._given_up_at = -1  # what it had confirmed when last given up on
         self._waiting: list[tuple[int, int, float, Done]] = []  # heap: sequence, order, since
         self._order = itertools.count()
         self._changed = trio.Event()
@@ -173,6 +174,7 @@ class Synchronizer:
             and self.counting_on is None
             and source.standby is not None
             and source.confirmed >= 0  # (it confirmed on this connection: copies are done)
+            and source.confirmed > self._given_up_at  # (not one that stopped, again)
             and source.sequence - source.confirmed <= CATCH_UP_WITHIN
         )
 
@@ -180,6 +182,7 @@ class Synchronizer:
         """The standby stopped: the lease says so first, then what waits is settled."""
         standby, through = self.counting_on, self._alone_through
         self.counting_on = self._alone_through = None
+        self._given_up_at = self.source.confirmed
         if not await self.keeper.record_sync(None):
             self.counting_on, self._alone_through = standby, through  # (the lease may name it)
             self._fail_all(Unavailable("cannot record in the lease that no standby is in sync"))
