@@ -68,14 +68,17 @@ class Pair:
     def in_sync(self) -> bool:
         return all(ha(ports)["in_sync"] for ports in self.ports.values())
 
-    def power_cut(self, name: str) -> list[str]:
-        """SIGKILL, then the member's directory as of its last fsyncs: what the shim saw
-        bypass it (nothing, or the cut is not a cut)."""
+    def power_cut(self, name: str, loaded: tuple[threading.Event, list[Any]], tally: Tally) -> None:
+        """SIGKILL, then the member's directory as of its last fsyncs; the load on it
+        stopped, and the cut counted with what the shim saw bypass it (nothing, or the cut
+        is not a cut)."""
         self.processes[name].send_signal(signal.SIGKILL)
         self.processes[name].wait()
         self.stacks[name].close()
         home = self.workdir / name
-        return cut(home / "data", home / "image")
+        tally.bypassed += cut(home / "data", home / "image")
+        stop_load(*loaded)
+        tally.cuts += 1
 
     def close(self) -> None:
         for stack in self.stacks.values():
@@ -104,6 +107,7 @@ def checked(workdir: Path, pair: Pair, primary: str, ledger: Ledger, tally: Tall
     pair.close()
     (workdir / primary / "data").rename(workdir / "data")
     _check(workdir, ledger, tally, {})
+    print(f"\n{Tally.HEADER}\n{tally.row()}")
 
 
 def test_a_primary_s_power_cuts_while_its_standby_runs_lose_nothing_acknowledged(
@@ -118,11 +122,9 @@ def test_a_primary_s_power_cuts_while_its_standby_runs_lose_nothing_acknowledged
             until(pair.in_sync)
             primary = next(name for name in ("a", "b") if pair.role(name) == "primary")
             standby = "b" if primary == "a" else "a"
-            stop, threads = load(pair.ports[primary], ledger, str(cycle))
+            loaded = load(pair.ports[primary], ledger, str(cycle))
             time.sleep(rng.uniform(0.5, 1.5))
-            tally.bypassed += pair.power_cut(primary)
-            stop_load(stop, threads)
-            tally.cuts += 1
+            pair.power_cut(primary, loaded, tally)
             until(lambda: pair.role(standby) == "primary", LEASE_MS / 1000 + 10)  # noqa: B023
             pair.start(primary)  # on what its disk kept: it follows the new primary
             until(lambda: pair.role(primary) == "standby")  # noqa: B023
@@ -130,7 +132,6 @@ def test_a_primary_s_power_cuts_while_its_standby_runs_lose_nothing_acknowledged
     finally:
         pair.close()
     checked(tmp_path, pair, final, ledger, tally)
-    print(f"\n{Tally.HEADER}\n{tally.row()}")
     assert tally.acknowledged > 500, "the load did little"
     assert tally.bypassed == [], "SQLite wrote a watched file through a shared mmap"
     assert tally.violations == 0, tally.examples
@@ -146,17 +147,14 @@ def test_the_checker_catches_a_standby_that_takes_over_without_what_was_acknowle
         caught_up = {"role": "standby", "behind_records": 0}  # (never "in sync" with off)
         until(lambda: ha(pair.ports["b"]).items() >= caught_up.items())
         pair.processes["b"].send_signal(signal.SIGSTOP)
-        stop, threads = load(pair.ports["a"], ledger, "0")
+        loaded = load(pair.ports["a"], ledger, "0")
         time.sleep(1.5)
-        tally.bypassed += pair.power_cut("a")
-        stop_load(stop, threads)
-        tally.cuts += 1
+        pair.power_cut("a", loaded, tally)
         pair.processes["b"].send_signal(signal.SIGCONT)
         until(lambda: pair.role("b") == "primary", LEASE_MS / 1000 + 10)
     finally:
         pair.close()
     checked(tmp_path, pair, "b", ledger, tally)
-    print(f"\n{Tally.HEADER}\n{tally.row()}")
     assert tally.lost > 0, "a standby without the last records lost nothing: the check is blind"
 
 
@@ -174,12 +172,10 @@ def test_a_primary_acknowledging_alone_keeps_it_through_its_power_cut(
         pair.start_both()
         until(pair.in_sync)
         pair.processes["b"].send_signal(signal.SIGSTOP)
-        stop, threads = load(pair.ports["a"], ledger, "0")
+        loaded = load(pair.ports["a"], ledger, "0")
         until(lambda: not ha(pair.ports["a"])["in_sync"])  # alone, the lease says so
         time.sleep(1.0)
-        tally.bypassed += pair.power_cut("a")
-        stop_load(stop, threads)
-        tally.cuts += 1
+        pair.power_cut("a", loaded, tally)
         pair.processes["b"].kill()
         pair.stacks["b"].close()
         pair.start("a")
@@ -187,6 +183,5 @@ def test_a_primary_acknowledging_alone_keeps_it_through_its_power_cut(
     finally:
         pair.close()
     checked(tmp_path, pair, "a", ledger, tally)
-    print(f"\n{Tally.HEADER}\n{tally.row()}")
     assert tally.acknowledged > 100, "the load did little"
     assert tally.violations == 0, tally.examples
