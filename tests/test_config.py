@@ -175,6 +175,16 @@ def test_shard_auto_is_the_statefulset_ordinal() -> None:
         load({"shard": "x"}, environ={})
 
 
+def test_pod_labels_need_a_kubernetes_lease() -> None:
+    for lease in ("", "file:/tmp/lease"):
+        with pytest.raises(ConfigError, match=r"CMDBUS_HA_POD_LABELS .*need a kubernetes: lease"):
+            load({"ha_pod_labels": "true", "ha_lease": lease}, environ={})
+    config = load({"ha_pod_labels": "true", "ha_lease": "kubernetes:ns/shard-0"}, environ={})
+    assert config.ha_pod_labels and config.ha_kube_service_account == Path(
+        "/var/run/secrets/kubernetes.io/serviceaccount"
+    )
+
+
 def test_tls_needs_both_halves() -> None:
     with pytest.raises(ConfigError, match=r"CMDBUS_TLS_KEY.*needs both"):
         load({"tls_cert": "cert.pem"}, environ={})

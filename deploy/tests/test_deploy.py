@@ -45,10 +45,10 @@ def need(tool: str, *, ci_installs: bool = True) -> str:
 
 def raw_documents(under: Path = K8S) -> list[dict[str, Any]]:
     """Every manifest in deploy/k8s (or a folder of it) as written (kustomization files
-    excluded)."""
+    and patches, ``*-patch.yaml``, excluded)."""
     docs = []
     for path in sorted(under.rglob("*.yaml")):
-        if path.name != "kustomization.yaml":
+        if path.name != "kustomization.yaml" and not path.name.endswith("-patch.yaml"):
             docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
     return docs
 
@@ -85,7 +85,8 @@ def walk(value: Any) -> Iterator[tuple[str, Any]]:
 
 
 @pytest.mark.parametrize(
-    "source", ["raw", "example", "three-shards", "noetl", "split", "litestream"]
+    "source",
+    ["raw", "example", "three-shards", "noetl", "split", "litestream", "ha", "ha-three-shards"],
 )
 def test_manifests_validate_against_the_kubernetes_schemas(source: str) -> None:
     docs = raw_documents() if source == "raw" else built_documents(source)
@@ -182,12 +183,24 @@ def test_services_pdb_and_network_policy() -> None:
     assert pdb["spec"]["maxUnavailable"] == 1
     (policy,) = by_kind(docs, "NetworkPolicy")
     data, control = policy["spec"]["ingress"]
-    assert data["from"][0]["podSelector"]["matchLabels"] == {"cmdbus-trio/client": "true"}
+    assert client_selector(data) == {"cmdbus-trio/client": "true"}
     assert {p["port"] for p in data["ports"]} == {9100, 9101, 9103, 9104, 9108, 9110}
     assert [p["port"] for p in control["ports"]] == [9090]
     for deployment in by_kind(docs, "Deployment"):
         labels = deployment["spec"]["template"]["metadata"]["labels"]
         assert labels["cmdbus-trio/client"] == "true"  # workers may reach the writer
+
+
+def client_selector(rule: dict[str, Any]) -> dict[str, str]:
+    """The labels a NetworkPolicy rule's pod selector requires, as label: value (its
+    matchLabels and its ``In`` expressions of one value)."""
+    (peer,) = rule["from"]
+    selector = peer["podSelector"]
+    required = dict(selector.get("matchLabels") or {})
+    for expression in selector.get("matchExpressions") or []:
+        assert expression["operator"] == "In" and len(expression["values"]) == 1, expression
+        required[expression["key"]] = expression["values"][0]
+    return required
 
 
 def test_keda_scales_each_pool_on_its_own_lag() -> None:
@@ -421,6 +434,7 @@ QUERY_FUNCTIONS = {
     "without",
     "on",
     "delta",
+    "group_left",
 }
 
 
@@ -436,7 +450,7 @@ def test_dashboard_queries_only_metrics_a_writer_exports(scrape: str) -> None:
     exported = scraped_names(scrape)
     queried: set[str] = set()
     for panel in dashboard["panels"]:
-        for target in panel["targets"]:
+        for target in panel.get("targets", []):  # (a row has none)
             queried |= metric_names(target["expr"])
     assert queried, "the dashboard queries nothing"
     assert not sorted(queried - exported)
@@ -452,6 +466,10 @@ def test_dashboard_queries_only_metrics_a_writer_exports(scrape: str) -> None:
         "cmdbus_loop_control_first_seconds_total",
         "cmdbus_store_state",
         "ehdb_feed_subject_lag",
+        "cmdbus_ha_role",
+        "cmdbus_ha_in_sync",
+        "cmdbus_ha_replication_lag_records",
+        "cmdbus_ha_failovers_total",
     }
     assert wanted <= queried
 
@@ -620,7 +638,7 @@ def test_the_split_overlay_runs_the_buses_and_the_tier_in_two_statefulsets() -> 
     assert sorted(budgets) == ["buses", "tier"]
     for policy in by_kind(docs, "NetworkPolicy"):
         selected(policy["spec"]["podSelector"]["matchLabels"])
-        clients = policy["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"]
+        clients = client_selector(policy["spec"]["ingress"][0])
         assert clients == {"cmdbus-trio/client": "true"}  # the workers' label, unchanged
 
 

@@ -27,6 +27,19 @@ def event(
     logger.log(level, name, exc_info=exc_info, extra={_FIELDS: fields})
 
 
+def leaf(exc: BaseException) -> BaseException:
+    """The one error inside nested single-member exception groups (trio wraps each level)."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+def why(exc: BaseException) -> str:
+    """An error for a log field: its type and message, unwrapped (:func:`leaf`)."""
+    inner = leaf(exc)
+    return f"{type(inner).__name__}: {inner}"
+
+
 def _render(record: logging.LogRecord) -> dict[str, Any]:
     out: dict[str, Any] = {
         "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))

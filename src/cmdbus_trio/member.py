@@ -31,16 +31,17 @@ from .admission import run_in_thread
 from .bus import Bus
 from .faces import standby as standby_face
 from .ha import Elector, Role, SyncMode, open_lease_store
-from .ha import _wire as wire
+from .ha import face as replication_face
+from .ha._kube_lease import KubernetesLeaseStore
+from .ha._kube_pods import PodLabels, keep_labelled
 from .ha.follower import Deposed, Follower, Refused
 from .ha.keeper import LeaseKeeper
 from .ha.source import Source
 from .ha.sync import Synchronizer
-from .logs import event
+from .logs import event, leaf, why
 from .storage import datadir
 from .storage.restores import jump_keys
 from .storage.tier import TierStore
-from .supervision import leaf
 from .tier.committer import Tier
 
 if TYPE_CHECKING:
@@ -48,9 +49,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-REPLICATION_CONNECTIONS = 4
-"""Connections the replication face serves at once (one standby, reconnecting); more are
-closed at once: a flood of them costs the primary nothing but the accepts."""
 RECONNECT_EVERY = 0.2
 """Seconds between a standby's attempts to reach the primary's replication face."""
 DEPOSED_DRAIN_S = 1.0
@@ -77,15 +75,17 @@ class Member:
         empty = not any((config.data_dir / name).exists() for name in datadir.STORE_FILES)
         self.elector = Elector(self.name, config.ha_lease_ms / 1000, self.mode, empty=empty)
         lease_io = partial(run_in_thread, limiter=self._lease_limiter)
-        self.keeper = LeaseKeeper(self.elector, open_lease_store(config.ha_lease), lease_io)
+        store = open_lease_store(config.ha_lease, config.ha_kube_service_account)
+        self.keeper = LeaseKeeper(self.elector, store, lease_io)
         self.role = Role.STARTING
+        self._role_changed = trio.Event()
         self.source: Source | None = None
         self.sync: Synchronizer | None = None
         self.follower: Follower | None = None
         self._announced = False
         self._switching = trio.Event()  # asked to hand over and follow (POST /ha/switchover)
-        self._replication_slots = trio.CapacityLimiter(REPLICATION_CONNECTIONS)
         writer.health.ha_actions = {"switchover": self._switchover, "promote": self._promote}
+        writer.health.role_not_ready = self._not_ready_because
         metrics.HA_EPOCH.set_function(lambda: self.elector.epoch)
         metrics.HA_IN_SYNC.set_function(lambda: 1 if self._in_sync() else 0)
         metrics.HA_LAG_RECORDS.set_function(self._lag_records)
@@ -100,10 +100,20 @@ class Member:
         """Serve as the lease says until the writer drains."""
         writer = self.writer
         assert self.config.ha_bind is not None
-        await writer._start(control, "ha", self.config.ha_bind, self._serve_replication)
+        serve_replication = partial(replication_face.serve, self.config.ha_bind,
+                                    lambda: self.source, self.elector)  # fmt: skip
+        await writer._start(control, "ha", self.config.ha_bind, serve_replication)
         self.elector.faces = {"ha": self._advertised("ha")}
         writer.health.ha = self.report
         await control.start(self.keeper.run)
+        if self.config.ha_pod_labels:
+            store = self.keeper.store
+            assert isinstance(store, KubernetesLeaseStore)  # (the settings check it)
+            labels = PodLabels(store.api, store.namespace)
+            control.start_soon(
+                keep_labelled, labels, self.name, self._labels_wanted,
+                self._role_changed.wait, self._offload,
+            )  # fmt: skip
 
         def once(addresses: dict[str, str]) -> None:
             if not self._announced:
@@ -311,42 +321,9 @@ class Member:
                     await follower.follow(stream, lambda: self.elector.epoch)
                 except Exception as exc:  # the stream's end, whatever ended it: start again
                     level = logging.INFO if _expected(exc) else logging.WARNING
-                    event(log, level, "replication_ended", primary=address, why=_why(exc))
+                    event(log, level, "replication_ended", primary=address, why=why(exc))
             await self.keeper.turn_now()  # the primary may have handed the lease over
             await trio.sleep(RECONNECT_EVERY)
-
-    # --- the replication face --------------------------------------------------------------
-
-    async def _serve_replication(
-        self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
-    ) -> None:
-        bind = self.config.ha_bind
-        assert bind is not None
-        listeners = await trio.open_tcp_listeners(bind.port, host=bind.host)
-        host, port = listeners[0].socket.getsockname()[:2]
-        task_status.started(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
-        await trio.serve_listeners(self._replication_connection, listeners)
-
-    async def _replication_connection(self, stream: trio.SocketStream) -> None:
-        async with stream:
-            try:
-                self._replication_slots.acquire_nowait()
-            except trio.WouldBlock:
-                return  # (closed at once)
-            try:
-                await self._replicate_to(stream)
-            finally:
-                self._replication_slots.release()
-
-    async def _replicate_to(self, stream: trio.SocketStream) -> None:
-        source = self.source
-        try:
-            if source is None:  # not primary: it says so, and who is
-                await stream.send_all(_refusal(self.elector))
-                return
-            await source.serve(stream)
-        except Exception as exc:  # (in a group, from its nursery) this stream's end only
-            event(log, logging.INFO, "standby_disconnected", why=_why(exc))
 
     # --- what it says ----------------------------------------------------------------------
 
@@ -372,6 +349,8 @@ class Member:
 
     def _set_role(self, role: Role) -> None:
         self.role = role
+        self._role_changed.set()
+        self._role_changed = trio.Event()
         for each in Role:
             metrics.HA_ROLE.labels(role=each.value).set(1 if each is role else 0)
 
@@ -380,6 +359,30 @@ class Member:
         if source is not None:
             return max(0, source.sequence - max(source.confirmed, 0))
         return follower.behind if follower is not None else 0
+
+    def _not_ready_because(self) -> str | None:
+        """Ready is serving its role: a primary holding its lease, a standby that has a
+        copy and (unless CMDBUS_HA_SYNC=off) is named in sync, so a rollout that waits
+        for readiness never stops a primary before its standby could take over."""
+        if self.role is Role.PRIMARY:
+            return None if self.keeper.is_primary() else "primary: its lease lapsed"
+        if self.role is Role.STANDBY and (self.mode is SyncMode.OFF or self._in_sync()):
+            return None
+        if self.role is Role.STANDBY:
+            return "standby: the primary does not count on it yet (not in sync)"
+        if self.role is Role.STARTING:
+            return "starting: no copy of the primary's stores yet"
+        return "draining: it hands the lease over and stops"
+
+    def _labels_wanted(self) -> tuple[str, tuple[str, int] | None]:
+        """The role for this member's pod label, and the member it took the lease
+        from (with the epoch it took it in) while primary."""
+        role = str(self.report()["role"])
+        before = self.elector.taken_from
+        replaced = before and (before.holder or before.last_primary)
+        if role != Role.PRIMARY.value or not replaced or replaced == self.name:
+            return role, None
+        return role, (replaced, self.elector.epoch)
 
     def _in_sync(self) -> bool:
         """A primary: its acknowledgements wait for a standby in sync; a standby: the
@@ -409,15 +412,6 @@ class Member:
             "behind_records": 0 if primary else behind,
             "primary_faces": dict(record.faces) if record is not None and holder else {},
         }
-
-
-def _refusal(elector: Elector) -> bytes:
-    return wire.encode(wire.Refused("not primary", elector.epoch, elector.primary))
-
-
-def _why(exc: BaseException) -> str:
-    inner = leaf(exc)
-    return f"{type(inner).__name__}: {inner}"
 
 
 def _expected(exc: BaseException) -> bool:

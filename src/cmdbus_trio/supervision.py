@@ -11,7 +11,7 @@ from typing import Any
 import trio
 
 from .config import Bind
-from .logs import event
+from .logs import event, leaf, why
 
 log = logging.getLogger("cmdbus_trio.app")
 
@@ -28,13 +28,6 @@ class StartupError(Exception):
         self.face = face
 
 
-def leaf(exc: BaseException) -> BaseException:
-    """The one error inside nested single-member exception groups (trio wraps each level)."""
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    return exc
-
-
 async def supervised(run: StartFn, task_status: trio.TaskStatus[Any], kind: str, name: str) -> bool:
     """Run ``run`` (a ``task_status`` function) in a nursery of its own; returns True when
     it ended, False when it crashed after it started (logged as ``<kind>_crashed``).
@@ -49,8 +42,6 @@ async def supervised(run: StartFn, task_status: trio.TaskStatus[Any], kind: str,
     except Exception as exc:
         if not started:
             raise
-        inner = leaf(exc)
-        error = f"{type(inner).__name__}: {inner}"
-        event(log, logging.ERROR, f"{kind}_crashed", **{kind: name}, error=error, exc_info=exc)
+        event(log, logging.ERROR, f"{kind}_crashed", **{kind: name}, error=why(exc), exc_info=exc)
         return False
     return True

@@ -15,6 +15,7 @@ import trio
 from cmdbus_trio import metrics
 from cmdbus_trio.ha import _file_lease
 from cmdbus_trio.ha._file_lease import FileLeaseStore
+from cmdbus_trio.ha._kube_api import KubeAPI
 from cmdbus_trio.ha._kube_lease import RECORD_ANNOTATION, KubernetesLeaseStore
 from cmdbus_trio.ha.lease import (
     LeaseConflict,
@@ -44,8 +45,8 @@ def stores(
     token.write_text("secret\n")
     with serving(FakeKubeAPI(token="secret")) as api:
         yield (
-            KubernetesLeaseStore("shard", "cmdbus-0", api.url, token_file=token),
-            KubernetesLeaseStore("shard", "cmdbus-0", api.url, token_file=token),
+            KubernetesLeaseStore("shard", "cmdbus-0", KubeAPI(api.url, token_file=token)),
+            KubernetesLeaseStore("shard", "cmdbus-0", KubeAPI(api.url, token_file=token)),
         )
 
 
@@ -177,7 +178,7 @@ def test_a_file_store_where_nothing_can_be_written_says_so(tmp_path: Path) -> No
 
 def test_the_kubernetes_lease_shows_holder_and_epoch_to_kubectl(tmp_path: Path) -> None:
     with serving(FakeKubeAPI()) as api:
-        store = KubernetesLeaseStore("shard", "cmdbus-0", api.url)
+        store = KubernetesLeaseStore("shard", "cmdbus-0", KubeAPI(api.url))
         store.write(record("a", epoch=3, renewed_at=1_790_000_000.25), None)
         lease = api.leases[("shard", "cmdbus-0")]
         assert lease["spec"] == {
@@ -198,7 +199,7 @@ def test_the_kubernetes_store_says_what_the_api_answered(tmp_path: Path) -> None
     token = tmp_path / "token"
     token.write_text("wrong")
     with serving(FakeKubeAPI(token="secret")) as api:
-        store = KubernetesLeaseStore("shard", "cmdbus-0", api.url, token_file=token)
+        store = KubernetesLeaseStore("shard", "cmdbus-0", KubeAPI(api.url, token_file=token))
         with pytest.raises(
             LeaseError, match="cannot read the lease kubernetes:shard/cmdbus-0: 401 Unauthorized"
         ):
@@ -214,7 +215,7 @@ def test_the_kubernetes_store_says_what_the_api_answered(tmp_path: Path) -> None
 def test_an_api_server_that_does_not_answer_is_an_error_after_the_timeout() -> None:
     """The timeout (0.3 s) is shorter than the pause (until the test resumes it)."""
     with serving(FakeKubeAPI()) as api:
-        store = KubernetesLeaseStore("shard", "cmdbus-0", api.url, timeout=0.3)
+        store = KubernetesLeaseStore("shard", "cmdbus-0", KubeAPI(api.url, timeout=0.3))
         api.pause()
         with pytest.raises(LeaseError, match="no answer from the API"):
             store.read()

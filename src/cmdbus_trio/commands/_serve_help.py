@@ -19,6 +19,7 @@ SECTIONS: Final = {
     "shards": ("shard", "shard_count"),
     "the standby": (
         "ha_lease", "ha_name", "ha_bind", "ha_advertise", "ha_lease_ms", "ha_sync",
+        "ha_pod_labels", "ha_kube_service_account",
     ),
     "the buses": (
         "ack_wait_ms", "max_deliver", "stuck_after_ms", "ingest_max_pending",
@@ -59,6 +60,7 @@ NAMED: Final = {
     "ha_lease": "file:PATH|kubernetes:NS/NAME",
     "ha_name": "NAME",
     "ha_advertise": "HOST[:PORT]",
+    "ha_kube_service_account": "DIR",
 }
 
 

@@ -306,6 +306,17 @@ class Config:
         "on: acknowledge once on both members (alone, once the lease says no standby is in "
         "sync); strict: never alone; off: never wait (a failover may lose the last records)",
     )
+    ha_pod_labels: bool = _setting(
+        "false",
+        boolean,
+        "label the members' pods with their roles (cmdbus-trio.io/role), for a Service that "
+        "selects the primary (with a kubernetes: lease; member names are pod names)",
+    )
+    ha_kube_service_account: Path = _setting(
+        "/var/run/secrets/kubernetes.io/serviceaccount",
+        Path,
+        "the directory of the token and ca.crt a kubernetes: lease and the pod labels use",
+    )
     auth_token: str | None = _setting(
         "", optional_text, "shared token required in the v2 hello (unset: off)"
     )

@@ -56,6 +56,13 @@ def resolve_derived(
             "true",
             f"the control face binds {control}, beyond this host: set CMDBUS_AUTH_TOKEN too",
         )
+    lease = values["ha_lease"]
+    if values["ha_pod_labels"] and not (lease or "").startswith("kubernetes:"):
+        raise ConfigError(
+            settings["ha_pod_labels"],
+            "true",
+            "pod labels need a kubernetes: lease (CMDBUS_HA_LEASE=kubernetes:NAMESPACE/NAME)",
+        )
     seen: dict[Bind, str] = {}
     for face in faces:
         bind = values[f"{face}_bind"]

@@ -52,9 +52,11 @@ class Health:
         self.budgets: dict[str, ByteBudget] = {}  # each data face's (/debug/hold-bytes)
         self.stores: dict[str, Store] = {}
         self.ha: Callable[[], dict[str, object]] = _single
+        """``GET /ha``: this member's role in its pair (a writer alone: ``single``)."""
         self.ha_actions: dict[str, Callable[[bool], tuple[int, dict[str, object]]]] = {}
         """``POST /ha/<action>`` (switchover, promote): a member's operations."""
-        """``GET /ha``: this member's role in its pair (a writer alone: ``single``)."""
+        self.role_not_ready: Callable[[], str | None] = lambda: None
+        """Why a member of a pair does not serve its role yet (None: it does)."""
         # Read at scrape time, so /metrics is right without anyone calling /readyz.
         metrics.READY.set_function(lambda: 1 if self.readiness().ready else 0)
 
@@ -102,6 +104,8 @@ class Health:
             reasons.append("draining: shutting down")
         elif not self.serving:
             reasons.append("starting: faces or stores not open yet")
+        elif role := self.role_not_ready():
+            reasons.append(role)
         reasons += [
             f"face {face} {state.value}"
             for face, state in sorted(self.faces.items())

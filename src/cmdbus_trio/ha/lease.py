@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Protocol
 
 import attrs
@@ -128,10 +129,13 @@ class LeaseStore(Protocol):
         ...
 
 
-def open_lease_store(spec: str) -> LeaseStore:
+def open_lease_store(spec: str, service_account: Path | None = None) -> LeaseStore:
     """The store ``CMDBUS_HA_LEASE`` names: ``file:PATH`` or ``kubernetes:NAMESPACE/NAME``
-    (in-cluster credentials). ValueError naming the setting when ``spec`` is neither."""
+    (the API server and credentials of a pod, from ``service_account`` when given).
+    ValueError naming the setting when ``spec`` is neither, or a pod's credentials are
+    missing."""
     from ._file_lease import FileLeaseStore  # (each store's imports only when used)
+    from ._kube_api import SERVICE_ACCOUNT, KubeAPI
     from ._kube_lease import KubernetesLeaseStore
 
     kind, _, where = spec.partition(":")
@@ -139,7 +143,11 @@ def open_lease_store(spec: str) -> LeaseStore:
         return FileLeaseStore(where)
     if kind == "kubernetes" and where.count("/") == 1 and all(where.split("/")):
         namespace, name = where.split("/")
-        return KubernetesLeaseStore.in_cluster(namespace, name)
+        try:
+            api = KubeAPI.in_cluster(service_account or SERVICE_ACCOUNT)
+        except ValueError as exc:
+            raise ValueError(f"{LEASE_SETTING}={spec} {exc}") from None
+        return KubernetesLeaseStore(namespace, name, api)
     raise ValueError(
         f"{LEASE_SETTING} must be file:PATH or kubernetes:NAMESPACE/NAME, not {spec!r}"
     )

@@ -43,3 +43,9 @@ HA_FAILOVERS = Counter(
     "a switchover).",
     registry=REGISTRY,
 )
+HA_POD_LABEL_FAILURES = Counter(
+    "cmdbus_ha_pod_label_failures",
+    "Times a member could not label a pod with its role (CMDBUS_HA_POD_LABELS): the "
+    "shard's Service may reach the wrong member until a retry succeeds.",
+    registry=REGISTRY,
+)
