@@ -112,7 +112,7 @@ class Member:
             labels = PodLabels(store.api, store.namespace)
             control.start_soon(
                 keep_labelled, labels, self.name, self._labels_wanted,
-                self._role_changed.wait, self._offload,
+                self._role_change, self._offload,
             )  # fmt: skip
 
         def once(addresses: dict[str, str]) -> None:
@@ -359,6 +359,10 @@ class Member:
         if source is not None:
             return max(0, source.sequence - max(source.confirmed, 0))
         return follower.behind if follower is not None else 0
+
+    async def _role_change(self) -> None:
+        """Until the role changes (the event of the moment: each change makes a new one)."""
+        await self._role_changed.wait()
 
     def _not_ready_because(self) -> str | None:
         """Ready is serving its role: a primary holding its lease, a standby that has a

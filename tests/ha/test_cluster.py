@@ -15,6 +15,7 @@ the shard's client Service does. A publisher writes through the Service only.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import threading
@@ -123,6 +124,18 @@ class Shard:
                 return pod
         return None
 
+    def cpu_while_idle(self, seconds: float) -> dict[str, float]:
+        """Each member's CPU (cores) over ``seconds`` with no load."""
+
+        def used(pod: str) -> float:
+            fields = Path(f"/proc/{self.processes[pod].pid}/stat").read_text().split(")")[-1]
+            utime, stime = fields.split()[11:13]
+            return (int(utime) + int(stime)) / os.sysconf("SC_CLK_TCK")
+
+        before = {pod: used(pod) for pod in self.processes}
+        time.sleep(seconds)
+        return {pod: (used(pod) - before[pod]) / seconds for pod in self.processes}
+
     def close(self) -> None:
         for process in self.processes.values():
             process.kill()
@@ -140,6 +153,8 @@ def shard(tmp_path: Path, lease_ms: int) -> Iterator[tuple[Shard, Service]]:
             until(lambda: pods.label(PODS[0]) == "primary")
             pods.start(PODS[1])
             until(lambda: ready(pods.ports(PODS[1])), timeout=30)
+            for pod, busy in pods.cpu_while_idle(2.0).items():
+                assert busy < 0.25, f"{pod} idle used {busy:.2f} of a core"  # (no spin)
             yield pods, service
         finally:
             service.close()
