@@ -23,7 +23,7 @@ pytestmark = pytest.mark.e2e
 LEASE_MS = 5000
 """Longer than test_pair's: a primary's renewal is a write and an fsync of the lease's
 directory, which on this one disk can wait over a second behind the standby's base
-copy; with a 2 s lease (1.6 s of hold) that lost the lease now and then, steps or not."""
+copy; with a 2 s lease (1.6 s of hold) the primary lost it about one run in ten."""
 
 
 def stepped(tmp_path: Path, name: str) -> dict[str, str]:
