@@ -31,12 +31,12 @@ import trustme
 from harness.pair import Service
 
 from cmdbus_trio.client import DeadlineExceeded
-from cmdbus_trio.client.blocking import ClaimClient, IngestClient
+from cmdbus_trio.client.blocking import IngestClient
 from cmdbus_trio.ha._kube_pods import ROLE_LABEL
 
 from ..helpers import cli, environment
 from .kube_api import FakeKubeAPI, serving
-from .test_pair import ha, until
+from .test_pair import claimed_keys, ha, until
 
 pytestmark = pytest.mark.e2e
 
@@ -204,14 +204,6 @@ class Publisher:
             self.error = exc
 
 
-def claimed(ports: dict[str, str]) -> set[int]:
-    keys: set[int] = set()
-    with ClaimClient(ports["cmd_claim"]) as claim:
-        while batch := claim.next_batch("commands.>", 1000, wait=0.5):
-            keys |= {delivery.sort_key for delivery in batch}
-    return keys
-
-
 def test_a_rollout_of_both_pods_is_hand_overs_and_loses_nothing(tmp_path: Path) -> None:
     lease_ms = 10_000  # a pause shorter than this was a hand-over, not an expiry
     with shard(tmp_path, lease_ms) as (pods, service):
@@ -238,7 +230,7 @@ def test_a_rollout_of_both_pods_is_hand_overs_and_loses_nothing(tmp_path: Path) 
         assert max(publisher.pauses) < lease_ms / 1000
         primary = pods.primary()
         assert primary is not None
-        assert claimed(pods.ports(primary)) >= publisher.acked
+        assert claimed_keys(pods.ports(primary)) >= publisher.acked
 
 
 def test_a_dead_nodes_primary_is_replaced_and_its_pod_leaves_the_service(tmp_path: Path) -> None:
@@ -255,4 +247,4 @@ def test_a_dead_nodes_primary_is_replaced_and_its_pod_leaves_the_service(tmp_pat
             until(lambda: ready(pods.ports(PODS[0])), timeout=60)
             assert pods.label(PODS[0]) == "standby"
             assert ha(pods.ports(PODS[0]))["in_sync"]
-        assert claimed(pods.ports(PODS[1])) >= publisher.acked
+        assert claimed_keys(pods.ports(PODS[1])) >= publisher.acked
