@@ -31,12 +31,23 @@ tested in-process in every session), and running them four times would take CI p
 an hour."""
 
 
-IN_PARALLEL = ["-n", "2"]
-"""The in-process tests run on two workers (pytest-xdist): they share nothing but the
-machine, and two halve CI's time; the tests in subprocesses (system, slow, e2e) run one at
-a time, as the deployment and the benchmarks they measure would. A test that starts a
-writer again on the ports of an earlier one is `slow`: a test beside it, binding port 0,
-may be given a port it let go of."""
+ONCE = ["-m", "not system and not slow and not e2e and not once"]
+"""The in-process tests of every Python but the first leave out the `once` tests as well:
+those that run a writer in a subprocess for over a second (restarts, disk faults, floods
+of connections), 48 tests and half the in-process suite's time. Their code runs in-process
+on every Python; the ones whose interpreter matters (TLS, the clients, tracing) and the
+quick ones on a shared writer are not `once`, nor is one whole start and stop of
+`cmdbus-trio serve` (tests/test_serve.py)."""
+
+
+IN_PARALLEL = ["-n", "3"]
+"""The in-process tests run on three workers (pytest-xdist): they share nothing but the
+machine, and wait on sockets, subprocesses and timers a third of the time (two workers
+kept 1.4 of 2 CPUs busy). On a 2-CPU machine the suite took 2:23-2:33 on three, 2:58-3:06
+on two; four were no faster and two tests failed. The tests in subprocesses (system,
+slow, e2e) run one at a time, as the deployment and the benchmarks they measure would. A
+test that starts a writer again on the ports of an earlier one is `slow`: a test beside
+it, binding port 0, may be given a port it let go of."""
 
 
 @nox.session(python=NEWEST_ON)
@@ -45,16 +56,18 @@ def tests(session: nox.Session) -> None:
     if session.posargs:
         session.run("pytest", *session.posargs)
         return
+    if session.python != PYTHONS[0]:
+        session.run("pytest", *ONCE, *IN_PARALLEL)
+        return
     session.run("pytest", *SYSTEM_ONCE, *IN_PARALLEL)
-    if session.python == PYTHONS[0]:
-        session.run("pytest", "-m", "system or slow or e2e", "--durations=25")  # CI's budget
+    session.run("pytest", "-m", "system or slow or e2e", "--durations=25")  # CI's budget
 
 
 @nox.session(name="tests-lowest", python=LOWEST_ON)
 def tests_lowest(session: nox.Session) -> None:
     """The suite against the lowest versions pyproject declares for direct dependencies."""
     session.install("-c", "constraints-lowest.txt", ".[test]")
-    session.run("pytest", *SYSTEM_ONCE, *(session.posargs or IN_PARALLEL))
+    session.run("pytest", *ONCE, *(session.posargs or IN_PARALLEL))
 
 
 @nox.session

@@ -55,9 +55,14 @@ TIMERS = {
 }
 GAP = 2.5
 """Seconds of silence between a server's bursts: longer than every timer above."""
-SCRAPE_EVERY = 5
-"""The probing thread scrapes /metrics every this many rounds (about a second): a
-Prometheus with a short interval, beside the kubelet's probes."""
+SCRAPE_EVERY = 15
+"""The probing thread scrapes /metrics every this many rounds (about 3 s): a Prometheus
+with a short interval, beside the kubelet's probes. The control face may use a tenth of
+the loop before requests wait (loop/turns.py); on a pair's primary a scrape costs 12 ms
+of it on a 2-CPU machine, a probe or an /ha 2-3 ms. Every second, this thread's probes
+(ten), a scrape (every second at the end of a run) and the pair's /ha (four) used 55 ms
+of the 100 there, and on a machine 1.6 times slower the scrape that came with a burst of
+/ha was paced: a load twenty times a kubelet's and a Prometheus's, not theirs."""
 
 
 @attrs.define
@@ -92,16 +97,22 @@ class Outcome:
 
 
 def free_ports(count: int) -> list[int]:
-    """Ports the kernel hands out now (port 0), kept by the writer across its restarts:
-    clients must find it again where it was, as behind a Kubernetes Service."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
+    """Free ports below the kernel's ephemeral range, kept by the writer across its
+    restarts: clients must find it again where it was, as behind a Kubernetes Service.
+    Not a port 0 hands out: between a restart's unbind and bind, any client's connection
+    could take that one as its own local port (a member failed to start so, "address
+    already in use")."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng, ports = random.Random(), set[int]()
+    while len(ports) < count:
+        port = rng.randrange(min(10_000, low // 2), low)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.add(port)
+    return sorted(ports)
 
 
 class Deployment:
@@ -315,6 +326,7 @@ def run(
     workers: int = 1,
     env: dict[str, str] | None = None,
     pair: bool = False,
+    litestream: bool = False,
     log: Callable[[str], None] = lambda _: None,
 ) -> Outcome:
     """Run the deployment: two servers (trio and blocking clients) publishing ``bursts``
@@ -327,12 +339,13 @@ def run(
     push subscriber that resumes from its cursor once; a reader of finished executions.
     With ``faults``, the writer is SIGKILLed and restarted
     twice as well. ``pair``: a primary and its standby (harness/pair.py), whose faults are
-    the primary's. Returns once every command and event has been consumed."""
+    the primary's; ``litestream``: with Litestream in the primary (harness/pair.py).
+    Returns once every command and event has been consumed."""
     rng = random.Random(seed)
     if pair:
         from harness.pair import PairDeployment
 
-        deployment: Deployment = PairDeployment(root, env=env)
+        deployment: Deployment = PairDeployment(root, env=env, litestream=litestream)
     else:
         deployment = Deployment(root, env=env)
     started = deployment.start_writer()
@@ -662,8 +675,8 @@ def violations(outcome: Outcome) -> list[str]:
         out.append(f"{shed:.0f} requests were shed at this nominal load")
     if crowded := sum(metric(text, "cmdbus_control_connections_crowded_out_total{")):
         out.append(f"{crowded:.0f} probe or scrape connections were crowded out")
-    if sum(metric(text, "cmdbus_control_paced_seconds_total")):
-        out.append("a kubelet and a Prometheus were paced as a flood would be")
+    if paced := sum(metric(text, "cmdbus_control_paced_seconds_total")):
+        out.append(f"a kubelet and a Prometheus were paced as a flood would be ({paced:.3f} s)")
     errors = [line for line in outcome.writer_log.splitlines() if '"level": "error"' in line]
     if errors:
         out.append(f"the writer logged {len(errors)} error lines, first: {errors[0][:500]}")

@@ -15,6 +15,8 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -34,6 +36,34 @@ MEMBERS = ("a", "b")
 ASK_EVERY = 0.25
 """Seconds an answer to "which member is primary" is kept."""
 V1_FACES = ("cmd_claim", "tier", "evt_ingest")
+
+
+LITESTREAM = shutil.which("litestream") or str(Path(sys.executable).parent / "litestream")
+STORES = ("commands", "events", "tier")
+
+
+def litestream_config(data: Path, root: Path) -> str:
+    """Litestream's configuration for a member whose stores are in ``data``: one replica
+    for both members, ``root/replica``."""
+    entry = "  - path: {data}/{store}.sqlite3\n"
+    entry += "    replica: {{type: file, path: {root}/replica/{store}}}\n"
+    return "dbs:\n" + "".join(entry.format(data=data, root=root, store=s) for s in STORES)
+
+
+def litestream_pids(root: Path) -> dict[int, str]:
+    """The `litestream replicate` processes whose configuration is under ``root``: their
+    pids, each with its configuration's folder's name (a member's home, as here)."""
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            words = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue  # (gone meanwhile)
+        if b"replicate" in words and b"-config" in words:
+            config = Path(words[words.index(b"-config") + 1].decode())
+            if config.is_relative_to(root):
+                found[int(pid)] = config.parent.name
+    return found
 
 
 def ha(control: str) -> dict[str, Any] | None:
@@ -87,6 +117,13 @@ class Service:
             listener.close()
 
 
+def _kill(process: subprocess.Popen[bytes]) -> None:
+    """SIGKILL a member with its process group (its Litestream: a node lost whole)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
 def _pipe(source: socket.socket, sink: socket.socket) -> None:
     with contextlib.suppress(OSError):
         while data := source.recv(1 << 16):
@@ -98,7 +135,11 @@ def _pipe(source: socket.socket, sink: socket.socket) -> None:
 
 
 class PairDeployment(Deployment):
-    def __init__(self, root: Path, *, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, root: Path, *, env: dict[str, str] | None = None, litestream: bool = False
+    ) -> None:
+        """``litestream``: each member runs Litestream while it is primary, both to one
+        replica, ``root/replica`` (docs/ha.md, "With Litestream")."""
         super().__init__(root, env=env)
         self._primary_seen: tuple[float, str | None] = (-ASK_EVERY, None)
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
@@ -120,12 +161,33 @@ class PairDeployment(Deployment):
                 "CMDBUS_HA_NAME": name,
                 "CMDBUS_HA_LEASE_MS": str(LEASE_MS),
             }
+            if litestream:
+                (home / "litestream.yml").write_text(litestream_config(home / "data", root))
+                replicate = f"{LITESTREAM} replicate -config {home}/litestream.yml"
+                self.member_env[name] |= {
+                    "CMDBUS_CHECKPOINTS": "litestream",
+                    "CMDBUS_HA_WHILE_PRIMARY": replicate,
+                }
+        if litestream:
+            threading.Thread(target=self._count_litestreams, daemon=True).start()
         self.service = Service(V1_FACES, self._primary_ports_file)
         self.addresses = {
             face: ",".join(self.member_addresses[name][face] for name in MEMBERS) for face in FACES
         }
         addresses = {**self.addresses, "v1": self.service.addresses}  # (actors.py reads it)
         (root / "addresses.json").write_text(json.dumps(addresses))
+
+    def _count_litestreams(self) -> None:
+        """Write to ``root/litestreams`` how many `litestream replicate` of the members run,
+        each time it changes (sampled every 50 ms): one at most, ever."""
+        seen = None
+        while True:
+            running = len(litestream_pids(self.root))
+            if running != seen:
+                with (self.root / "litestreams").open("a") as log:
+                    log.write(f"{time.time():.3f} {running}\n")
+                seen = running
+            time.sleep(0.05)
 
     def primary(self, fresh: bool = True) -> str | None:
         """The member that says it is primary; not ``fresh``: as asked at most every
@@ -171,8 +233,7 @@ class PairDeployment(Deployment):
             self._until(self._in_sync, "a standby in sync")
         except BaseException:
             for process in self.processes.values():
-                process.kill()
-                process.wait()
+                _kill(process)
             raise
         return time.time()
 
@@ -185,6 +246,7 @@ class PairDeployment(Deployment):
                 env=self.member_env[name],
                 stdout=subprocess.DEVNULL,
                 stderr=log,
+                start_new_session=True,  # (its own process group: see kill_writer)
             )
         self.processes[name] = process
         self.writer = process  # the one whose RSS is sampled
@@ -205,17 +267,20 @@ class PairDeployment(Deployment):
 
     def kill_writer(self) -> float:
         """SIGKILL the primary."""
-        name = self.primary()
-        assert name is not None, "no primary to kill"
-        self.processes[name].kill()
-        self.processes[name].wait()
+        _kill(self.processes[self._the_primary()])
         return time.time()
 
     def stop_writer(self) -> int | None:
         """SIGTERM the primary, as a rollout does: it hands over to its standby and exits."""
-        name = self.primary()
-        assert name is not None, "no primary to stop"
-        return self._terminate(name)
+        return self._terminate(self._the_primary())
+
+    def _the_primary(self) -> str:
+        """The primary, once there is one: a member whose lease write outlasted its lease
+        (a loaded disk) has none for a moment, until it or its standby takes the lease."""
+        self._until(lambda: self.primary() is not None, "a primary")
+        name = self.primary(fresh=False)  # (the answer the wait ended on)
+        assert name is not None
+        return name
 
     def _terminate(self, name: str) -> int | None:
         process = self.processes[name]
@@ -223,8 +288,7 @@ class PairDeployment(Deployment):
         try:
             return process.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+            _kill(process)
             return None
 
     def stop(self) -> int | None:

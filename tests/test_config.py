@@ -185,6 +185,19 @@ def test_pod_labels_need_a_kubernetes_lease() -> None:
     )
 
 
+def test_a_command_while_primary_is_checked_before_the_writer_starts() -> None:
+    lease = {"ha_lease": "file:/tmp/lease"}
+    with pytest.raises(ConfigError, match=r"CMDBUS_HA_WHILE_PRIMARY .*needs CMDBUS_HA_LEASE"):
+        load({"ha_while_primary": "true"}, environ={})
+    with pytest.raises(ConfigError, match=r"no-such-litestream: no such program"):
+        load({"ha_while_primary": "no-such-litestream replicate", **lease}, environ={})
+    with pytest.raises(ConfigError, match=r"CMDBUS_HA_WHILE_PRIMARY .*not a command line"):
+        load({"ha_while_primary": "true 'unclosed", **lease}, environ={})
+    config = load({"ha_while_primary": "true -config '/etc/a b.yml'", **lease}, environ={})
+    assert config.ha_while_primary == ("true", "-config", "/etc/a b.yml")
+    assert load(lease, environ={}).ha_while_primary == ()
+
+
 def test_tls_needs_both_halves() -> None:
     with pytest.raises(ConfigError, match=r"CMDBUS_TLS_KEY.*needs both"):
         load({"tls_cert": "cert.pem"}, environ={})

@@ -114,6 +114,7 @@ def log_lines(tmp_path: Path) -> list[dict[str, Any]]:
 
 
 @pytest.mark.skipif(HARD <= 1024, reason="the hard limit leaves nothing to raise")
+@pytest.mark.once
 def test_the_soft_limit_is_raised_to_the_hard_one(tmp_path: Path) -> None:
     with limited_writer(tmp_path, f"1024:{HARD}") as process:
         wait_for_ports(tmp_path, process)
@@ -124,6 +125,7 @@ def test_the_soft_limit_is_raised_to_the_hard_one(tmp_path: Path) -> None:
     assert raised and raised[0]["soft_before"] == 1024 and raised[0]["soft"] == HARD
 
 
+@pytest.mark.once
 def test_a_connection_flood_under_1024_files_never_takes_the_probes_down(tmp_path: Path) -> None:
     """Hard limit 1,024: the caps are lowered to fit (about 140 a face), so 1,200 idle
     connections to the tier face are mostly refused at once (over_capacity); probes,
@@ -176,6 +178,7 @@ def enough_descriptors_here(wanted: int) -> Iterator[None]:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
+@pytest.mark.once
 def test_a_flood_of_control_connections_takes_no_descriptor_from_anyone(
     tmp_path: Path,
 ) -> None:

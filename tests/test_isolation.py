@@ -136,6 +136,7 @@ async def test_an_event_groups_lag_waits_for_a_gate_slot(tmp_path: Path) -> None
     assert metric_sum(text, admitted) == 1
 
 
+@pytest.mark.once
 async def test_groups_that_never_consume_owe_nothing(tmp_path: Path) -> None:
     """30 groups created ``from: tail`` never consume while 3,000 events come: past
     ``CMDBUS_STUCK_AFTER_MS`` each used to owe a row per event it had not consumed
@@ -232,7 +233,12 @@ async def test_new_filters_on_a_group_far_behind_leave_the_probes_answering(
     matches: each filter's look goes through the whole backlog), with ``/livez`` asked
     every 20 ms meanwhile. Each look used to run on the loop at once (0.1-0.2 s a
     filter: /livez p99 4.2 s); it now goes through 4,096 records a step, within the
-    data plane's share of a turn."""
+    data plane's share of a turn.
+
+    The bounds are a loop held by a look, not a machine's speed: with the whole backlog
+    in one step (a mutation of ``SCAN_STEP``) probes took 2.5-3.4 s and the loop's
+    heartbeat woke up to 2.5 s late; as built, probes took 5 ms (p99) on a quiet 2-CPU
+    machine and 0.28 s on a slow, busy one, where a 60 ms bound failed."""
     await trio.to_thread.run_sync(events_behind, tmp_path / "data", BEHIND, "behind")
     settings = {"CMDBUS_TIER_BIND": "", "CMDBUS_EVT_GROUPS": ""}
     with serving(tmp_path, **settings) as (_, ports):
@@ -259,11 +265,13 @@ async def test_new_filters_on_a_group_far_behind_leave_the_probes_answering(
                 )
                 done.set()
         assert all(reply["ok"] and reply["delivery"] is None for reply in replies)
-        lag = metric_sum(metrics_text(ports), 'ehdb_events_group_lag{group="behind"')
-        assert lag == BEHIND
+        text = metrics_text(ports)
+        assert metric_sum(text, 'ehdb_events_group_lag{group="behind"') == BEHIND
+    heartbeats = metric_sum(text, 'cmdbus_loop_lag_seconds_bucket{le="+Inf"}')
+    assert metric_sum(text, 'cmdbus_loop_lag_seconds_bucket{le="0.5"}') == heartbeats
     probes.sort()
     assert len(probes) >= 10
-    assert probes[int(len(probes) * 0.99)] <= 0.060, probes[-5:]
+    assert probes[int(len(probes) * 0.99)] <= 1.0, probes[-5:]
 
 
 def _rows(tmp_path: Path, sql: str) -> int:
@@ -365,6 +373,7 @@ async def test_frames_being_read_count_against_the_face_budget(tmp_path: Path) -
     assert grown < 160, f"RSS grew {grown:.0f} MiB"
 
 
+@pytest.mark.once
 async def test_a_client_gone_mid_frame_gives_its_loan_back(tmp_path: Path) -> None:
     """A large frame's bytes are lent before it is read whole; a client that leaves
     half-way leaves nothing lent (``cmdbus_pending_bytes`` back to 0), and a client
@@ -411,6 +420,7 @@ async def _pending_bytes(ports: dict[str, str]) -> float:
     return metric_sum(text, 'cmdbus_pending_bytes{face="cmd_ingest"}')
 
 
+@pytest.mark.once
 async def test_a_small_frame_then_one_at_the_cap_in_one_write_are_both_answered(
     tmp_path: Path,
 ) -> None:
@@ -435,6 +445,7 @@ async def test_a_small_frame_then_one_at_the_cap_in_one_write_are_both_answered(
         assert await _pending_bytes(ports) == 0
 
 
+@pytest.mark.once
 async def test_v1_a_small_record_then_one_larger_than_the_budget_are_both_answered(
     tmp_path: Path,
 ) -> None:

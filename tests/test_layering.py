@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import ast
 import importlib
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -143,6 +145,16 @@ def test_only_the_trio_client_imports_trio_in_the_client_package() -> None:
         path.name for path in (SRC / "client").glob("*.py") if "trio" in imported_modules(path)
     )
     assert users == ["_trio_connection.py", "_trio_faces.py", "_trio_sharded.py"]
+
+
+def test_the_command_line_imports_the_server_only_to_serve() -> None:
+    """Every other command (``ha status`` at night, a script's ``client publish``) starts
+    without importing the server: hypercorn, the faces, the buses."""
+    code = "import sys, cmdbus_trio.cli; print(sorted(m for m in sys.modules if m in NAMES))"
+    names = ["cmdbus_trio.app", "cmdbus_trio.faces", "cmdbus_trio.bus", "hypercorn"]
+    done = subprocess.run([sys.executable, "-c", f"NAMES = {names!r}; {code}"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    assert done.stdout.strip() == "[]", done.stdout
 
 
 def test_only_the_offload_helper_enters_a_thread() -> None:

@@ -171,6 +171,7 @@ def test_the_clients_read_the_noetl_writer_addresses() -> None:
     assert ShardMap.from_environ("commands", mine).addresses == ("c:9100",)  # type: ignore[union-attr]
 
 
+@pytest.mark.once
 async def test_a_writer_started_with_noetl_names_serves_the_lag_ports(tmp_path: Path) -> None:
     """The old scrape ports answer with their bus's lag series (and only those: a scrape
     of the control port holds everything), from the control nursery; the aliases used are

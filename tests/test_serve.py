@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from harness.deployment import free_ports
 
 from .helpers import cli, environment, server_log, serving
 
@@ -50,6 +51,7 @@ def test_serve_writes_ports_file_and_exits_0_on_signal(tmp_path: Path, signum: i
     assert all(event["level"] in ("info", "warning") for event in events)
 
 
+@pytest.mark.once
 def test_ports_file_lists_enabled_faces_only(tmp_path: Path) -> None:
     with serving(tmp_path, "--tier-bind", "") as (process, ports):
         process.send_signal(signal.SIGTERM)
@@ -59,9 +61,7 @@ def test_ports_file_lists_enabled_faces_only(tmp_path: Path) -> None:
 
 @pytest.mark.slow  # a port let go of, then used: one at a time (noxfile.IN_PARALLEL)
 def test_flag_overrides_env_for_the_control_bind(tmp_path: Path) -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    [port] = free_ports(1)
     with serving(tmp_path, "--control-bind", f"127.0.0.1:{port}") as (process, ports):
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=30)
@@ -104,6 +104,7 @@ def test_bad_config_exits_2_with_one_line(
     assert lines[0].startswith(f"cmdbus-trio: {expected}")
 
 
+@pytest.mark.once
 def test_data_dir_is_created_and_an_unusable_one_exits_2(tmp_path: Path) -> None:
     with serving(tmp_path) as (process, _):
         assert (tmp_path / "data").is_dir()
@@ -122,6 +123,7 @@ def test_data_dir_is_created_and_an_unusable_one_exits_2(tmp_path: Path) -> None
     assert "cannot create it: Not a directory" in result.stderr
 
 
+@pytest.mark.once
 def test_an_address_in_use_exits_1_naming_the_face(tmp_path: Path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -158,6 +160,7 @@ def test_version() -> None:
     assert result.stdout.strip() == f"cmdbus-trio {__version__}"
 
 
+@pytest.mark.once
 def test_one_writer_per_data_directory(tmp_path: Path) -> None:
     """A second writer on the same directory ran beside the first: each delivered only
     what was published through it. It now exits 2 naming the directory and the holder;
@@ -182,6 +185,7 @@ def test_one_writer_per_data_directory(tmp_path: Path) -> None:
         assert process.poll() is None
 
 
+@pytest.mark.once
 def test_a_store_the_writer_cannot_open_is_one_line_naming_it(tmp_path: Path) -> None:
     """It used to end in a ~60-line ExceptionGroup traceback that never named the path."""
     data = tmp_path / "data"
@@ -197,6 +201,7 @@ def test_a_store_the_writer_cannot_open_is_one_line_naming_it(tmp_path: Path) ->
     assert f"{str(data)!r}: events.sqlite3: file is not a database" in lines[0]
 
 
+@pytest.mark.once
 def test_a_mistyped_variable_is_named_with_the_nearest_setting(tmp_path: Path) -> None:
     """`CMDBUS_SNYC=normal` was ignored without a word: the writer ran with sync=full."""
     typos = {"CMDBUS_SNYC": "normal", "CMDBUS_AUTH_TOKN": "x", "CMDBUS_ZZZZZZ": "1"}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import trio
 
 from cmdbus_trio.client.trio import ClaimClient, IngestClient, TierClient
@@ -16,6 +17,7 @@ from .helpers import get, serving
 BUS_FACES = ("CMD_INGEST", "CMD_CLAIM", "EVT_INGEST", "EVT_CLAIM", "EVT_SUBSCRIBE")
 
 
+@pytest.mark.once
 async def test_the_buses_and_the_tier_run_side_by_side_and_a_tier_stall_spares_the_buses(
     tmp_path: Path,
 ) -> None:

@@ -86,7 +86,10 @@ def walk(value: Any) -> Iterator[tuple[str, Any]]:
 
 @pytest.mark.parametrize(
     "source",
-    ["raw", "example", "three-shards", "noetl", "split", "litestream", "ha", "ha-three-shards"],
+    [
+        *("raw", "example", "three-shards", "noetl", "split", "litestream"),
+        *("ha", "ha-three-shards", "ha-litestream"),
+    ],
 )
 def test_manifests_validate_against_the_kubernetes_schemas(source: str) -> None:
     docs = raw_documents() if source == "raw" else built_documents(source)

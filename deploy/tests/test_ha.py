@@ -6,16 +6,24 @@ that the writer's own settings accept as a member's of that shard."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from test_deploy import (
+    K8S,
     SHUTDOWN_TIMEOUT_S,
     built_documents,
     by_kind,
     client_selector,
     container,
+    need,
 )
 
 from cmdbus_trio.config import load
@@ -23,7 +31,7 @@ from cmdbus_trio.member import HAND_OVER_WAIT_S
 
 SHARD_LABEL = "cmdbus-trio.io/shard"
 ROLE_LABEL = "cmdbus-trio.io/role"
-OVERLAYS = {"ha": 1, "ha-three-shards": 3}
+OVERLAYS = {"ha": 1, "ha-three-shards": 3, "ha-litestream": 1}
 
 
 def named(docs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
@@ -42,8 +50,12 @@ def pod_env(statefulset: dict[str, Any], ordinal: int) -> dict[str, str]:
     }
     env: dict[str, str] = {}
     for variable in container(statefulset)["env"]:
-        if "valueFrom" in variable:
-            env[variable["name"]] = pod[variable["valueFrom"]["fieldRef"]["fieldPath"]]
+        source = variable.get("valueFrom", {})
+        if "secretKeyRef" in source:
+            env[variable["name"]] = f"<secret {source['secretKeyRef']['key']}>"
+            continue
+        if "fieldRef" in source:
+            env[variable["name"]] = pod[source["fieldRef"]["fieldPath"]]
             continue
         value = variable["value"]
         for reference in re.findall(r"\$\((\w+)\)", value):
@@ -89,7 +101,10 @@ def test_each_shard_is_two_pods_on_two_nodes_with_a_budget_that_keeps_one(
 
 
 @pytest.mark.parametrize(("overlay", "shards"), OVERLAYS.items())
-def test_a_members_environment_is_a_member_of_its_shard(overlay: str, shards: int) -> None:
+def test_a_members_environment_is_a_member_of_its_shard(
+    overlay: str, shards: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}:{os.environ['PATH']}")  # litestream
     for statefulset in by_kind(built_documents(overlay), "StatefulSet"):
         name = statefulset["metadata"]["name"]
         shard = int(statefulset["spec"]["template"]["metadata"]["labels"][SHARD_LABEL])
@@ -103,6 +118,11 @@ def test_a_members_environment_is_a_member_of_its_shard(overlay: str, shards: in
             assert config.ha_name == f"{name}-{ordinal}"  # the pod's name: its label's
             assert config.ha_pod_labels and config.ha_advertise == "127.0.0.1"
             assert config.ha_sync == "on" and config.ha_lease_ms == 5000
+            if overlay == "ha-litestream":
+                assert config.checkpoints == "litestream"
+                assert config.ha_while_primary == (
+                    "litestream", "replicate", "-config", "/etc/litestream/litestream.yml"
+                )  # fmt: skip
 
 
 @pytest.mark.parametrize(("overlay", "shards"), OVERLAYS.items())
@@ -197,3 +217,59 @@ def test_replication_only_between_a_shards_members_and_backups_of_each_primary(
     for statefulset in by_kind(docs, "StatefulSet"):
         claims = [t["metadata"]["name"] for t in statefulset["spec"]["volumeClaimTemplates"]]
         assert claims == ["data", "backups"]
+
+
+def expand(env: dict[str, str], variable: re.Match[str]) -> str:
+    return env[variable.group(1)]
+
+
+def composed(tmp_path: Path, overlay: str, component: str) -> list[dict[str, Any]]:
+    """``overlay`` with ``component`` added, as a user's own kustomization adds it (in
+    the overlay's namespace: a generated ConfigMap is named by its hash only there)."""
+    here = os.path.relpath(K8S, tmp_path)
+    (tmp_path / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nnamespace: cmdbus\n"
+        f"resources: [{here}/overlays/{overlay}]\ncomponents: [{here}/components/{component}]\n"
+    )
+    kubectl = need("kubectl", ci_installs=False)
+    built = subprocess.run([kubectl, "kustomize", str(tmp_path)],
+                           capture_output=True, text=True, check=True, timeout=60)  # fmt: skip
+    return [d for d in yaml.safe_load_all(built.stdout) if d]
+
+
+@pytest.mark.parametrize("overlay", ["ha-litestream", "ha-three-shards"])
+def test_litestream_runs_in_the_primary_member_to_one_replica_per_shard(
+    overlay: str, tmp_path: Path
+) -> None:
+    """No sidecar: the member runs Litestream while primary. Both members of a shard
+    replicate to the shard's replica, each shard to its own; an empty volume is restored
+    from it only when the pod is annotated so."""
+    if overlay == "ha-litestream":
+        docs = built_documents(overlay)
+    else:
+        docs = composed(tmp_path, overlay, "ha-litestream")
+    (config_map,) = [d for d in by_kind(docs, "ConfigMap") if "litestream" in d["metadata"]["name"]]
+    config = config_map["data"]["litestream.yml"]
+    replicas: dict[int, set[str]] = {}
+    for statefulset in by_kind(docs, "StatefulSet"):
+        pod = statefulset["spec"]["template"]["spec"]
+        assert [c["name"] for c in pod["containers"]] == ["writer"]
+        mounts = {m["name"]: m["mountPath"] for m in container(statefulset)["volumeMounts"]}
+        assert mounts["litestream-config"] == "/etc/litestream"
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["litestream-config"]["configMap"]["name"] == config_map["metadata"]["name"]
+        restore, keys = pod["initContainers"]
+        assert restore["args"][0].startswith('[ "$RESTORE_FROM_REPLICA" = true ] || exit 0;')
+        asked = {e["name"]: e for e in restore["env"]}["RESTORE_FROM_REPLICA"]
+        annotation = "metadata.annotations['cmdbus-trio.io/restore-from-replica']"
+        assert asked["valueFrom"]["fieldRef"]["fieldPath"] == annotation
+        assert "--after-litestream" in keys["args"][0]
+        for ordinal in range(2):
+            env = pod_env(statefulset, ordinal)
+            urls = re.findall(r"url: (\S+)", config)
+            expanded = {re.sub(r"\$\{(\w+)\}", partial(expand, env), u) for u in urls}
+            replicas.setdefault(int(env["CMDBUS_SHARD"]), set()).update(expanded)
+    shards = 3 if overlay == "ha-three-shards" else 1
+    assert sorted(replicas) == list(range(shards))
+    for shard, urls in replicas.items():  # (both members' the same three)
+        assert urls == {f"<secret url>/shard-{shard}/{s}" for s in ("commands", "events", "tier")}

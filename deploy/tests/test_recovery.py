@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +108,41 @@ def test_the_backup_cronjob_backs_up_every_pod_and_keeps_the_newest(tmp_path: Pa
     assert subprocess.run(check, capture_output=True).returncode == 0
 
 
+def litestream_pod(
+    tmp_path: Path, overlay: str, **env: str
+) -> tuple[dict[str, Any], Callable[[str], str], dict[str, str]]:
+    """The writer pod of a Litestream overlay, its volume at ``tmp_path/data`` and its
+    ConfigMap's folder at ``tmp_path/etc``: the pod's spec, what makes a path of the pod
+    this machine's, and the environment its containers see (the replica a directory)."""
+    need("litestream")
+    docs = built_documents(overlay)
+    (statefulset,) = by_kind(docs, "StatefulSet")
+    (config_map,) = [d for d in by_kind(docs, "ConfigMap") if "litestream" in d["metadata"]["name"]]
+    data, etc = tmp_path / "data", tmp_path / "etc"
+
+    def here(text: str) -> str:
+        return text.replace("/var/lib/cmdbus", str(data)).replace("/etc/litestream", str(etc))
+
+    etc.mkdir()
+    (etc / "litestream.yml").write_text(here(config_map["data"]["litestream.yml"]))
+    replica = f"file://{tmp_path / 'replica'}"
+    path = f"{BIN}:{os.environ['PATH']}"
+    environment = {**os.environ, "PATH": path, "LITESTREAM_REPLICA_URL": replica, **env}
+    return statefulset["spec"]["template"]["spec"], here, environment
+
+
+def processes_naming(path: Path) -> list[str]:
+    """The pids of the processes with ``path`` in their command lines."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if str(path).encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                pids.append(pid)
+        except OSError:
+            continue  # (gone meanwhile)
+    return pids
+
+
 def init_containers(pod: dict[str, Any], here: Any, env: dict[str, str]) -> list[str]:
     """Each init container's shell, in order, as the pod runs them; their output."""
     outputs = []
@@ -121,25 +157,9 @@ def init_containers(pod: dict[str, Any], here: Any, env: dict[str, str]) -> list
 def test_the_litestream_overlay_brings_a_lost_volume_back_as_its_pod_would(
     tmp_path: Path,
 ) -> None:
-    need("litestream")
-    docs = built_documents("litestream")
-    (statefulset,) = by_kind(docs, "StatefulSet")
-    pod = statefulset["spec"]["template"]["spec"]
+    pod, here, env = litestream_pod(tmp_path, "litestream", POD_NAME="cmdbus-trio-0")
     sidecar = {c["name"]: c for c in pod["containers"]}["litestream"]
-    (config_map,) = [d for d in by_kind(docs, "ConfigMap") if "litestream" in d["metadata"]["name"]]
-    data, etc = tmp_path / "data", tmp_path / "etc"
-
-    def here(text: str) -> str:
-        return text.replace("/var/lib/cmdbus", str(data)).replace("/etc/litestream", str(etc))
-
-    etc.mkdir()
-    (etc / "litestream.yml").write_text(here(config_map["data"]["litestream.yml"]))
-    env = {
-        **os.environ,
-        "PATH": f"{BIN}:{os.environ['PATH']}",
-        "LITESTREAM_REPLICA_URL": f"file://{tmp_path / 'replica'}",
-        "POD_NAME": "cmdbus-trio-0",
-    }
+    data = tmp_path / "data"
     data.mkdir()  # a new deployment's volume: nothing to restore, nothing changed
     init_containers(pod, here, env)
     assert list(data.iterdir()) == []
@@ -184,3 +204,57 @@ def test_the_litestream_overlay_brings_a_lost_volume_back_as_its_pod_would(
         with IngestClient(ports["cmd_ingest"]) as ingest:
             fresh = ingest.publish({"execution_id": 1, "payload": "{}"}).sort_key
             assert fresh >= keys[-1] + REPLICA_KEY_JUMP
+
+
+def test_a_pair_member_runs_the_overlays_litestream_and_restores_only_when_asked(
+    tmp_path: Path,
+) -> None:
+    """deploy/k8s/overlays/ha-litestream as its pod would run it: the member replicates
+    with the overlay's command and configuration while primary. Its volume lost, the init
+    containers leave it empty (the member would copy its primary) unless the pod is
+    annotated, and then restore it and move its keys on."""
+    pod, here, env = litestream_pod(tmp_path, "ha-litestream", CMDBUS_SHARD="0")
+    writer = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    data, etc = tmp_path / "data", tmp_path / "etc"
+    settings = {
+        "PATH": env["PATH"],
+        "LITESTREAM_REPLICA_URL": env["LITESTREAM_REPLICA_URL"],
+        "CMDBUS_SHARD": "0",
+        "CMDBUS_CHECKPOINTS": writer["CMDBUS_CHECKPOINTS"],
+        "CMDBUS_HA_WHILE_PRIMARY": here(writer["CMDBUS_HA_WHILE_PRIMARY"]),
+        "CMDBUS_HA_LEASE": f"file:{tmp_path / 'lease'}",
+        "CMDBUS_HA_NAME": "cmdbus-trio-0-0",
+        "CMDBUS_HA_BIND": "127.0.0.1:0",
+    }
+    server = running_image_entrypoint(tmp_path, settings)
+    ports = server.__enter__()
+    try:
+        with IngestClient(ports["cmd_ingest"]) as ingest:  # (a member alone: primary)
+            keys = [ingest.publish({"execution_id": n, "payload": "{}"}).sort_key
+                    for n in range(100)]  # fmt: skip
+        time.sleep(3)  # Litestream syncs every second
+        server.process.send_signal(signal.SIGTERM)  # it stops its Litestream, then exits
+        assert server.process.wait(timeout=30) == 0
+    finally:
+        server.__exit__()
+    assert not processes_naming(etc)  # its Litestream stopped with it
+    assert (tmp_path / "replica" / "shard-0" / "commands").is_dir()
+    shutil.rmtree(data)
+    data.mkdir()
+    init_containers(pod, here, env | {"RESTORE_FROM_REPLICA": ""})  # (no annotation)
+    assert list(data.iterdir()) == []
+    _, moved = init_containers(pod, here, env | {"RESTORE_FROM_REPLICA": "true"})
+    assert {"commands.sqlite3", "events.sqlite3", "tier.sqlite3"} <= {
+        p.name for p in data.iterdir()
+    }
+    assert json.loads(moved.splitlines()[0])["key_jump"] == REPLICA_KEY_JUMP
+    before = snapshot(data)
+    init_containers(pod, here, env | {"RESTORE_FROM_REPLICA": "true"})  # a restart: nothing
+    assert snapshot(data) == before
+    (tmp_path / "ports.json").unlink()
+    settings = {"CMDBUS_CHECKPOINTS": "litestream"}
+    with (
+        running_image_entrypoint(tmp_path, settings) as ports,
+        ClaimClient(ports["cmd_claim"]) as claim,
+    ):
+        assert claim.lag().total == len(keys)

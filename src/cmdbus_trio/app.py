@@ -142,11 +142,12 @@ class Writer:
         until: trio.Event | None = None,
         until_budget: Callable[[], float] | None = None,
         replicate: Replicate | None = None,
+        before_close: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         """Open the stores, serve the ``faces`` until a drain is asked (or ``until`` is
         set: a primary deposed or switching over; ``until_budget`` says its drain's
-        budget), drain them, and close the stores. ``replicate`` is handed the open
-        stores first (a primary's replication)."""
+        budget), drain them, and close the stores. ``replicate`` is handed the open stores
+        first; ``before_close`` is awaited once nothing writes to them (a primary's)."""
         self._draining = trio.Event()  # (a member may serve again after a standby spell)
         self.health.draining = False
         await self._open_stores(faces)
@@ -172,6 +173,8 @@ class Writer:
                 if settled is not None:
                     await settled()
                 background.cancel_scope.cancel()
+            if before_close is not None:
+                await before_close()
         finally:
             await self._close_stores()  # every face has returned: no thread uses them
 

@@ -30,7 +30,7 @@ from . import metrics
 from .admission import run_in_thread
 from .bus import Bus
 from .faces import standby as standby_face
-from .ha import Elector, Role, SyncMode, open_lease_store
+from .ha import Elector, Role, SyncMode, open_lease_store, while_primary
 from .ha import face as replication_face
 from .ha._kube_lease import KubernetesLeaseStore
 from .ha._kube_pods import PodLabels, keep_labelled
@@ -71,6 +71,9 @@ class Member:
         # The lease's own thread: a renewal never waits behind a base copy (it did, and
         # the primary lost its lease while it copied its stores to a standby).
         self._lease_limiter = trio.CapacityLimiter(1)
+        # The pod labels' own thread too: a label waits behind neither a base copy nor a
+        # renewal (and a hung API call of theirs never delays one).
+        self._labels_limiter = trio.CapacityLimiter(1)
         self.mode = SyncMode(config.ha_sync)
         empty = not any((config.data_dir / name).exists() for name in datadir.STORE_FILES)
         self.elector = Elector(self.name, config.ha_lease_ms / 1000, self.mode, empty=empty)
@@ -110,9 +113,10 @@ class Member:
             store = self.keeper.store
             assert isinstance(store, KubernetesLeaseStore)  # (the settings check it)
             labels = PodLabels(store.api, store.namespace)
+            labels_io = partial(run_in_thread, limiter=self._labels_limiter)
             control.start_soon(
                 keep_labelled, labels, self.name, self._labels_wanted,
-                self._role_change, self._offload,
+                self._role_change, labels_io,
             )  # fmt: skip
 
         def once(addresses: dict[str, str]) -> None:
@@ -210,16 +214,23 @@ class Member:
                 else DEPOSED_DRAIN_S
             )
 
+        command = None
+        if self.config.ha_while_primary:  # stopped once deposed, or before the stores close
+            command = while_primary.WhilePrimary(self.config.ha_while_primary)
+
         def serving(addresses: dict[str, str]) -> None:
             self.elector.faces = {face: self._advertised(face) for face in addresses}
             started(addresses)
+            if command is not None:
+                nursery.start_soon(command.run, deposed)
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(watch_lease)
             nursery.start_soon(watch_switchover)
             await writer.serve(
-                self.faces, serving, until=deposed, until_budget=budget, replicate=self._replicate
-            )
+                self.faces, serving, until=deposed, until_budget=budget,
+                replicate=self._replicate, before_close=None if command is None else command.stop,
+            )  # fmt: skip
             nursery.cancel_scope.cancel()
         handing_over = writer.drain_requested.is_set() or self._switching.is_set()
         if handing_over and self.keeper.is_primary():
@@ -233,10 +244,11 @@ class Member:
         if self.sync is not None:
             self.keeper.listeners.remove(self.sync.poke)
         self.source = self.sync = None
+        # (The term that ended: the elector may hold the next one's epoch by now.)
         if self._switching.is_set():
-            event(log, logging.WARNING, "switched_over", epoch=self.elector.epoch)
+            event(log, logging.WARNING, "switched_over", epoch=epoch)
         elif deposed.is_set() and not writer.drain_requested.is_set():
-            event(log, logging.WARNING, "deposed", epoch=self.elector.epoch)
+            event(log, logging.WARNING, "deposed", epoch=epoch)
 
     async def _replicate(
         self, stores: Mapping[str, Any], background: trio.Nursery

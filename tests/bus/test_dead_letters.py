@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 
 from cmdbus_trio.client import blocking
@@ -69,6 +70,7 @@ async def all_dead(client: FrameClient, **fields: Any) -> list[dict[str, Any]]:
         after = page["next_after"]
 
 
+@pytest.mark.once
 async def test_dead_pages_past_a_thousand_filtered_in_the_query(tmp_path: Path) -> None:
     with serving(tmp_path, **SETTINGS) as (_, ports):
         keys = await park(ports, ["busy"] * 1200 + ["rare"] * 3)
@@ -110,6 +112,7 @@ async def test_a_page_stops_at_the_reply_cap(tmp_path: Path) -> None:
             assert [r["sort_key"] for r in await all_dead(client)] == keys
 
 
+@pytest.mark.once
 async def test_requeue_and_purge_survive_a_sigkill(tmp_path: Path) -> None:
     with serving(tmp_path, **SETTINGS) as (writer, ports):
         keys = await park(ports, ["a"] * 4 + ["b"] * 4)
@@ -166,6 +169,7 @@ async def test_event_groups_and_both_clients(tmp_path: Path) -> None:
         await trio.to_thread.run_sync(blocking_side)
 
 
+@pytest.mark.once
 def test_the_cli_lists_requeues_and_purges(tmp_path: Path) -> None:
     with serving(tmp_path, **SETTINGS) as (_, ports):
         keys = trio.run(park, ports, ["c"] * 3)

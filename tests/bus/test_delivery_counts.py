@@ -31,6 +31,7 @@ def ended_claim_connections(ports: dict[str, str]) -> float:
     return every - metric_sum(text, 'cmdbus_connections_total{face="cmd_claim",outcome="accepted"}')
 
 
+@pytest.mark.once
 def test_max_deliver_holds_across_a_sigkill(tmp_path: Path) -> None:
     record = {"execution_id": 1, "payload": json.dumps({"step": "poison"})}
     with serving(tmp_path, **TIMERS) as (writer, ports):
@@ -97,6 +98,7 @@ async def claim_and_nack_later(
 
 
 @pytest.mark.parametrize(("ingest", "claim_face", "group"), BUSES, ids=["commands", "events"])
+@pytest.mark.once
 def test_a_delayed_nack_counts_across_a_clean_restart(
     tmp_path: Path, ingest: str, claim_face: str, group: dict[str, str]
 ) -> None:
@@ -131,6 +133,7 @@ def test_a_delayed_nack_counts_across_a_clean_restart(
     assert dead[0]["deliveries"] == 2
 
 
+@pytest.mark.once
 def test_an_event_restart_loads_the_backlog_not_the_history(tmp_path: Path) -> None:
     """20,000 events published and settled by both configured groups (each created from
     the beginning), then 300 more left unconsumed: after a restart the groups hold only

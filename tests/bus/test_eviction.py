@@ -254,6 +254,7 @@ EVICTING = {
 }
 
 
+@pytest.mark.once
 async def test_a_capped_writer_evicts_the_oldest_events_and_counts_what_a_group_missed(
     tmp_path: Path,
 ) -> None:

@@ -337,6 +337,7 @@ RETENTION = {
 }
 
 
+@pytest.mark.once
 async def test_a_writer_deletes_what_its_windows_let_go_and_keeps_the_rest(
     tmp_path: Path,
 ) -> None:
@@ -483,6 +484,7 @@ def test_a_tier_store_made_before_tier_retention_counts_its_executions_from_now(
     store.close()
 
 
+@pytest.mark.once
 async def test_a_tier_with_a_window_deletes_idle_executions_and_keeps_the_rest(
     tmp_path: Path,
 ) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from harness.deployment import free_ports
 
 from cmdbus_trio.client import blocking
 from cmdbus_trio.storage.datadir import STORE_FILES
@@ -35,9 +35,7 @@ def s3_on_loopback() -> Iterator[str]:
     """moto's S3 server on a free loopback port, with a bucket; its endpoint."""
     import boto3
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    [port] = free_ports(1)
     server = subprocess.Popen(
         [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,

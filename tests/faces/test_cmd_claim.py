@@ -218,6 +218,7 @@ async def test_v1_next_ack_nack(server: dict[str, str]) -> None:
         assert await bad.receive() is None
 
 
+@pytest.mark.once
 async def test_lag_metric_is_undelivered_plus_unacked(server: dict[str, str]) -> None:
     keys = await publish(server, [record(i) for i in range(5)])
     async with frame_client(server["cmd_claim"]) as client:
@@ -230,6 +231,7 @@ async def test_lag_metric_is_undelivered_plus_unacked(server: dict[str, str]) ->
     assert "ehdb_feed_total_lag 4.0" in text
 
 
+@pytest.mark.once
 async def test_acks_survive_a_restart_and_unacked_records_return(tmp_path: Path) -> None:
     with serving(tmp_path, **BUS_ONLY) as (process, ports):
         keys = await publish(ports, [record(i) for i in range(5)])
@@ -248,6 +250,7 @@ async def test_acks_survive_a_restart_and_unacked_records_return(tmp_path: Path)
     assert returned == keys[3:]
 
 
+@pytest.mark.once
 async def test_a_drain_wakes_waiting_consumers_instead_of_waiting_for_them(tmp_path: Path) -> None:
     with serving(tmp_path, CMDBUS_SHUTDOWN_TIMEOUT_MS="15000", **BUS_ONLY) as (process, ports):
         async with (
@@ -269,6 +272,7 @@ async def test_a_drain_wakes_waiting_consumers_instead_of_waiting_for_them(tmp_p
         assert trio.current_time() - start < 5  # not the 15 s shutdown budget
 
 
+@pytest.mark.once
 async def test_settled_positions_prune_acks_and_restarts_stay_right(tmp_path: Path) -> None:
     import sqlite3
 

@@ -8,11 +8,13 @@ import contextlib
 import json
 from pathlib import Path
 
+import pytest
 import trio
 
 from ..helpers import frame_client, metric_sum, metrics_text, serving
 
 
+@pytest.mark.once
 async def test_at_most_32_requests_in_flight_per_connection(tmp_path: Path) -> None:
     with serving(tmp_path) as (_, ports), trio.fail_after(30):
         async with frame_client(ports["cmd_claim"]) as client:
@@ -51,6 +53,7 @@ async def test_made_up_ops_are_counted_under_one_label(tmp_path: Path) -> None:
         assert counted == 20, face
 
 
+@pytest.mark.once
 async def test_the_first_frame_has_a_deadline_from_the_accept(tmp_path: Path) -> None:
     """A connection that never finishes its first frame (silent, or trickling a byte now
     and then, which restarts the read timeout each time) held one of the face's

@@ -142,6 +142,7 @@ async def test_v1_requests_carry_the_group(server: dict[str, str]) -> None:
         assert await no_group.receive() is None  # a v1 request without its group closes
 
 
+@pytest.mark.once
 async def test_group_lag_metric(server: dict[str, str]) -> None:
     await publish(server, 4)
     async with frame_client(server["evt_claim"]) as client:
@@ -153,6 +154,7 @@ async def test_group_lag_metric(server: dict[str, str]) -> None:
     assert 'ehdb_events_group_lag{group="beta"} 4.0' in text
 
 
+@pytest.mark.once
 async def test_a_restart_keeps_groups_and_their_acks(tmp_path: Path) -> None:
     with serving(tmp_path, **EVENTS_ONLY) as (process, ports):
         keys = await publish(ports, 4)
@@ -171,6 +173,7 @@ async def test_a_restart_keeps_groups_and_their_acks(tmp_path: Path) -> None:
             assert await drain_group(client, "beta") == keys
 
 
+@pytest.mark.once
 async def test_a_configured_group_is_the_operators_to_delete(tmp_path: Path) -> None:
     """A client deleting a CMDBUS_EVT_GROUPS group closed its v1 consumers, and the next
     restart re-created it from the beginning: every retained event went to the
@@ -190,6 +193,7 @@ async def test_a_configured_group_is_the_operators_to_delete(tmp_path: Path) -> 
             assert (await client.request("delete_group", group="alpha"))["deleted"]
 
 
+@pytest.mark.once
 async def test_delete_group_forgets_the_group_and_all_it_recorded(tmp_path: Path) -> None:
     settings = {**EVENTS_ONLY, "CMDBUS_EVT_MAX_GROUPS": "3"}
     with serving(tmp_path, **settings) as (_, ports):

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 
 from ..helpers import FrameClient, frame_client, get, publish_over_wire, serving
@@ -36,6 +37,7 @@ async def collect(client: FrameClient, want: int) -> list[dict[str, Any]]:
     return records
 
 
+@pytest.mark.once
 async def test_history_then_live_without_gap_or_duplicate(tmp_path: Path) -> None:
     with serving(tmp_path, **EVENTS) as (_, ports):
         await publish(ports["evt_ingest"], 3000)
@@ -86,6 +88,7 @@ async def test_v1_pushes_json_arrays_and_refuses_another_shard(tmp_path: Path) -
             assert await wrong.receive() is None
 
 
+@pytest.mark.once
 async def test_a_slow_subscriber_is_cut_off_while_a_fast_one_keeps_up(tmp_path: Path) -> None:
     settings = {"CMDBUS_SUBSCRIBER_BUFFER": "400", "CMDBUS_READ_TIMEOUT_MS": "60000", **EVENTS}
     with serving(tmp_path, **settings) as (_, ports), trio.fail_after(90):
@@ -121,6 +124,7 @@ async def test_a_slow_subscriber_is_cut_off_while_a_fast_one_keeps_up(tmp_path: 
         assert "cmdbus_subscribers_dropped_total 1.0" in text
 
 
+@pytest.mark.once
 async def test_two_subscriptions_on_one_connection_do_not_defeat_the_buffer(
     tmp_path: Path,
 ) -> None:

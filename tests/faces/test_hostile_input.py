@@ -28,6 +28,7 @@ def writer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dic
         yield tmp_path, ports
 
 
+@pytest.mark.once
 async def test_deep_payloads_beside_honest_publishers(
     writer: tuple[Path, dict[str, str]],
 ) -> None:
@@ -272,6 +273,7 @@ async def test_a_request_over_the_cap_is_answered_too_large_before_the_close(
             await ingest.publish({"execution_id": 1, "payload": "{}"})
 
 
+@pytest.mark.once
 def test_a_drain_does_not_linger_over_an_idle_subscriber(tmp_path: Path) -> None:
     """On SIGTERM an idle v2 subscriber is told `unavailable` and its connection closed
     at once, within a shutdown budget of a second: the lingering close is for a client
@@ -302,6 +304,7 @@ def test_a_drain_does_not_linger_over_an_idle_subscriber(tmp_path: Path) -> None
 
 
 @pytest.mark.parametrize("last", ["too_large", "invalid"])
+@pytest.mark.once
 def test_a_last_answer_comes_after_the_replies_to_the_requests_ahead_of_it(
     tmp_path: Path, last: str
 ) -> None:
@@ -333,6 +336,7 @@ def test_a_last_answer_comes_after_the_replies_to_the_requests_ahead_of_it(
     assert then["ok"] is False and then["error"]["code"] == last, then
 
 
+@pytest.mark.once
 def test_a_drain_answers_every_request_it_was_sent_and_closes_without_a_reset(
     tmp_path: Path,
 ) -> None:

@@ -85,18 +85,18 @@ async def test_a_flood_of_one_mib_batches(tmp_path: Path) -> None:
         assert 900_000 < len(frame) < 1 << 20
 
         async def flood(replies: list[int]) -> None:
-            # A fast client: it sends its 30 frames (30 MB) back to back and reads the
-            # replies as they come, concurrently.
+            # A fast client: it sends its 12 frames (12 MB, the face takes in 8 MiB at
+            # most) back to back and reads the replies as they come, concurrently.
             async with frame_client(ports["cmd_ingest"]) as client:
 
                 async def send_all() -> None:
-                    for i in range(30):
+                    for i in range(12):
                         body = frame.replace('"op"', f'"id": {i + 1}, "op"', 1)
                         await client.send(body.encode())
 
                 async with trio.open_nursery() as sending:
                     sending.start_soon(send_all)
-                    for _ in range(30):
+                    for _ in range(12):
                         reply = await client.receive_json()
                         assert reply["ok"], reply
                         replies.append(len(reply["sort_keys"]))
@@ -107,7 +107,7 @@ async def test_a_flood_of_one_mib_batches(tmp_path: Path) -> None:
                 for _ in range(4):
                     nursery.start_soon(flood, replies)
                 peak = await watch_peak(writer, 2.0)
-        assert replies == [10_000] * 120  # everything was committed and answered
+        assert replies == [10_000] * 48  # everything was committed and answered
         assert peak - idle <= BOUND_MIB, f"RSS grew {peak - idle:.0f} MiB over idle {idle:.0f}"
 
 
@@ -160,6 +160,7 @@ async def test_a_cancelled_ask_takes_nothing_and_lets_the_next_through() -> None
     assert budget.lent == 100
 
 
+@pytest.mark.once
 async def test_a_reader_cut_off_mid_reply_never_gets_a_corrupt_frame(tmp_path: Path) -> None:
     """A write that stalls past the read timeout may have sent part of a frame: the
     connection must end there. It used to go on writing the next replies after the

@@ -9,6 +9,8 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 
+from harness.deployment import free_ports
+
 
 class Proxy:
     def __init__(self, target: tuple[str, int]) -> None:
@@ -71,9 +73,8 @@ class Proxy:
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """One that no client's connection can take as its own local port meanwhile."""
+    return free_ports(1)[0]
 
 
 @contextmanager

@@ -14,16 +14,24 @@ from pathlib import Path
 
 import pytest
 
-from ..durability.test_clocks import LIBFAKETIME
+from cmdbus_trio.ha._file_lease import FileLeaseStore
+
+from ..durability.test_clocks import LIBFAKETIME, offset_env
 from .test_failures import Ledger
 from .test_pair import claimed_keys, ha, member, until
 
 pytestmark = pytest.mark.e2e
 
 LEASE_MS = 5000
-"""Longer than test_pair's: a primary's renewal is a write and an fsync of the lease's
-directory, which on this one disk can wait over a second behind the standby's base
-copy; with a 2 s lease (1.6 s of hold) the primary lost it about one run in ten."""
+DAY = 86_400.0
+
+
+def renewed_ahead(lease: Path) -> float:
+    """How far ahead of the test's wall clock the lease's holder stamped its last
+    renewal: its wall clock's step, give or take a renewal interval."""
+    newest = FileLeaseStore(lease).read()
+    assert newest is not None
+    return newest.record.renewed_at - time.time()
 
 
 def stepped(tmp_path: Path, name: str) -> dict[str, str]:
@@ -33,13 +41,7 @@ def stepped(tmp_path: Path, name: str) -> dict[str, str]:
         pytest.skip("libfaketime is not installed (apt-get install faketime)")
     offset = tmp_path / f"{name}.offset"
     offset.write_text("+0\n")
-    env = {
-        "LD_PRELOAD": str(LIBFAKETIME),
-        "FAKETIME_TIMESTAMP_FILE": str(offset),
-        "FAKETIME_NO_CACHE": "1",
-        "FAKETIME_DONT_FAKE_MONOTONIC": "1",
-    }
-    return env
+    return offset_env(offset)
 
 
 def test_wall_clocks_stepped_a_day_either_way_change_nothing(tmp_path: Path) -> None:
@@ -58,11 +60,14 @@ def test_wall_clocks_stepped_a_day_either_way_change_nothing(tmp_path: Path) -> 
             ledger.wait_for(20)
             (tmp_path / "a.offset").write_text("+1d\n")
             (tmp_path / "b.offset").write_text("-1d\n")
-            time.sleep(LEASE_MS / 1000 * 2)
+            time.sleep(LEASE_MS / 1000 * 1.2)  # (past a whole lease: a renewal and an expiry)
+            assert abs(renewed_ahead(lease) - DAY) < LEASE_MS / 1000  # (the step took)
             assert ha(a_ports)["role"] == "primary" and ha(a_ports)["epoch"] == 1
             assert ha(b_ports)["role"] == "standby" and ha(a_ports)["in_sync"]
             ledger.wait_for(len(ledger.acked) + 20)
         a.send_signal(signal.SIGKILL)
         a.wait()
-        until(lambda: ha(b_ports)["role"] == "primary", timeout=LEASE_MS / 1000 + 5)
+        # (The lease, the standby's read a third of it late at most, and its start.)
+        until(lambda: ha(b_ports)["role"] == "primary", timeout=LEASE_MS / 1000 * 4 / 3 + 5)
+        assert abs(renewed_ahead(lease) + DAY) < LEASE_MS / 1000  # (b's step took)
         assert claimed_keys(b_ports) >= set(ledger.acked)

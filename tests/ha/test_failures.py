@@ -15,6 +15,7 @@ import threading
 import time
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -88,6 +89,15 @@ def test_a_paused_primary_acknowledges_nothing_after_the_takeover_and_rejoins(
         rejoined = until(lambda: ha(a_ports)["role"] == "standby" and ha(a_ports)["primary"] == "b")
         assert rejoined < 10
         until(lambda: ha(a_ports)["in_sync"])
+        # Its log names the term it lost, not the one that deposed it.
+        assert [entry["epoch"] for entry in log_events(tmp_path / "a", "deposed")] == [1]
+
+
+def log_events(home: Path, name: str) -> list[dict[str, Any]]:
+    """The events ``name`` of a member's JSON log."""
+    lines = (home / "server.log").read_text().splitlines()
+    entries = [json.loads(line) for line in lines if line.startswith("{")]
+    return [entry for entry in entries if entry.get("event") == name]
 
 
 def test_a_standby_out_of_sync_never_takes_over_even_from_what_its_socket_held(

@@ -134,6 +134,28 @@ async def test_a_primary_that_cannot_renew_stops_at_its_own_deadline(
         nursery.cancel_scope.cancel()
 
 
+@pytest.mark.parametrize(("write_s", "logged"), [(0.4, True), (0.2, False)])
+async def test_a_renewal_slower_than_half_the_margin_is_logged(
+    mock_clock: trio.testing.MockClock,
+    caplog: pytest.LogCaptureFixture,
+    write_s: float,
+    logged: bool,
+) -> None:
+    """A 3 s lease keeps a margin of 0.6 s: a write of 0.4 s is the warning an operator
+    gets before a slow store deposes the primary; one of 0.2 s is not."""
+
+    async def slow(fn: Callable[[], Any]) -> Any:
+        await trio.sleep(write_s)
+        return fn()
+
+    a = LeaseKeeper(Elector("a", 3.0), MemoryStore(), slow)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(a.run)
+        await trio.sleep(2.5)
+        nursery.cancel_scope.cancel()
+    assert ("lease_write_slow" in caplog.text) is logged
+
+
 async def test_sync_is_recorded_only_by_a_holder(mock_clock: trio.testing.MockClock) -> None:
     store = MemoryStore()
     a, b = keeper("a", store), keeper("b", store)

@@ -32,6 +32,7 @@ def command(n: int) -> dict[str, Any]:
     return {"execution_id": n, "payload": json.dumps({"n": n})}
 
 
+@pytest.mark.once
 def test_an_ack_that_could_not_be_made_durable_is_refused_and_redelivered(
     tmp_path: Path,
 ) -> None:
@@ -54,6 +55,7 @@ def test_an_ack_that_could_not_be_made_durable_is_refused_and_redelivered(
 
 
 @pytest.mark.parametrize("error", ["eio", "enospc"])
+@pytest.mark.once
 def test_a_failing_bus_store_is_poisoned_alone(tmp_path: Path, error: str) -> None:
     hooks = {"CMDBUS_DEBUG_HOOKS": "true"}
     with serving(tmp_path, **hooks) as (process, ports):
@@ -90,6 +92,7 @@ def test_a_failing_bus_store_is_poisoned_alone(tmp_path: Path, error: str) -> No
             assert ingest.publish(command(6)).sort_key > acknowledged[-1]
 
 
+@pytest.mark.once
 def test_a_full_disk_poisons_the_tier_store_and_a_restart_recovers(tmp_path: Path) -> None:
     """A real write failure: the kernel refuses to grow a file past RLIMIT_FSIZE (EFBIG),
     as a full disk would; the bus files stay small and keep working."""
@@ -126,6 +129,7 @@ def test_a_full_disk_poisons_the_tier_store_and_a_restart_recovers(tmp_path: Pat
             assert tier.append("big", "{}").global_sequence > max(acknowledged)
 
 
+@pytest.mark.once
 def test_the_fault_hook_is_off_by_default_and_checks_its_input(tmp_path: Path) -> None:
     with serving(tmp_path) as (_, ports):
         assert get(ports, "/debug/fail-writes?store=commands", "POST")[0] == 404

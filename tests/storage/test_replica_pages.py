@@ -46,6 +46,13 @@ def integrity(path: Path) -> str:
         connection.close()
 
 
+def journal(replica: Replica, tapped: list[Committed], *, epoch: int) -> None:
+    """What the tap handed over since, appended to ``replica`` in order (then forgotten)."""
+    for committed in tapped:
+        replica.append(Position(epoch, replica.position.sequence + 1), committed)
+    tapped.clear()
+
+
 def bus_work(log: BusLog, rng: random.Random, step: int) -> None:
     """One of what a command bus does, chosen at random, or a checkpoint."""
     choice = rng.random()
@@ -132,9 +139,7 @@ def test_a_replica_of_the_tier_store_holds_what_the_primary_holds(tmp_path: Path
             tier.delete_execution("eventlog", execution)
         if step % 40 == 39:
             tier._truncate_wal()
-        for committed in tapped:
-            replica.append(Position(2, replica.position.sequence + 1), committed)
-        tapped.clear()
+        journal(replica, tapped, epoch=2)
     replica.sync()
     replica.fold()
     tier.close()
@@ -191,3 +196,79 @@ def test_a_damaged_position_file_is_an_error_naming_it(tmp_path: Path) -> None:
     (tmp_path / "replica.sqlite3-replica.json").write_text("{")
     with pytest.raises(ReplicaError, match=r"replica\.sqlite3-replica\.json is damaged"):
         Replica.open(tmp_path / "replica.sqlite3")
+
+
+def publish_one(log: BusLog, n: int) -> None:
+    log.publish([BusEntry("commands.a", json.dumps({"n": n}), msg_id=f"m{n}")])
+
+
+@pytest.mark.parametrize("barrier", [True, False])
+def test_a_replica_holds_every_commit_while_another_process_checkpoints_the_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, barrier: bool
+) -> None:
+    """Litestream writes a table of its own into a store and checkpoints it. Between
+    each commit and the tap's read, another connection checkpoints the WAL and writes:
+    the tap's barrier keeps the commit's frames for it to read. ``barrier=False``, the
+    negative control: the write starts the WAL again over them, and the replica misses
+    commits."""
+    primary_path, replica_path = tmp_path / "primary.sqlite3", tmp_path / "replica.sqlite3"
+    log = BusLog.open(primary_path, name="commands")
+    other = sqlite3.connect(primary_path, isolation_level=None, timeout=0)
+    other.execute("CREATE TABLE _litestream_seq (id INTEGER PRIMARY KEY, seq INTEGER)")
+    tapped: list[Committed] = []
+    failures: list[Exception] = []
+    log.attach_tap(tapped.append, failures.append)
+    snapshot(primary_path, replica_path)
+    replica = Replica.open(replica_path)
+    if not barrier:
+        monkeypatch.setattr(_wal_tap.WalTap, "before_commit", lambda tap: None)
+    read = _wal_tap.WalTap.read
+
+    def checkpointed_and_written_meanwhile(tap: _wal_tap.WalTap) -> Committed | None:
+        other.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        other.execute(
+            "INSERT INTO _litestream_seq VALUES (1, 1) ON CONFLICT (id) DO UPDATE SET seq = seq + 1"
+        )
+        return read(tap)
+
+    monkeypatch.setattr(_wal_tap.WalTap, "read", checkpointed_and_written_meanwhile)
+    for n in range(20):
+        publish_one(log, n)
+        journal(replica, tapped, epoch=1)
+    replica.sync()
+    replica.fold()
+    replica.close()
+    other.close()
+    log.close()
+    assert not failures
+    published = "SELECT count(*) FROM records"
+    with sqlite3.connect(replica_path) as copy:
+        copied = copy.execute(published).fetchone()[0]
+    copy.close()
+    if barrier:
+        assert (integrity(replica_path), copied) == ("ok", 20)
+        assert dump(replica_path) == dump(primary_path)
+    else:
+        assert copied < 20
+
+
+@pytest.mark.parametrize("checkpoints", [True, False])
+def test_a_tapped_store_keeps_its_wal_bounded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, checkpoints: bool
+) -> None:
+    """The barrier keeps the checkpoint SQLite runs inside a commit from ever finishing,
+    so the tap checkpoints once it let go. ``checkpoints=False``, the negative control:
+    the WAL grows by every commit."""
+    monkeypatch.setattr(_wal_tap, "CHECKPOINT_FRAMES", 50)
+    if not checkpoints:
+        monkeypatch.setattr(_wal_tap.WalTap, "_checkpoint", lambda tap: None)
+    log = BusLog.open(tmp_path / "primary.sqlite3", name="commands")
+    log.attach_tap(lambda committed: None, pytest.fail)
+    for n in range(1500):
+        publish_one(log, n)
+    frames = (log.wal().bytes - 32) // (24 + 4096)
+    log.close()
+    if checkpoints:
+        assert frames < 200
+    else:
+        assert frames > 1500

@@ -6,7 +6,9 @@ every guarantee is checked against what each process saw."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sqlite3
 import subprocess
 import time
 import urllib.request
@@ -14,8 +16,10 @@ from pathlib import Path
 
 import pytest
 from harness.deployment import ACK_WAIT, Deployment, figures, free_ports, run, violations
+from harness.pair import LITESTREAM, MEMBERS
 
 from cmdbus_trio.client import blocking
+from cmdbus_trio.storage.datadir import STORE_FILES
 
 from ..helpers import cli, environment, serving
 
@@ -67,6 +71,49 @@ def test_a_day_in_a_minute_on_a_primary_and_its_standby_through_failovers(
     assert len(outcome.restarts) == 4 and outcome.drained == [0, 0]
     assert outcome.writer_log.count('"lease_acquired"') == 5  # the first, then a failover each
     assert {x["dialect"] for x in outcome.kind("acked")} == {"v1", "v2"}
+
+
+def test_a_day_in_a_minute_on_a_pair_with_litestream_in_its_primary(tmp_path: Path) -> None:
+    """The same pair through the same failovers, each member running Litestream while it
+    is primary (docs/ha.md, "With Litestream"), both to one replica: the members serve as
+    before, never two Litestreams run at once, and the replica, restored once both
+    stopped (the last primary's Litestream syncs as it stops, before its stores close),
+    is whole and holds the last primary's records, row for row: its commands, its events
+    and its executions' histories."""
+    outcome = run(tmp_path, faults=True, seed=4, pair=True, litestream=True)
+    problems = violations(outcome)
+    assert not problems, report(figures(outcome), problems)
+    assert outcome.writer_log.count('"while_primary_started"') >= 5  # one per primary term
+    counts = [int(line.split()[1]) for line in (tmp_path / "litestreams").read_text().split("\n")
+              if line]  # fmt: skip
+    assert max(counts) == 1, counts  # never two at once (sampled every 50 ms)
+    restored = tmp_path / "restored"
+    for store in STORE_FILES:
+        replica = tmp_path / "replica" / store.removesuffix(".sqlite3")
+        command = [LITESTREAM, "restore", "-o", str(restored / store), f"file://{replica}"]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        with contextlib.closing(sqlite3.connect(restored / store)) as database:
+            assert database.execute("PRAGMA integrity_check").fetchone()[0] == "ok", store
+        copy = records(restored / store)
+        members = [records(tmp_path / member / "data" / store) for member in MEMBERS]
+        if copy not in members:  # (the last primary's: the other stopped first, maybe behind)
+            missing = [len(set(rows) - set(copy)) for rows in members]
+            extra = [len(set(copy) - set(rows)) for rows in members]
+            first = sorted(set(members[0]) - set(copy))[:3]
+            raise AssertionError(f"{store}: records of each member's missing {missing} "
+                                 f"({first}), records no member has {extra}")  # fmt: skip
+
+
+def records(path: Path) -> list[tuple[object, ...]]:
+    """Every row of a store's record tables (``records``, ``*_records``), with its table."""
+    with contextlib.closing(sqlite3.connect(path)) as database:
+        tables = [name for (name,) in database.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")
+            if name == "records" or name.endswith("_records")]  # fmt: skip
+        assert tables, path
+        return [(table, *row) for table in tables
+                for row in database.execute(f'SELECT * FROM "{table}" ORDER BY rowid')]  # fmt: skip
 
 
 def test_noetl_workers_and_a_publisher_run_unchanged_on_a_writer_given_noetl_names(

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 
 from cmdbus_trio import metrics
@@ -22,6 +23,7 @@ from cmdbus_trio.storage.tier import NewRecord, TierStore
 from ..helpers import frame_client, get, running_writer, serving
 
 
+@pytest.mark.once
 async def test_overload_sheds_busy_while_healthz_answers_within_1s(tmp_path: Path) -> None:
     tiny_gate = {
         "CMDBUS_TIER_MAX_INFLIGHT": "1",
@@ -92,6 +94,7 @@ async def test_a_client_leaving_mid_read_frees_its_slot_within_a_page(
     assert freed_after < 2.0
 
 
+@pytest.mark.once
 async def test_sigkill_after_acknowledged_appends_loses_nothing(tmp_path: Path) -> None:
     acked: dict[str, list[int]] = {}
     killed = trio.Event()

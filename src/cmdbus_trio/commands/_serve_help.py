@@ -19,7 +19,7 @@ SECTIONS: Final = {
     "shards": ("shard", "shard_count"),
     "the standby": (
         "ha_lease", "ha_name", "ha_bind", "ha_advertise", "ha_lease_ms", "ha_sync",
-        "ha_pod_labels", "ha_kube_service_account",
+        "ha_while_primary", "ha_pod_labels", "ha_kube_service_account",
     ),
     "the buses": (
         "ack_wait_ms", "max_deliver", "stuck_after_ms", "ingest_max_pending",
@@ -58,6 +58,7 @@ NAMED: Final = {
     "v1_cidrs": "CIDR,...",
     "evt_groups": "NAME,...",
     "ha_lease": "file:PATH|kubernetes:NS/NAME",
+    "ha_while_primary": "'COMMAND ARG ...'",
     "ha_name": "NAME",
     "ha_advertise": "HOST[:PORT]",
     "ha_kube_service_account": "DIR",

@@ -28,6 +28,7 @@ from ._values import (
     byte_cap,
     choice,
     cidrs,
+    command_line,
     cpu_quota,
     group_names,
     ha_lease_value,
@@ -57,6 +58,8 @@ LAG_PORT_NAMES = ("cmd_lag", "evt_lag")
 
 HA_PORT = 9120
 """The replication face's default port (``CMDBUS_HA_BIND``)."""
+KUBE_SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
+"""Where Kubernetes mounts a pod's service account (its token and the cluster's CA)."""
 DEFAULT_PORTS = {
     "control": 9090,
     "cmd_ingest": 9100,
@@ -312,8 +315,14 @@ class Config:
         "label the members' pods with their roles (cmdbus-trio.io/role), for a Service that "
         "selects the primary (with a kubernetes: lease; member names are pod names)",
     )
+    ha_while_primary: tuple[str, ...] = _setting(
+        "",
+        command_line,
+        "a command run while this member is primary and stopped before it follows, such as "
+        "'litestream replicate -config FILE': only the primary's stores replicated off the node",
+    )
     ha_kube_service_account: Path = _setting(
-        "/var/run/secrets/kubernetes.io/serviceaccount",
+        KUBE_SERVICE_ACCOUNT,
         Path,
         "the directory of the token and ca.crt a kubernetes: lease and the pod labels use",
     )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shlex
+import shutil
 import socket
 from collections.abc import Mapping
 from pathlib import Path
@@ -63,6 +65,13 @@ def resolve_derived(
             "true",
             "pod labels need a kubernetes: lease (CMDBUS_HA_LEASE=kubernetes:NAMESPACE/NAME)",
         )
+    command = values["ha_while_primary"]
+    if command and lease is None:
+        raise ConfigError(settings["ha_while_primary"], shlex.join(command),
+                          "a command run while primary needs CMDBUS_HA_LEASE")  # fmt: skip
+    if command and shutil.which(command[0]) is None:
+        raise ConfigError(settings["ha_while_primary"], shlex.join(command),
+                          f"{command[0]}: no such program (on PATH, or executable)")  # fmt: skip
     seen: dict[Bind, str] = {}
     for face in faces:
         bind = values[f"{face}_bind"]

@@ -7,6 +7,7 @@ import difflib
 import ipaddress
 import os
 import re
+import shlex
 import ssl
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -181,6 +182,14 @@ def ha_lease_value(text: str) -> str | None:
     if (kind == "file" and where) or (kind == "kubernetes" and len(parts) == 2 and all(parts)):
         return text
     raise ValueError("expected file:PATH or kubernetes:NAMESPACE/NAME")
+
+
+def command_line(text: str) -> tuple[str, ...]:
+    """A command and its arguments, split as a POSIX shell splits them (empty: none)."""
+    try:
+        return tuple(shlex.split(text))
+    except ValueError as exc:  # (an unclosed quote)
+        raise ValueError(f"not a command line: {exc}") from None
 
 
 def optional_text(text: str) -> str | None:

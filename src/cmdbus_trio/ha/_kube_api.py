@@ -19,7 +19,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+from cmdbus_trio.config import KUBE_SERVICE_ACCOUNT
+
+SERVICE_ACCOUNT = Path(KUBE_SERVICE_ACCOUNT)
 REQUEST_TIMEOUT = 2.0
 """Seconds for one request to the API server: a lease renews every third of its
 duration (at least 1 s), so a request that hangs longer has missed its turn anyway."""

@@ -128,6 +128,10 @@ class LeaseKeeper:
             self._failed("lease_write_failed", exc)
             return False
         self.last_error = None
+        took = trio.current_time() - started
+        if took > self.elector.margin / 2:  # (the margin: what a primary keeps in hand)
+            event(log, logging.WARNING, "lease_write_slow", store=self.store.describe(),
+                  seconds=round(took, 3), margin_s=self.elector.margin)  # fmt: skip
         self.elector.wrote(intent, version, started, trio.current_time())
         if intent.acquiring:
             event(log, logging.WARNING, "lease_acquired", store=self.store.describe(),

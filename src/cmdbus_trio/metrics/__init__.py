@@ -18,6 +18,7 @@ from ._ha import HA_LAG_RECORDS as HA_LAG_RECORDS
 from ._ha import HA_LAG_SECONDS as HA_LAG_SECONDS
 from ._ha import HA_POD_LABEL_FAILURES as HA_POD_LABEL_FAILURES
 from ._ha import HA_ROLE as HA_ROLE
+from ._ha import HA_WHILE_PRIMARY_EXITS as HA_WHILE_PRIMARY_EXITS
 from ._registry import LATENCY_BUCKETS as LATENCY_BUCKETS
 from ._registry import LOOP_LAG_BUCKETS as LOOP_LAG_BUCKETS
 from ._registry import REGISTRY as REGISTRY

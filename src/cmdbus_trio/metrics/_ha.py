@@ -49,3 +49,9 @@ HA_POD_LABEL_FAILURES = Counter(
     "shard's Service may reach the wrong member until a retry succeeds.",
     registry=REGISTRY,
 )
+HA_WHILE_PRIMARY_EXITS = Counter(
+    "cmdbus_ha_while_primary_exits",
+    "Times the command run while primary (CMDBUS_HA_WHILE_PRIMARY) exited on its own; it "
+    "is started again a second later.",
+    registry=REGISTRY,
+)

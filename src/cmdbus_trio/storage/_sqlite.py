@@ -155,6 +155,9 @@ class SqliteStore:
             self._connection_returned.notify_all()  # waiters see the store closed
         for connection in idle:
             connection.close()
+        if self.tap is not None:
+            with self._write_lock:
+                self.tap.close()
 
     @contextmanager
     def _connection(self) -> Iterator[sqlite3.Connection]:
@@ -276,10 +279,15 @@ class SqliteStore:
             if self._clock() - asked > self._contention_threshold:
                 self._contended_at = self._clock()
                 self._contended_waits += 1
+            tap = self.tap if transaction else None
             with self._connection() as connection:
-                result = self._transaction(connection, work, transaction)
-            if self.tap is not None and transaction:
-                self.tap.after_commit()
+                if tap is not None:
+                    tap.before_commit()
+                try:
+                    result = self._transaction(connection, work, transaction)
+                finally:
+                    if tap is not None:
+                        tap.after_commit()
             if committed is not None:
                 committed(result)
             return result
@@ -382,7 +390,8 @@ class SqliteStore:
         """From the next commit on, hand each one's pages to ``committed``, in commit
         order, under the write lock (see :class:`WalTap` for when to take a snapshot)."""
         with self._write_lock:
-            self.tap = WalTap(self.name, self._wal_path, committed, failed)
+            checkpoints = self.checkpoints == "writer"
+            self.tap = WalTap(self.name, self.path, committed, failed, checkpoints=checkpoints)
             return self.tap
 
     @property

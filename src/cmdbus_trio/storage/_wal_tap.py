@@ -10,13 +10,23 @@ transaction starts the WAL again from its header with new salts; frames of the e
 generation may still follow in the file, and the salts tell them apart. Frames past the
 last commit frame are a rolled-back transaction's (its pages spilled early): never taken.
 
+Another process may write and checkpoint the store too (Litestream does both: its own
+tables, and checkpoints of its own). A checkpoint that copied the whole WAL back lets the
+next writer start the WAL again over frames the tap has not read yet, so the tap holds a
+read transaction of its own (the barrier) from before each commit until it has read it:
+while a reader uses the WAL, SQLite checkpoints no frame it may need and starts no WAL
+again, so the commit's frames stay where the tap reads them. A checkpoint the writer's
+connection runs inside the commit (``wal_autocheckpoint``) stops at the barrier too, so
+the tap checkpoints once it let go, as the writer would have, when it checkpoints.
+
 Reading a file the same thread just wrote is served from the page cache; the tap costs
-a ``pread`` per transaction, and copies its pages once.
+a ``pread`` per transaction and the barrier's three statements, and copies the pages once.
 """
 
 from __future__ import annotations
 
 import os
+import sqlite3
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -45,6 +55,9 @@ class Committed:
 
 READ_FRAMES = 64
 """Frames a read asks for at once (256 KiB of 4 KiB pages): a commit's are usually a few."""
+CHECKPOINT_FRAMES = 1000
+"""WAL frames past which the tap checkpoints (when the writer checkpoints): SQLite's
+``wal_autocheckpoint`` default, which the barrier keeps from ever finishing."""
 
 
 class WalTap:
@@ -54,26 +67,62 @@ class WalTap:
     older than that snapshot does (the rest is in the database file)."""
 
     def __init__(
-        self, store: str, wal_path: Path, committed: Callable[[Committed], None], failed: Failed
+        self,
+        store: str,
+        database: Path,
+        committed: Callable[[Committed], None],
+        failed: Failed,
+        *,
+        checkpoints: bool = True,
     ) -> None:
         self.store = store
-        self.wal_path = wal_path
+        self.wal_path = database.with_name(database.name + "-wal")
         self.committed = committed
         self.failed = failed
+        self.checkpoints = checkpoints
+        """Whether the tap checkpoints a WAL past :data:`CHECKPOINT_FRAMES` (when the
+        writer checkpoints the store, not Litestream)."""
         self._salts: tuple[int, int] | None = None  # the generation read so far
         self._offset = 0  # where its next frame starts
+        self._page_size = 0
         self._file: int | None = None
+        # (Opened in the thread that attaches, used by whichever holds the write lock.)
+        self._barrier = sqlite3.connect(database, isolation_level=None, check_same_thread=False)
+
+    def before_commit(self) -> None:
+        """Called under the write lock before a write transaction: the barrier up."""
+        try:
+            self._barrier.execute("BEGIN")
+            self._barrier.execute("SELECT count(*) FROM sqlite_schema").fetchone()
+        except sqlite3.Error as exc:  # (no barrier: the tap may miss this commit)
+            self._barrier.rollback()
+            self.failed(exc)
 
     def after_commit(self) -> None:
-        """Called under the write lock once a transaction committed. A WAL that cannot
-        be read goes to ``failed``: the commit stands, the follower must start again."""
+        """Called under the write lock once a transaction committed (or failed to): its
+        frames read, the barrier down. A WAL that cannot be read goes to ``failed``: the
+        commit stands, the follower must start again."""
         try:
             found = self.read()
         except (OSError, ValueError) as exc:
             self.failed(exc)
-            return
+            found = None
+        finally:
+            self._barrier.rollback()  # (a no-op without a transaction)
         if found is not None:
             self.committed(found)
+        if self.checkpoints and self._offset > CHECKPOINT_FRAMES * (
+            FRAME_HEADER_BYTES + self._page_size
+        ):
+            self._checkpoint()
+
+    def _checkpoint(self) -> None:
+        """A passive checkpoint, as ``wal_autocheckpoint`` runs: the next writer starts the
+        WAL again once it finished (busy: the next commit tries again)."""
+        try:
+            self._barrier.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        except sqlite3.Error as exc:
+            self.failed(exc)
 
     def read(self) -> Committed | None:
         """The frames committed since the last read (None: none)."""
@@ -90,6 +139,7 @@ class WalTap:
             raise ValueError(f"{self.wal_path} is not a WAL (magic {magic:#x})")
         if (salt1, salt2) != self._salts:  # a new generation: from its first frame
             self._salts, self._offset = (salt1, salt2), WAL_HEADER.size + 8
+            self._page_size = page_size
         frame_bytes = FRAME_HEADER_BYTES + page_size
         pages: list[tuple[int, bytes]] = []
         taken, database_pages = 0, 0  # frames up to the last commit frame, its size
@@ -117,6 +167,7 @@ class WalTap:
         return Committed(self.store, page_size, tuple(pages[:taken]), database_pages)
 
     def close(self) -> None:
+        self._barrier.close()
         if self._file is not None:
             os.close(self._file)
             self._file = None
