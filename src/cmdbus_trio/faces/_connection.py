@@ -179,9 +179,9 @@ class Connection:
                 while self._deferred:
                     self._deferred_settled = trio.Event()
                     await self._deferred_settled.wait()
-                self.outbox.write_pending(inflight)  # while inflight still takes a flush
             finally:
                 self._replies = None  # a reply settled later has nobody to go to
+                self.outbox.write_pending(inflight)  # cancelled too: inflight not yet closed
         if self._closing is not None:  # its last answer after every earlier one
             await self._close(self._closing)
 
