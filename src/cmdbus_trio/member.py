@@ -270,12 +270,12 @@ class Member:
             await self._offload(partial(store.attach_tap, source.committed, self._tap_failed))
             if isinstance(store, TierStore) and self.mode is not SyncMode.OFF:
                 await self._offload(store.hold_back)  # reads wait for the acknowledgement
-        for store in stores.values():
-            if isinstance(store, Bus | Tier):
-                store.committer.wait_for(sync)
+        committers = [store.committer for store in stores.values() if isinstance(store, Bus | Tier)]
+        for committer in committers:
+            committer.wait_for(sync)
         await background.start(sync.run)
         self.source, self.sync = source, sync
-        return sync.settled
+        return partial(sync.settled, committers)
 
     def _tap_failed(self, exc: Exception) -> None:
         event(log, logging.ERROR, "replication_tap_failed", error=str(exc))

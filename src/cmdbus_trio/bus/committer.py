@@ -131,6 +131,11 @@ class GroupCommitter:
         may be acknowledged: a standby confirmed it (None: at once, as without one)."""
         self._batches.durability = durability
 
+    async def wait_quiet(self) -> None:
+        """Until every ticket enqueued so far is committed and handed to the durability
+        (see :meth:`ThreadBatcher.wait_quiet`)."""
+        await self._batches.wait_quiet()
+
     def enqueue(self, ticket: Ticket) -> None:
         """Queue a ticket; never blocks (the caller's Gate slot bounds the queue)."""
         self._batches.put(ticket)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import trio
@@ -51,6 +51,10 @@ class Unavailable(StoreUnavailable):
     same msg_id) to whichever member serves next, so it says when to ask again."""
 
     retry_after_ms = 500
+
+
+class Committer(Protocol):
+    async def wait_quiet(self) -> None: ...
 
 
 class _Source(Protocol):
@@ -111,11 +115,15 @@ class Synchronizer:
             heapq.heappush(self._waiting, (sequence, next(self._order), since, done))
             self._wake()
 
-    async def settled(self) -> None:
+    async def settled(self, committers: Sequence[Committer] = ()) -> None:
         """Until no commit waits: each confirmed, or settled as the mode says once the
         standby is given up on (within :attr:`timeout`). A stopping primary's last
-        commits, before its committers stop."""
+        commits (its drain's lease releases), before its committers and this stop; the
+        ``committers`` are waited for first (:meth:`Committer.wait_quiet`), as a commit
+        still in a committer's thread does not wait here yet."""
         with trio.move_on_after(self.timeout * 2):
+            for committer in committers:
+                await committer.wait_quiet()
             while self._waiting:
                 await self._emptied.wait()
 

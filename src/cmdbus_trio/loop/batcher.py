@@ -104,6 +104,8 @@ class ThreadBatcher(Generic[T, B, R]):
         self.durability: Durability | None = None
         """Set when commits are replicated: each batch that worked is settled only once
         ``durability`` says so (with its error, if it says the batch may not be)."""
+        self._working = False  # run() has items in hand (see wait_quiet)
+        self._quiet: trio.Event | None = None
 
     def put(self, item: T) -> None:
         """Queue an item; never blocks (callers bound the queue, e.g. with a Gate)."""
@@ -126,9 +128,28 @@ class ThreadBatcher(Generic[T, B, R]):
         while True:
             await self._wake.wait()
             self._wake = trio.Event()
+            self._working = True
             while self.queue:
                 with trio.CancelScope(shield=True):
                     await run_in_thread(self._batches, token, limiter=self._limiter, name=self.name)
+            self._working = False
+            if self._quiet is not None:
+                self._quiet.set()
+                self._quiet = None
+
+    async def wait_quiet(self) -> None:
+        """Return once every item put so far is worked and its batch handed to
+        ``settle`` or to ``durability`` (the thread hands them over by ``run_sync_soon``
+        before it returns, so they have run by then). A stopping primary waits for this
+        before its synchronizer stops: a commit still in the thread is not waiting there
+        yet.
+
+        Cancellation: the wait stops; nothing else does. Items put once :meth:`run` has
+        stopped are never worked: the caller bounds the wait."""
+        while self.queue or self._working:
+            if self._quiet is None:
+                self._quiet = trio.Event()
+            await self._quiet.wait()
 
     def _batches(self, token: trio.lowlevel.TrioToken) -> None:
         for _ in range(self.max_batches):
