@@ -241,6 +241,25 @@ async def test_a_stopping_primary_settles_its_last_commits_before_its_committers
     assert SYNC_TIMEOUT <= trio.current_time() - start < SYNC_TIMEOUT * 2
 
 
+class Stuck:
+    """A committer that never goes quiet (its task stopped with tickets queued)."""
+
+    async def wait_quiet(self) -> None:
+        await trio.sleep_forever()
+
+
+async def test_a_committer_that_never_goes_quiet_holds_settled_for_its_budget_no_longer(
+    mock_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    """``settled`` waits for the committers first, within the same budget: twice the
+    sync timeout, however long the committer would take (forever here)."""
+    p = await pair(nursery, SyncMode.ON)
+    start = trio.current_time()
+    with trio.fail_after(SYNC_TIMEOUT * 3):
+        await p.sync.settled([Stuck()])
+    assert trio.current_time() - start == pytest.approx(SYNC_TIMEOUT * 2)
+
+
 async def test_a_standby_under_a_steady_load_is_recorded_in_sync(
     mock_clock: trio.testing.MockClock, nursery: trio.Nursery
 ) -> None:
