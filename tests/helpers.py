@@ -18,6 +18,7 @@ from typing import Any
 
 import attrs
 import h11
+import pytest
 import trio
 
 from cmdbus_trio.app import Writer
@@ -25,6 +26,7 @@ from cmdbus_trio.bus.committer import GroupCommitter, Ticket
 from cmdbus_trio.config import Config
 from cmdbus_trio.faces import FaceServe
 from cmdbus_trio.protocol.bus import PublishRecord
+from cmdbus_trio.storage import StoreUnavailable
 from cmdbus_trio.storage.buslog import BusEntry, BusLog
 
 
@@ -369,3 +371,24 @@ def watch_the_write_lock(store: Any) -> list[bool]:
 
     store._write = watched
     return held
+
+
+class Refusing:
+    """A durability that refuses every batch, as a primary with no standby in sync
+    (``strict``) does: it may be stored, it may not be acknowledged."""
+
+    def sequence(self) -> int:
+        return 0
+
+    def when_durable(self, sequence: int, done: Any) -> None:
+        refusal = StoreUnavailable("no standby is in sync")
+        refusal.retry_after_ms = 500
+        done(refusal)
+
+
+def commit_lines(caplog: pytest.LogCaptureFixture) -> list[tuple[str, str, dict[str, Any]]]:
+    return [
+        (r.levelname, r.getMessage(), {**r.cmdbus_fields, "traceback": bool(r.exc_info)})
+        for r in caplog.records
+        if r.getMessage().startswith("commit_")
+    ]

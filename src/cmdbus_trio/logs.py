@@ -92,15 +92,33 @@ class OncePerBurst(logging.Filter):
         self.dropped = 0
 
     def filter(self, record: logging.LogRecord) -> bool:
+        dropped = self._let_through()
+        if dropped is None:
+            return False
+        if dropped:
+            record.msg = f"{record.msg} (and {dropped} more like it, not logged)"
+        return True
+
+    def event(self, logger: logging.Logger, level: int, name: str, **fields: Any) -> None:
+        """:func:`event`, once per ``period``: the line logged counts those that were
+        not since the last one (``not_logged``). For an event that comes a batch or a
+        request at a time while one cause lasts, logged once where it is found."""
+        dropped = self._let_through()
+        if dropped is None:
+            return
+        if dropped:
+            fields["not_logged"] = dropped
+        event(logger, level, name, **fields)
+
+    def _let_through(self) -> int | None:
+        """None to drop this one; else how many were dropped since the last one."""
         now = self._clock()
         if now - self._last < self.period:
             self.dropped += 1
-            return False
+            return None
         self._last = now
-        if self.dropped:
-            record.msg = f"{record.msg} (and {self.dropped} more like it, not logged)"
-            self.dropped = 0
-        return True
+        dropped, self.dropped = self.dropped, 0
+        return dropped
 
 
 def resolved(log_format: str, stream: TextIO) -> str:

@@ -16,13 +16,14 @@ import trio
 
 from cmdbus_trio.bus import committer as committer_module
 from cmdbus_trio.bus.committer import Committed, GroupCommitter, Ticket
+from cmdbus_trio.logs import OncePerBurst
 from cmdbus_trio.loop.batcher import ThreadBatcher, take_up_to
 from cmdbus_trio.protocol import FieldError
 from cmdbus_trio.protocol.bus import BusKind, PublishRecord, SubjectRule
 from cmdbus_trio.storage import StoreUnavailable
 from cmdbus_trio.storage.buslog import BusLog
 
-from ..helpers import commit_together
+from ..helpers import Refusing, commit_lines, commit_together
 
 GOOD = PublishRecord(1, "{}")
 BAD = PublishRecord(1, "{not json")
@@ -358,6 +359,37 @@ async def test_a_failing_store_fails_the_batch_without_isolating(log: BusLog) ->
     tickets = [publish(), publish()]
     await commit_together(committer, tickets)
     assert all(isinstance(t.error, StoreUnavailable) for t in tickets)
+
+
+async def test_refused_commits_are_a_warning_a_burst_not_an_error_a_batch(
+    log: BusLog, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Refused while the cause lasts (logged once where it is found, the refused requests
+    counted by the faces): a line a batch, with its traceback, flooded the log."""
+    now = [0.0]
+    committer = GroupCommitter(log, SubjectRule(BusKind.COMMANDS), max_batch=1)
+    committer.wait_for(Refusing())
+    committer._refusals = OncePerBurst(period=10, clock=lambda: now[0])
+    tickets = [publish() for _ in range(3)]
+    await settle_all(committer, tickets)  # three batches, three refusals
+    assert all(isinstance(t.error, StoreUnavailable) for t in tickets)
+    why = {"store": "commands", "why": "no standby is in sync", "traceback": False}
+    assert commit_lines(caplog) == [("WARNING", "commit_refused", why)]
+    now[0] = 9.9  # within the burst
+    await settle_all(committer, [publish()])
+    now[0] = 10.0  # the burst is over: the next line counts those not logged
+    await settle_all(committer, [publish()])
+    assert commit_lines(caplog)[1:] == [("WARNING", "commit_refused", {**why, "not_logged": 3})]
+
+
+async def test_a_store_that_fails_is_an_error_every_batch(
+    log: BusLog, caplog: pytest.LogCaptureFixture
+) -> None:
+    committer = GroupCommitter(log, SubjectRule(BusKind.COMMANDS), max_batch=1)
+    await trio.to_thread.run_sync(log.close)
+    await settle_all(committer, [publish() for _ in range(3)])
+    failed = ("ERROR", "commit_failed", {"store": "commands", "traceback": True})
+    assert commit_lines(caplog) == [failed] * 3
 
 
 def test_a_batch_takes_the_oldest_up_to_its_weight_and_never_none() -> None:

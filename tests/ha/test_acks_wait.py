@@ -30,7 +30,7 @@ from cmdbus_trio.storage.buslog import BusLog
 from cmdbus_trio.storage.tier import TierStore
 from cmdbus_trio.tier.committer import AppendTicket, TierCommitter
 
-from ..helpers import publish_ticket
+from ..helpers import commit_lines, publish_ticket
 from .test_stream import offload
 
 
@@ -197,11 +197,19 @@ async def test_a_silent_standby_holds_an_answer_for_the_timeout_no_longer(setup:
     assert setup.keeper.lease == ["b", None]
 
 
-async def test_a_primary_that_cannot_tell_the_lease_answers_unavailable(setup: Setup) -> None:
+async def test_a_primary_that_cannot_tell_the_lease_answers_unavailable(
+    setup: Setup, caplog: pytest.LogCaptureFixture
+) -> None:
     await in_sync_then_cut(setup)
     setup.keeper.writable = False  # deposed: another member wrote the lease
-    with pytest.raises(StoreUnavailable, match="cannot record in the lease"):
-        await publish(setup, 1)
+    for n in (1, 2):
+        with pytest.raises(StoreUnavailable, match="cannot record in the lease"):
+            await publish(setup, n)
+    # A refusal, not a store that failed: a warning, and not one a batch.
+    why = "cannot record in the lease that no standby is in sync"
+    assert commit_lines(caplog) == [
+        ("WARNING", "commit_refused", {"store": "commands", "why": why, "traceback": False})
+    ]
 
 
 @attrs.define

@@ -26,7 +26,7 @@ from cmdbus_trio.storage.tier import (
 )
 from cmdbus_trio.tier.committer import AppendTicket, TierCommitter
 
-from ..helpers import commit_together, frame_client, running_writer
+from ..helpers import Refusing, commit_lines, commit_together, frame_client, running_writer
 
 
 @pytest.fixture
@@ -197,6 +197,25 @@ async def test_a_store_failure_reaches_every_ticket(tier_store: TierStore) -> No
     tickets = [ticket(appending("a")), ticket(appending("b"))]
     await commit_together(TierCommitter(tier_store), tickets)
     assert all(isinstance(each.error, StoreUnavailable) for each in tickets)
+
+
+async def test_refused_appends_are_a_warning_a_burst_and_a_failed_store_an_error(
+    tier_store: TierStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As the buses' committers: refused while the cause lasts, one warning a burst
+    (its cause is logged once where it is found); a store that failed, an error each."""
+    refusing = TierCommitter(tier_store, max_records=1)
+    refusing.wait_for(Refusing())
+    await commit_together(refusing, [ticket(appending("a")), ticket(appending("b"))])
+    why = {"store": "tier", "why": "no standby is in sync", "traceback": False}
+    assert commit_lines(caplog) == [("WARNING", "commit_refused", why)]
+    caplog.clear()
+    await trio.to_thread.run_sync(tier_store.close)
+    await commit_together(TierCommitter(tier_store, max_records=1), [ticket(appending("c"))] * 2)
+    assert (
+        commit_lines(caplog)
+        == [("ERROR", "commit_failed", {"store": "tier", "traceback": True})] * 2
+    )
 
 
 def test_the_committer_checks_its_setting(tmp_path: Path) -> None:

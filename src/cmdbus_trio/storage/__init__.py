@@ -1,6 +1,14 @@
 """Synchronous storage engines. Never imports trio; every entry point refuses the loop thread."""
 
-from ._common import VACUUM_PAGES, CheckpointWatch, Store, StoreState, StoreUnavailable, WalState
+from ._common import (
+    VACUUM_PAGES,
+    CheckpointWatch,
+    Store,
+    StoreState,
+    StoreUnavailable,
+    WalState,
+    refused,
+)
 from ._guard import LoopThreadError, on_loop_thread, refuses_loop_thread
 
 __all__ = [
@@ -12,5 +20,6 @@ __all__ = [
     "StoreUnavailable",
     "WalState",
     "on_loop_thread",
+    "refused",
     "refuses_loop_thread",
 ]

@@ -28,6 +28,12 @@ class StoreUnavailable(Exception):
     primary: the other one serves soon); None: not by waiting (a poisoned store)."""
 
 
+def refused(error: Exception) -> bool:
+    """A commit refused for a while (asking again, later or of the other member, gets
+    it in: a member not primary, no standby in sync), not a store that failed."""
+    return isinstance(error, StoreUnavailable) and error.retry_after_ms is not None
+
+
 @attrs.frozen
 class WalState:
     bytes: int
