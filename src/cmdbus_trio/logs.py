@@ -81,8 +81,9 @@ def _table(value: object) -> TypeGuard[dict[str, object]]:
 
 class OncePerBurst(logging.Filter):
     """Lets one record through per ``period`` seconds and drops the rest, counting them;
-    the next one let through says how many were dropped. Trio's listeners log every
-    failed accept (EMFILE: out of descriptors) at error level, ten times a second."""
+    the next one let through says how many were dropped. As a filter: trio's listeners
+    log every failed accept (EMFILE: out of descriptors) at error level, ten times a
+    second. As :meth:`event`: the committers' refused commits, one a group commit."""
 
     def __init__(self, period: float = 10.0, clock: Callable[[], float] = time.monotonic):
         super().__init__()
