@@ -214,9 +214,16 @@ class Member:
                 else DEPOSED_DRAIN_S
             )
 
+        async def truncate_wals() -> None:  # (the stores are open: it runs once serving)
+            if self.source is not None:
+                await while_primary.truncate_wals(self.source.stores, self._offload)
+
         command = None
         if self.config.ha_while_primary:  # stopped once deposed, or before the stores close
-            command = while_primary.WhilePrimary(self.config.ha_while_primary)
+            command = while_primary.WhilePrimary(
+                self.config.ha_while_primary,
+                before_start=truncate_wals if self.config.checkpoints == "litestream" else None,
+            )
 
         def serving(addresses: dict[str, str]) -> None:
             self.elector.faces = {face: self._advertised(face) for face in addresses}

@@ -6,8 +6,10 @@ stopped when the member's task is cancelled."""
 from __future__ import annotations
 
 import os
+import sqlite3
 import sys
 from collections.abc import Awaitable, Callable
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ from prometheus_client import generate_latest
 
 from cmdbus_trio import metrics
 from cmdbus_trio.ha import while_primary
+from cmdbus_trio.storage.tier import NewRecord, TierStore
 
 from ..helpers import metric_sum
 
@@ -150,3 +153,60 @@ async def test_stop_before_it_ran_returns_at_once_and_it_never_starts(tmp_path: 
 
 def metrics_text() -> str:
     return generate_latest(metrics.REGISTRY).decode()
+
+
+async def test_before_start_is_awaited_before_every_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(while_primary, "RESTART_AFTER_S", 0.1)
+    seen: list[int] = []  # how many had started when it was awaited
+
+    async def before_start() -> None:
+        seen.append(len(pids(tmp_path)))
+
+    restarting = while_primary.WhilePrimary(
+        command(tmp_path, exit_after=0.1), before_start=before_start
+    )
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(restarting.run, trio.Event())
+            await started(tmp_path, 3)
+            nursery.cancel_scope.cancel()
+    assert seen[:3] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("reader", [False, True])
+async def test_truncate_wals_cuts_every_wal_back_or_says_which_it_could_not(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    reader: bool,
+) -> None:
+    """A reader on the WAL (a read transaction) for longer than every try: a warning
+    names the store, and the other stores are cut back all the same."""
+    monkeypatch.setattr(while_primary, "TRUNCATE_TRIES", 2)
+    offload = trio.to_thread.run_sync
+    stores = {
+        name: await offload(partial(TierStore.open, tmp_path / f"{name}.sqlite3"))
+        for name in ("tier", "other")
+    }
+    for store in stores.values():
+        await offload(partial(store.append, "eventlog", "e", NewRecord(payload="{}")))
+    held = sqlite3.connect(tmp_path / "tier.sqlite3", check_same_thread=False)
+    try:
+        if reader:
+            held.execute("BEGIN")
+            held.execute("SELECT count(*) FROM eventlog_records").fetchone()
+        await while_primary.truncate_wals(stores, offload)
+        wals = {name: (tmp_path / f"{name}.sqlite3-wal").stat().st_size for name in stores}
+    finally:
+        held.close()
+        for store in stores.values():
+            await offload(store.close)
+    warned = [
+        r.cmdbus_fields["store"] for r in caplog.records if r.getMessage() == "wal_not_truncated"
+    ]
+    if reader:
+        assert warned == ["tier"] and wals["tier"] > 0 and wals["other"] == 0
+    else:
+        assert warned == [] and wals == {"tier": 0, "other": 0}

@@ -67,7 +67,7 @@ def bus_work(log: BusLog, rng: random.Random, step: int) -> None:
         keys = rng.sample(range(1, log.last_sort_key + 1), min(10, log.last_sort_key))
         log.commit(done=Settlements(acks=[("commands", key) for key in keys]))
     elif choice < 0.85:
-        log._truncate_wal()  # a checkpoint that starts the WAL again from nothing
+        log.truncate_wal()  # a checkpoint that starts the WAL again from nothing
     elif choice < 0.9:
         log.vacuum_step(64)
     else:
@@ -138,7 +138,7 @@ def test_a_replica_of_the_tier_store_holds_what_the_primary_holds(tmp_path: Path
         else:
             tier.delete_execution("eventlog", execution)
         if step % 40 == 39:
-            tier._truncate_wal()
+            tier.truncate_wal()
         journal(replica, tapped, epoch=2)
     replica.sync()
     replica.fold()

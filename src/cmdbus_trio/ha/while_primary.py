@@ -13,6 +13,15 @@ write and before the stores close (:meth:`WhilePrimary.stop`): SQLite's last clo
 the WAL into the database and deletes it, and Litestream's last sync, as it exits, must
 have read that WAL to its end first.
 
+Before each start, the member may fold every store's WAL into its database and cut it
+back to nothing (:func:`truncate_wals`, with ``CMDBUS_CHECKPOINTS=litestream``).
+Litestream carries on from the WAL position it last copied when the frames there are
+still the ones it read. A member killed with its Litestream can leave frames Litestream
+never read; if a checkpoint then copies them into the database and a writer starts the
+WAL again over them (the next term, on the same member), Litestream (0.5.17) carries on
+from the new WAL's first frame and its replica lacks those pages: a corrupt replica. A
+WAL cut back to nothing is one it cannot mistake: its first sync copies the whole store.
+
 Cancellation: :meth:`WhilePrimary.run` stops the command before it returns, whatever
 ended it.
 """
@@ -22,12 +31,14 @@ from __future__ import annotations
 import logging
 import shlex
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
 
 import trio
 
 from cmdbus_trio import metrics
 from cmdbus_trio.logs import event
+from cmdbus_trio.storage._sqlite import SqliteStore
 
 log = logging.getLogger(__name__)
 
@@ -37,14 +48,21 @@ waits for it before it hands the lease over, and after it was deposed the new pr
 starts its own once the lease expired (the lease's margin, a fifth of it)."""
 RESTART_AFTER_S = 1.0
 """How long after the command exited on its own it is started again."""
+TRUNCATE_TRIES = 20
+"""Times a WAL's truncation is tried before the command starts, each waiting up to
+``WAL_TRIM_WAIT_MS`` (100 ms) for readers still on the WAL: two seconds at most."""
 
 
 class WhilePrimary:
     """``command``, run over one term as primary: :meth:`run` once the member serves,
     :meth:`stop` before its stores close."""
 
-    def __init__(self, command: Sequence[str]) -> None:
+    def __init__(
+        self, command: Sequence[str], *, before_start: Callable[[], Awaitable[None]] | None = None
+    ) -> None:
         self.command = command
+        self.before_start = before_start
+        """Awaited before each start of the command (:func:`truncate_wals`)."""
         self._stop = trio.Event()
         self._ran = False
         self._stopped = trio.Event()
@@ -65,7 +83,7 @@ class WhilePrimary:
 
                 nursery.start_soon(stop_when, until)
                 nursery.start_soon(stop_when, self._stop)
-                nursery.start_soon(_keep_running, self.command)
+                nursery.start_soon(_keep_running, self.command, self.before_start)
         finally:
             self._stopped.set()
 
@@ -76,8 +94,30 @@ class WhilePrimary:
             await self._stopped.wait()
 
 
-async def _keep_running(command: Sequence[str]) -> None:
+async def truncate_wals(
+    stores: Mapping[str, SqliteStore], offload: Callable[[Callable[[], Any]], Awaitable[Any]]
+) -> None:
+    """Every store's WAL folded into its database and cut back to nothing (see the
+    module's docstring), or, when readers kept one from it for :data:`TRUNCATE_TRIES`
+    tries, a warning: Litestream then carries on from where it stopped, as before."""
+    truncated = []
+    for name, store in stores.items():
+        for _ in range(TRUNCATE_TRIES):
+            if await offload(store.truncate_wal):
+                truncated.append(name)
+                break
+        else:
+            why = "readers held the WAL: Litestream carries on from the WAL it last read"
+            event(log, logging.WARNING, "wal_not_truncated", store=name, why=why)
+    event(log, logging.INFO, "wals_truncated", stores=truncated)
+
+
+async def _keep_running(
+    command: Sequence[str], before_start: Callable[[], Awaitable[None]] | None
+) -> None:
     while True:
+        if before_start is not None:
+            await before_start()
         try:
             process = await trio.lowlevel.open_process(list(command), stdin=subprocess.DEVNULL)
         except OSError as exc:  # (gone, or no longer executable, since the writer started)

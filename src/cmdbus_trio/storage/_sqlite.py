@@ -326,9 +326,15 @@ class SqliteStore:
                 return False
         except FileNotFoundError:
             return False
-        return self._truncate_wal()
+        return self.truncate_wal()
 
-    def _truncate_wal(self) -> bool:
+    @refuses_loop_thread
+    def truncate_wal(self) -> bool:
+        """Checkpoint the whole WAL into the database and cut it back to nothing, whoever
+        checkpoints it otherwise (also before Litestream starts on a store it did not
+        watch: :mod:`cmdbus_trio.ha.while_primary`). Waits :data:`WAL_TRIM_WAIT_MS` at
+        most for readers still on the WAL. Whether it did."""
+
         def checkpoint(connection: sqlite3.Connection) -> bool:
             connection.execute(f"PRAGMA busy_timeout={WAL_TRIM_WAIT_MS}")
             try:
@@ -370,7 +376,7 @@ class SqliteStore:
             return False
         if size <= ceiling:
             return False
-        checkpointed = self._truncate_wal()
+        checkpointed = self.truncate_wal()
         metrics.WAL_CEILING_CHECKPOINTS.labels(store=self.name).inc(checkpointed)
         event(
             log,
