@@ -282,7 +282,10 @@ async def _worker_trio(args: argparse.Namespace, record: Recorder) -> None:
             done = [delivery.sort_key for delivery in deliveries if await run(delivery, batched)]
             for sort_key in done:
                 record("acking", sort_key=sort_key)
-            acked = await claim.ack_many(done) if batched else [await claim.ack(k) for k in done]
+            if batched and done:  # (an ack_many of nothing is refused: `invalid`)
+                acked = await claim.ack_many(done)
+            else:
+                acked = [await claim.ack(k) for k in done]
             for sort_key, ok in zip(done, acked, strict=True):
                 record("acked", sort_key=sort_key, ok=ok, dialect="v2")
         except TRANSIENT as exc:  # the writer went away mid-command: it comes back

@@ -224,6 +224,9 @@ class Deployment:
         process.wait()
 
     def stop_actors(self) -> None:
+        # An actor that failed before the run's end crashed: what it would have done is
+        # missing from the run, and no checker would see that (some end on their own, 0).
+        crashed = {name: p.returncode for name, p in self.actors.items() if p.poll()}
         for process in self.actors.values():
             process.send_signal(signal.SIGINT)
         for name, process in self.actors.items():
@@ -237,6 +240,10 @@ class Deployment:
                 raise AssertionError(
                     f"actor {name} did not stop on SIGINT (its stacks: {self.root}/actors.log)"
                 ) from None
+        if crashed:
+            raise AssertionError(
+                f"actors failed before the run ended: {crashed} ({self.root}/actors.log)"
+            )
 
     def lines(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
@@ -417,8 +424,10 @@ def run(
         metrics = deployment.metrics()
         tier = _read_tier(deployment)
     finally:
-        deployment.stop_actors()
-        writer_exit = deployment.stop()
+        try:
+            deployment.stop_actors()
+        finally:
+            writer_exit = deployment.stop()
     return Outcome(
         root=root,
         faults=faults,

@@ -47,7 +47,8 @@ def litestream_config(data: Path, root: Path) -> str:
     for both members, ``root/replica``."""
     entry = "  - path: {data}/{store}.sqlite3\n"
     entry += "    replica: {{type: file, path: {root}/replica/{store}}}\n"
-    return "dbs:\n" + "".join(entry.format(data=data, root=root, store=s) for s in STORES)
+    stores = "".join(entry.format(data=data, root=root, store=s) for s in STORES)
+    return "logging:\n  level: debug\ndbs:\n" + stores  # (why it snapshots: in its log)
 
 
 def litestream_pids(root: Path) -> dict[int, str]:
@@ -240,11 +241,14 @@ class PairDeployment(Deployment):
     def _start(self, name: str) -> None:
         ports_file = self.root / name / "ports.json"
         ports_file.unlink(missing_ok=True)
-        with (self.root / f"writer-{name}.log").open("ab") as log:
+        with (
+            (self.root / f"writer-{name}.log").open("ab") as log,
+            (self.root / f"stdout-{name}.log").open("ab") as stdout,  # (Litestream's log)
+        ):
             process = subprocess.Popen(
                 [sys.executable, "-m", "cmdbus_trio", "serve"],
                 env=self.member_env[name],
-                stdout=subprocess.DEVNULL,
+                stdout=stdout,
                 stderr=log,
                 start_new_session=True,  # (its own process group: see kill_writer)
             )

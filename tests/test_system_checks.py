@@ -4,11 +4,20 @@ order the processes noted things in."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from harness.deployment import ACK_WAIT, Outcome, _ack_lost_with_the_writer, _redelivery_explained
+import pytest
+from harness.deployment import (
+    ACK_WAIT,
+    Deployment,
+    Outcome,
+    _ack_lost_with_the_writer,
+    _redelivery_explained,
+)
 
 
 def outcome(
@@ -101,3 +110,25 @@ def test_an_ack_retried_against_the_restarted_writer_was_durable() -> None:
     assert not _ack_lost_with_the_writer(killed_before_the_ack, claim, events_of)
     lost = [*lines[:2], line(2.1, "trio", "transient", what="command")]
     assert _ack_lost_with_the_writer(outcome(lost), claim, by_actor(lost))
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_an_actor_that_failed_before_the_run_ended_fails_the_run(tmp_path: Path, code: int) -> None:
+    """An actor ended on its own with an error (a harness bug, a client that raised) did
+    not do what the run counts on, and no other check would see it; one that ended with
+    0 finished its part (an abandoned group's consumer)."""
+    deployment = Deployment(tmp_path)
+    ended = subprocess.Popen([sys.executable, "-c", f"raise SystemExit({code})"])
+    ended.wait()
+    deployment.actors = {
+        "ended": ended,
+        "running": subprocess.Popen([sys.executable, "-c", "input()"], stdin=subprocess.PIPE),
+    }
+    if code:
+        with pytest.raises(
+            AssertionError, match=r"actors failed before the run ended: \{'ended': 3\}"
+        ):
+            deployment.stop_actors()
+    else:
+        deployment.stop_actors()
+    assert deployment.actors["running"].poll() is not None  # stopped all the same
