@@ -32,11 +32,11 @@ import logging
 import shlex
 import subprocess
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
 
 import trio
 
 from cmdbus_trio import metrics
+from cmdbus_trio.ha.keeper import Offload
 from cmdbus_trio.logs import event
 from cmdbus_trio.storage._sqlite import SqliteStore
 
@@ -94,12 +94,10 @@ class WhilePrimary:
             await self._stopped.wait()
 
 
-async def truncate_wals(
-    stores: Mapping[str, SqliteStore], offload: Callable[[Callable[[], Any]], Awaitable[Any]]
-) -> None:
+async def truncate_wals(stores: Mapping[str, SqliteStore], offload: Offload) -> None:
     """Every store's WAL folded into its database and cut back to nothing (see the
     module's docstring), or, when readers kept one from it for :data:`TRUNCATE_TRIES`
-    tries, a warning: Litestream then carries on from where it stopped, as before."""
+    tries, a warning: Litestream then carries on from the WAL it last read."""
     truncated = []
     for name, store in stores.items():
         for _ in range(TRUNCATE_TRIES):
