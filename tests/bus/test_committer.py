@@ -20,7 +20,7 @@ from cmdbus_trio.logs import OncePerBurst
 from cmdbus_trio.loop.batcher import ThreadBatcher, take_up_to
 from cmdbus_trio.protocol import FieldError
 from cmdbus_trio.protocol.bus import BusKind, PublishRecord, SubjectRule
-from cmdbus_trio.storage import StoreUnavailable
+from cmdbus_trio.storage import FailedCommits, StoreUnavailable
 from cmdbus_trio.storage.buslog import BusLog
 
 from ..helpers import Refusing, commit_lines, commit_together
@@ -369,7 +369,8 @@ async def test_refused_commits_are_a_warning_a_burst_not_an_error_a_batch(
     now = [0.0]
     committer = GroupCommitter(log, SubjectRule(BusKind.COMMANDS), max_batch=1)
     committer.wait_for(Refusing())
-    committer._refusals = OncePerBurst(period=10, clock=lambda: now[0])
+    refusals = OncePerBurst(period=10, clock=lambda: now[0])
+    committer._failures = FailedCommits("commands", committer_module.log, refusals=refusals)
     tickets = [publish() for _ in range(3)]
     await settle_all(committer, tickets)  # three batches, three refusals
     assert all(isinstance(t.error, StoreUnavailable) for t in tickets)

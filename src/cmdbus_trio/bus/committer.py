@@ -24,12 +24,12 @@ import trio
 
 from cmdbus_trio import metrics
 from cmdbus_trio.admission import Slot
-from cmdbus_trio.logs import OncePerBurst, event
+from cmdbus_trio.logs import event
 from cmdbus_trio.loop.batcher import Durability, ThreadBatcher, take_up_to
 from cmdbus_trio.loop.deferred import Deferred
 from cmdbus_trio.loop.steps import MAX_SETTLE_STEP, Steps
 from cmdbus_trio.protocol.bus import PublishRecord, SubjectRule
-from cmdbus_trio.storage import StoreUnavailable, refused
+from cmdbus_trio.storage import FailedCommits, StoreUnavailable
 from cmdbus_trio.storage.buslog import BusEntry, BusLog, Published, Settlements, StoredRecord
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ class GroupCommitter:
         )
         self._commit_seconds = metrics.COMMIT_SECONDS.labels(store=bus.name)
         self._batch_records = metrics.COMMIT_BATCH.labels(store=bus.name)
-        self._refusals = OncePerBurst()  # refused commits: a warning per burst, not a batch
+        self._failures = FailedCommits(bus.name, log)
         # Committed, their listeners not told and callbacks not run yet: in commit
         # order, a few tickets a step (see _settle).
         self._unsettled = Steps(self._settle_step, max_step=MAX_SETTLE_STEP, name="settle")
@@ -174,13 +174,8 @@ class GroupCommitter:
         """On the loop, as a plain callback (not a task): it must not raise, so each
         listener and settle callback that does is logged and the others go on."""
         self._batch_records.observe(sum(len(ticket.records) for ticket in batch))
-        if outcome is not None:  # every ticket learns it
-            if refused(outcome):  # its cause is logged once where it is found (ha)
-                self._refusals.event(
-                    log, logging.WARNING, "commit_refused", store=self.bus.name, why=str(outcome)
-                )
-            else:  # the store failed (e.g. poisoned)
-                event(log, logging.ERROR, "commit_failed", store=self.bus.name, exc_info=outcome)
+        if outcome is not None:  # refused, or the store failed: every ticket learns it
+            self._failures.log(outcome)
             for ticket in batch:
                 ticket.error = ticket.error or outcome
         steps: list[list[Ticket]] = [[]]

@@ -3,23 +3,23 @@
 from ._common import (
     VACUUM_PAGES,
     CheckpointWatch,
+    FailedCommits,
     Store,
     StoreState,
     StoreUnavailable,
     WalState,
-    refused,
 )
 from ._guard import LoopThreadError, on_loop_thread, refuses_loop_thread
 
 __all__ = [
     "VACUUM_PAGES",
     "CheckpointWatch",
+    "FailedCommits",
     "LoopThreadError",
     "Store",
     "StoreState",
     "StoreUnavailable",
     "WalState",
     "on_loop_thread",
-    "refused",
     "refuses_loop_thread",
 ]

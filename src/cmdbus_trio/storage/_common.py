@@ -1,10 +1,13 @@
 from __future__ import annotations
 
 import enum
+import logging
 from collections.abc import Callable
 from typing import Final, Protocol
 
 import attrs
+
+from cmdbus_trio.logs import OncePerBurst, event
 
 VACUUM_PAGES: Final = 2048
 """Free pages (8 MiB of 4 KiB pages) one retention step gives back to the file system at
@@ -28,10 +31,26 @@ class StoreUnavailable(Exception):
     primary: the other one serves soon); None: not by waiting (a poisoned store)."""
 
 
-def refused(error: Exception) -> bool:
-    """A commit refused for a while (asking again, later or of the other member, gets
-    it in: a member not primary, no standby in sync), not a store that failed."""
-    return isinstance(error, StoreUnavailable) and error.retry_after_ms is not None
+class FailedCommits:
+    """How a store's committer logs a batch that failed. A refusal that lasts a while
+    (``retry_after_ms``: asking again, later or of the other member, gets it in: a member
+    not primary, no standby in sync) is a ``commit_refused`` warning once per burst: its
+    cause is logged once where it is found, and it comes a batch at a time. A store that
+    failed is a ``commit_failed`` error with its traceback, every batch."""
+
+    def __init__(self, store: str, logger: logging.Logger, *, refusals: OncePerBurst | None = None):
+        self.store = store
+        self._log = logger
+        self._refusals = refusals or OncePerBurst()
+
+    def log(self, error: Exception) -> None:
+        if isinstance(error, StoreUnavailable) and error.retry_after_ms is not None:
+            why = str(error)
+            self._refusals.event(
+                self._log, logging.WARNING, "commit_refused", store=self.store, why=why
+            )
+        else:
+            event(self._log, logging.ERROR, "commit_failed", store=self.store, exc_info=error)
 
 
 @attrs.frozen

@@ -26,12 +26,11 @@ import trio
 
 from cmdbus_trio import metrics
 from cmdbus_trio.admission import Gate, Slot, run_in_thread
-from cmdbus_trio.logs import OncePerBurst, event
 from cmdbus_trio.loop import Task
 from cmdbus_trio.loop.batcher import Durability, ThreadBatcher, take_up_to
 from cmdbus_trio.loop.deferred import Deferred
 from cmdbus_trio.loop.steps import MAX_SETTLE_STEP, Steps
-from cmdbus_trio.storage import refused
+from cmdbus_trio.storage import FailedCommits
 from cmdbus_trio.storage.tier import Appending, AppendResult, TierStore
 
 log = logging.getLogger(__name__)
@@ -81,7 +80,7 @@ class TierCommitter:
         # 64 tasks in one turn of the loop, and every probe waited for each such turn.
         self._unsettled = Steps(self._settle_one, max_step=MAX_SETTLE_STEP, name="tier_settle")
         self._batch_records = metrics.COMMIT_BATCH.labels(store=store.name)
-        self._refusals = OncePerBurst()  # refused commits: a warning per burst, not a batch
+        self._failures = FailedCommits(store.name, log)
 
     def wait_for(self, durability: Durability | None) -> None:
         """Settle each batch (reply, tell consumers) only once ``durability`` says it
@@ -184,14 +183,9 @@ class TierCommitter:
         if visible is not None and not isinstance(outcome, Exception):
             for tier, newest in outcome.items():
                 visible[tier] = max(visible.get(tier, 0), newest)
-        if isinstance(outcome, Exception) and refused(outcome):  # its cause is logged by ha
-            self._refusals.event(
-                log, logging.WARNING, "commit_refused", store=self.store.name, why=str(outcome)
-            )
-        elif isinstance(outcome, Exception):  # the store failed (e.g. poisoned): all learn it
-            event(log, logging.ERROR, "commit_failed", store=self.store.name, exc_info=outcome)
-        for ticket in batch:
-            if isinstance(outcome, Exception):
+        if isinstance(outcome, Exception):  # refused, or the store failed: all learn it
+            self._failures.log(outcome)
+            for ticket in batch:
                 ticket.error = ticket.error or outcome
         self._unsettled.push_now(batch)
 
